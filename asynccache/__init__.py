@@ -1,0 +1,31 @@
+"""asynccache: an asyncio hierarchical prefix cache for hybrid (attention + Mamba) models."""
+
+from asynccache.errors import (
+    AllocationError,
+    AsyncCacheError,
+    BackendError,
+    CapacityError,
+    ConfigError,
+    ObjectFormatError,
+    PinningError,
+    SpecError,
+    TransferError,
+)
+from asynccache.spec import HybridSpec, LinearGeometry, StateComponent
+
+__all__ = [
+    "AllocationError",
+    "AsyncCacheError",
+    "BackendError",
+    "CapacityError",
+    "ConfigError",
+    "ObjectFormatError",
+    "PinningError",
+    "SpecError",
+    "TransferError",
+    "HybridSpec",
+    "LinearGeometry",
+    "StateComponent",
+]
+
+__version__ = "0.1.0"

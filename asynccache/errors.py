@@ -1,0 +1,54 @@
+"""Typed errors of asynccache.
+
+Hierarchy::
+
+    AsyncCacheError
+    ├── ConfigError          bad configuration or input (unknown HF field, bad URI, bad layout)
+    │   └── SpecError        a HybridSpec cannot be built or does not shard
+    ├── CapacityError        a pool cannot be created or a demanded resource is unavailable
+    │   └── PinningError     pinned host memory was demanded but is not available
+    ├── AllocationError      misuse of an allocator (double free, foreign index)
+    ├── TransferError        a copy was rejected before launch or failed
+    └── BackendError         a storage backend failed (I/O, network, timeout)
+        └── ObjectFormatError  a stored object is truncated, corrupted or foreign
+
+"No room right now" is not an error: allocators and loaders return ``None``.
+"""
+
+from __future__ import annotations
+
+
+class AsyncCacheError(Exception):
+    """Base class of every error raised by asynccache."""
+
+
+class ConfigError(AsyncCacheError, ValueError):
+    """Invalid configuration or input."""
+
+
+class SpecError(ConfigError):
+    """A HybridSpec cannot be built from the given config, or does not shard."""
+
+
+class CapacityError(AsyncCacheError):
+    """A pool cannot be created with the requested size on this machine."""
+
+
+class PinningError(CapacityError):
+    """Pinned host memory was demanded but is unavailable."""
+
+
+class AllocationError(AsyncCacheError):
+    """An allocator was misused: double free, or an index it never handed out."""
+
+
+class TransferError(AsyncCacheError):
+    """A copy was rejected before launch (bad dtype, layout, index) or failed."""
+
+
+class BackendError(AsyncCacheError):
+    """A storage backend failed: I/O error, network error or timeout."""
+
+
+class ObjectFormatError(BackendError):
+    """A stored object is truncated, corrupted, of another model or of another format version."""

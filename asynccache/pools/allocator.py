@@ -1,0 +1,83 @@
+"""Free-list allocator of pool indices.
+
+``alloc(n)`` hands out ``n`` distinct indices as an int64 CPU tensor, or ``None`` when fewer than
+``n`` are free (never a partial allocation). ``free(indices)`` returns them; freeing an index that
+is not allocated (double free) or outside the pool raises :class:`AllocationError`. Plain
+synchronous code: call it from the event-loop thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from asynccache.errors import AllocationError
+
+__all__ = ["IndexAllocator"]
+
+
+class IndexAllocator:
+    """Allocator of indices ``0 … size-1`` (lowest indices handed out first after a reset)."""
+
+    def __init__(self, size: int, *, name: str = "pool") -> None:
+        if size < 0:
+            raise ValueError(f"{name}: allocator size must be >= 0, got {size}")
+        self.name = name
+        self.size = size
+        # Stack: the end of the list is handed out first, so keep it in descending order.
+        self._free: list[int] = list(range(size - 1, -1, -1))
+        self._allocated = np.zeros(size, dtype=np.bool_)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.size - len(self._free)
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """``n`` free indices (int64 tensor), or ``None`` if fewer than ``n`` are free."""
+        if n < 0:
+            raise ValueError(f"{self.name}: cannot allocate {n} indices")
+        if n > len(self._free):
+            return None
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64)
+        taken = self._free[-n:]
+        del self._free[-n:]
+        taken.reverse()
+        arr = np.asarray(taken, dtype=np.int64)
+        self._allocated[arr] = True
+        return torch.from_numpy(arr)
+
+    def free(self, indices: torch.Tensor | Iterable[int]) -> None:
+        """Return ``indices`` to the pool. Raises on double free or foreign indices (nothing freed)."""
+        arr = _as_numpy(indices)
+        if arr.size == 0:
+            return
+        if arr.min() < 0 or arr.max() >= self.size:
+            bad = arr[(arr < 0) | (arr >= self.size)][:4].tolist()
+            raise AllocationError(f"{self.name}: indices {bad} are outside 0..{self.size - 1}")
+        if np.unique(arr).size != arr.size:
+            raise AllocationError(f"{self.name}: free() got duplicate indices")
+        if not self._allocated[arr].all():
+            bad = arr[~self._allocated[arr]][:4].tolist()
+            raise AllocationError(f"{self.name}: double free of indices {bad}")
+        self._allocated[arr] = False
+        self._free.extend(arr[::-1].tolist())
+
+    def is_allocated(self, index: int) -> bool:
+        return bool(self._allocated[index])
+
+    def allocated_indices(self) -> np.ndarray:
+        """Every index currently handed out (for integrity checks)."""
+        return np.flatnonzero(self._allocated)
+
+
+def _as_numpy(indices: torch.Tensor | Iterable[int]) -> np.ndarray:
+    if isinstance(indices, torch.Tensor):
+        return indices.detach().to("cpu", torch.int64).numpy().reshape(-1)
+    return np.fromiter((int(i) for i in indices), dtype=np.int64)

@@ -1,0 +1,110 @@
+"""Host pools: pinned (or, without an accelerator, pageable) mirrors of the device pools.
+
+``HostKVPool`` and ``MambaPoolHost`` are sized independently, in bytes (``size_bytes``), in items
+(``num_items``) or as a ratio of a device pool (``ratio`` × its items). Layout ``layer_first``
+mirrors the device; ``page_first`` keeps one page / state contiguous across layers so it is one
+storage object with no repacking (see ``asynccache.pools.base`` for the diagrams).
+"""
+
+from __future__ import annotations
+
+from asynccache.errors import ConfigError
+from asynccache.pools.base import ItemPool, PoolLayout
+from asynccache.pools.views import KVViews, StateViews
+from asynccache.spec import HybridSpec
+
+__all__ = ["HostKVPool", "MambaPoolHost", "resolve_num_items"]
+
+
+def resolve_num_items(
+    *,
+    what: str,
+    bytes_per_index: int,
+    size_bytes: int | None,
+    num_items: int | None,
+    ratio: float | None,
+    device_pool: ItemPool | None,
+) -> int:
+    """Exactly one of size_bytes / num_items / ratio (with device_pool) sets the item count."""
+    given = [x is not None for x in (size_bytes, num_items, ratio)]
+    if sum(given) != 1:
+        raise ConfigError(f"{what}: give exactly one of size_bytes, num_items, ratio")
+    if num_items is not None:
+        if num_items < 0:
+            raise ConfigError(f"{what}: num_items must be >= 0")
+        return num_items
+    if size_bytes is not None:
+        if size_bytes < 0:
+            raise ConfigError(f"{what}: size_bytes must be >= 0")
+        return size_bytes // max(bytes_per_index, 1)
+    if device_pool is None or ratio is None or ratio <= 0:
+        raise ConfigError(f"{what}: ratio needs a positive value and the device pool")
+    return int(device_pool.num_items * ratio)
+
+
+class HostKVPool(KVViews, ItemPool):
+    def __init__(
+        self,
+        spec: HybridSpec,
+        *,
+        size_bytes: int | None = None,
+        num_pages: int | None = None,
+        ratio: float | None = None,
+        device_pool: ItemPool | None = None,
+        layout: PoolLayout | str = PoolLayout.PAGE_FIRST,
+        pin: bool | None = None,
+        materialize: bool = True,
+    ) -> None:
+        self.spec = spec
+        n = resolve_num_items(
+            what="host_kv",
+            bytes_per_index=spec.kv_page_bytes,
+            size_bytes=size_bytes,
+            num_items=num_pages,
+            ratio=ratio,
+            device_pool=device_pool,
+        )
+        super().__init__(
+            name="host_kv",
+            layer_ids=spec.attention_layer_ids,
+            num_items=n,
+            item_bytes=spec.kv_item_bytes,
+            layout=layout,
+            device="cpu",
+            pin=pin,
+            materialize=materialize,
+        )
+
+
+class MambaPoolHost(StateViews, ItemPool):
+    def __init__(
+        self,
+        spec: HybridSpec,
+        *,
+        size_bytes: int | None = None,
+        num_slots: int | None = None,
+        ratio: float | None = None,
+        device_pool: ItemPool | None = None,
+        layout: PoolLayout | str = PoolLayout.PAGE_FIRST,
+        pin: bool | None = None,
+        materialize: bool = True,
+    ) -> None:
+        self.spec = spec
+        n = resolve_num_items(
+            what="host_mamba",
+            bytes_per_index=spec.state_bytes,
+            size_bytes=size_bytes,
+            num_items=num_slots,
+            ratio=ratio,
+            device_pool=device_pool,
+        )
+        super().__init__(
+            name="host_mamba",
+            layer_ids=spec.mamba_layer_ids,
+            num_items=n,
+            item_bytes=max(spec.state_item_bytes, 1),
+            layout=layout,
+            device="cpu",
+            pin=pin,
+            materialize=materialize,
+        )

@@ -1,0 +1,357 @@
+"""Cache geometry of a hybrid model.
+
+Primitives:
+
+- :class:`StateComponent` — one tensor of a Mamba / linear-attention layer's recurrent state
+  (conv state, SSM / temporal state), per TP rank.
+- :class:`LinearGeometry` — the dimensions of the recurrent layers (Gated DeltaNet, Mamba2,
+  Mamba1) from which the state components are derived.
+- :class:`HybridSpec` — which global layer ids are attention and which are recurrent, the KV page
+  geometry and the state geometry, with derived byte sizes. ``HybridSpec.from_hf_config`` reads
+  Hugging Face ``config.json`` files of the Qwen3-Next / Qwen3.5, Nemotron-H, Bamba /
+  Granite-4.0-H, Jamba and Falcon-H1 families.
+
+Layer ids are *global*: layer ``i`` of the model, whatever its kind. Attention and recurrent ids
+may interleave, leave gaps (MLP-only layers) or coincide (Falcon-H1 runs both in one layer).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from os import PathLike
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asynccache.errors import SpecError
+
+__all__ = ["StateComponent", "LinearGeometry", "HybridSpec", "dtype_from_name", "PRESETS"]
+
+#: Component offsets inside one state item are aligned to this many bytes so typed views of
+#: the byte buffer are legal and copies can use wide words.
+STATE_ALIGN_BYTES = 16
+
+_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "fp8": torch.float8_e4m3fn,
+}
+
+
+def dtype_from_name(name: str | torch.dtype) -> torch.dtype:
+    """Map ``"bfloat16"``, ``"fp32"``, ``torch.float16`` … to a torch dtype."""
+    if isinstance(name, torch.dtype):
+        return name
+    key = str(name).removeprefix("torch.").lower()
+    try:
+        return _DTYPES[key]
+    except KeyError:
+        raise SpecError(f"unknown dtype {name!r}; known: {sorted(_DTYPES)}") from None
+
+
+def _align(n: int, a: int = STATE_ALIGN_BYTES) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StateComponent:
+    """One tensor of a recurrent layer's state, per TP rank (e.g. ``conv`` or ``ssm``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def size_bytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinearGeometry:
+    """Dimensions of the recurrent layers, unsharded (tp=1).
+
+    ``kind`` is ``"gated_deltanet"`` (Qwen3-Next / Qwen3.5), ``"mamba2"`` (Nemotron-H, Bamba,
+    Granite-4.0-H, Falcon-H1) or ``"mamba1"`` (Jamba).
+
+    - gated_deltanet: conv over q,k,v channels ``2·k_heads·k_dim + v_heads·v_dim``; recurrent
+      state ``[v_heads, k_dim, v_dim]``.
+    - mamba2: conv over ``heads·head_dim + 2·groups·state_size``; SSM state
+      ``[heads, head_dim, state_size]``.
+    - mamba1: conv over ``d_inner``; SSM state ``[d_inner, state_size]`` (``heads`` = 1,
+      ``head_dim`` = d_inner).
+    """
+
+    kind: str
+    num_heads: int  # v heads (GDN) / SSM heads (mamba2) / 1 (mamba1)
+    head_dim: int  # v head dim (GDN) / SSM head dim (mamba2) / d_inner (mamba1)
+    num_k_heads: int = 0  # GDN only
+    head_k_dim: int = 0  # GDN only
+    n_groups: int = 0  # mamba2 only
+    state_size: int = 0  # mamba1/2 d_state
+    conv_kernel: int = 4
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("gated_deltanet", "mamba2", "mamba1"):
+            raise SpecError(f"unknown linear layer kind {self.kind!r}")
+        if self.conv_kernel < 2:
+            raise SpecError(f"conv_kernel must be >= 2, got {self.conv_kernel}")
+
+    def conv_dim(self, tp_size: int = 1) -> int:
+        if self.kind == "gated_deltanet":
+            k = _shard(self.num_k_heads, tp_size, "linear_num_key_heads")
+            v = _shard(self.num_heads, tp_size, "linear_num_value_heads")
+            return 2 * k * self.head_k_dim + v * self.head_dim
+        if self.kind == "mamba2":
+            h = _shard(self.num_heads, tp_size, "mamba_num_heads")
+            g = _shard(self.n_groups, tp_size, "n_groups") if self.n_groups % tp_size == 0 else self.n_groups
+            return h * self.head_dim + 2 * g * self.state_size
+        return _shard(self.head_dim, tp_size, "mamba d_inner")
+
+    def ssm_shape(self, tp_size: int = 1) -> tuple[int, ...]:
+        if self.kind == "gated_deltanet":
+            v = _shard(self.num_heads, tp_size, "linear_num_value_heads")
+            return (v, self.head_k_dim, self.head_dim)
+        if self.kind == "mamba2":
+            h = _shard(self.num_heads, tp_size, "mamba_num_heads")
+            return (h, self.head_dim, self.state_size)
+        return (_shard(self.head_dim, tp_size, "mamba d_inner"), self.state_size)
+
+
+def _shard(n: int, tp_size: int, what: str) -> int:
+    if n % tp_size:
+        raise SpecError(f"{what}={n} is not divisible by tp_size={tp_size}")
+    return n // tp_size
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HybridSpec:
+    """Geometry of one TP rank's cache for a hybrid model.
+
+    A *KV page* holds ``page_size`` tokens of K and V for one attention layer; a *state* holds
+    every component of one recurrent layer. Pools store both as byte items (see
+    ``asynccache.pools``); the sizes below are what one item and one full page/state take.
+    """
+
+    model_id: str
+    num_layers: int
+    attention_layer_ids: tuple[int, ...]
+    mamba_layer_ids: tuple[int, ...]
+    num_kv_heads: int  # per TP rank
+    head_dim: int
+    kv_dtype: torch.dtype = torch.bfloat16
+    page_size: int = 64
+    state_components: tuple[StateComponent, ...] = ()  # per layer, per TP rank
+    linear: LinearGeometry | None = None
+    tp_size: int = 1
+    tp_rank: int = 0
+    # Model dimensions used by the reference model and FLOP estimates (0 = unknown).
+    hidden_size: int = 0
+    num_attention_heads: int = 0  # query heads, unsharded
+    intermediate_size: int = 0
+    vocab_size: int = 0
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0:
+            raise SpecError(f"page_size must be positive, got {self.page_size}")
+        if self.num_kv_heads <= 0 or self.head_dim <= 0:
+            raise SpecError("num_kv_heads and head_dim must be positive")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise SpecError(f"tp_rank={self.tp_rank} outside tp_size={self.tp_size}")
+        for name, ids in (("attention", self.attention_layer_ids), ("mamba", self.mamba_layer_ids)):
+            if list(ids) != sorted(set(ids)):
+                raise SpecError(f"{name}_layer_ids must be strictly increasing, got {ids}")
+            if ids and not 0 <= ids[0] <= ids[-1] < self.num_layers:
+                raise SpecError(f"{name}_layer_ids {ids} outside num_layers={self.num_layers}")
+        if not self.attention_layer_ids and not self.mamba_layer_ids:
+            raise SpecError("a spec needs at least one attention or mamba layer")
+        if self.mamba_layer_ids and not self.state_components:
+            raise SpecError("mamba layers given but no state_components")
+
+    # ---- KV geometry -------------------------------------------------------------------
+    @property
+    def num_attention_layers(self) -> int:
+        return len(self.attention_layer_ids)
+
+    @property
+    def num_mamba_layers(self) -> int:
+        return len(self.mamba_layer_ids)
+
+    @property
+    def kv_item_bytes(self) -> int:
+        """Bytes of one KV page of one attention layer (K and V)."""
+        return 2 * self.page_size * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
+
+    @property
+    def kv_page_bytes(self) -> int:
+        """Bytes of one KV page across all attention layers."""
+        return self.kv_item_bytes * self.num_attention_layers
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.kv_page_bytes // self.page_size
+
+    # ---- state geometry ----------------------------------------------------------------
+    @property
+    def state_component_offsets(self) -> tuple[int, ...]:
+        """Byte offset of each component inside one state item (aligned)."""
+        offsets, off = [], 0
+        for comp in self.state_components:
+            offsets.append(off)
+            off = _align(off + comp.size_bytes)
+        return tuple(offsets)
+
+    @property
+    def state_item_bytes(self) -> int:
+        """Bytes of one state of one recurrent layer (components aligned to 16 bytes)."""
+        off = 0
+        for comp in self.state_components:
+            off = _align(off + comp.size_bytes)
+        return off
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one state across all recurrent layers."""
+        return self.state_item_bytes * self.num_mamba_layers
+
+    # ---- identity ----------------------------------------------------------------------
+    @property
+    def namespace_id(self) -> str:
+        """Identity of this cache's bytes: model, page size, dtypes and TP shard."""
+        comps = ",".join(f"{c.name}:{'x'.join(map(str, c.shape))}:{c.dtype}" for c in self.state_components)
+        return (
+            f"{self.model_id}|p{self.page_size}|kv{self.num_kv_heads}x{self.head_dim}:{self.kv_dtype}"
+            f"|{comps}|tp{self.tp_rank}of{self.tp_size}"
+        )
+
+    def layer_kind(self, layer_id: int) -> tuple[bool, bool]:
+        """(has attention KV, has recurrent state) for a global layer id."""
+        return layer_id in self.attention_layer_ids, layer_id in self.mamba_layer_ids
+
+    @property
+    def cached_layer_ids(self) -> tuple[int, ...]:
+        """Global ids of every layer that holds cache (attention or recurrent), sorted."""
+        return tuple(sorted(set(self.attention_layer_ids) | set(self.mamba_layer_ids)))
+
+    # ---- construction ------------------------------------------------------------------
+    @classmethod
+    def from_hf_config(
+        cls,
+        config: str | PathLike[str] | Mapping[str, Any],
+        *,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        page_size: int = 64,
+        ssm_dtype: str | torch.dtype = torch.float32,
+        kv_dtype: str | torch.dtype | None = None,
+        model_id: str | None = None,
+    ) -> HybridSpec:
+        """Build the spec from a Hugging Face config (a dict, a ``config.json`` path, or a folder).
+
+        The SSM / recurrent state is fp32 unless ``ssm_dtype`` says otherwise; conv states and
+        KV use the model's ``torch_dtype`` (bf16 if absent) unless ``kv_dtype`` is given.
+        """
+        from asynccache.hf_config import parse_hf_config
+
+        if not isinstance(config, Mapping):
+            path = Path(config)
+            if path.is_dir():
+                path = path / "config.json"
+            try:
+                config = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError) as e:
+                raise SpecError(f"cannot read HF config {path}: {e}") from e
+        return parse_hf_config(
+            dict(config),
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            page_size=page_size,
+            ssm_dtype=dtype_from_name(ssm_dtype),
+            kv_dtype=None if kv_dtype is None else dtype_from_name(kv_dtype),
+            model_id=model_id,
+        )
+
+    @classmethod
+    def preset(cls, name: str, **kwargs: Any) -> HybridSpec:
+        """A named preset (see :data:`PRESETS`), e.g. ``"qwen3-next-80b"``."""
+        try:
+            cfg = PRESETS[name]
+        except KeyError:
+            raise SpecError(f"unknown preset {name!r}; known: {sorted(PRESETS)}") from None
+        kwargs.setdefault("model_id", name)
+        return cls.from_hf_config(cfg, **kwargs)
+
+
+#: Public configs (the fields that matter for the cache), so benchmarks run without a hub.
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3-next-80b": {
+        "model_type": "qwen3_next",
+        "num_hidden_layers": 48,
+        "full_attention_interval": 4,
+        "hidden_size": 2048,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "intermediate_size": 5120,
+        "vocab_size": 151936,
+        "torch_dtype": "bfloat16",
+    },
+    # ~3B-parameter Qwen3-Next-shaped dense hybrid used by the reference model on GPU.
+    "hybrid-3b": {
+        "model_type": "qwen3_next",
+        "num_hidden_layers": 32,
+        "full_attention_interval": 4,
+        "hidden_size": 2560,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "intermediate_size": 9728,
+        "vocab_size": 32000,
+        "torch_dtype": "bfloat16",
+    },
+    # Tiny model for CPU tests and the demo.
+    "tiny": {
+        "model_type": "qwen3_next",
+        "num_hidden_layers": 4,
+        "full_attention_interval": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "intermediate_size": 128,
+        "vocab_size": 256,
+        "torch_dtype": "float32",
+    },
+}

@@ -1,0 +1,186 @@
+"""The V2 pool interface between the cache and L3 storage backends.
+
+Primitives:
+
+- :class:`PoolName` — which pool a transfer touches (``KV`` pages, ``MAMBA`` states; open to more).
+- :class:`PoolHitPolicy` — how a pool's objects must exist for a prefix to count as a hit:
+  ``ALL_PAGES`` (every page of the prefix: attention KV) or ``TRAILING_PAGES`` (only the last
+  ``num_trailing`` pages: a Mamba state is needed only at the last hit page).
+- :class:`PoolTransfer` — one pool's part of a batch: storage keys, host indices (and, for
+  host↔device copies, device indices), hit policy.
+- :class:`PoolTransferResult` — the answer of ``batch_exists_v2``: the longest prefix of pages
+  that honours every pool's policy.
+- :class:`StorageBackend` — the async protocol every backend implements.
+- :func:`open_backend` / :func:`register_backend` — the URI scheme registry
+  (``file:///…``, ``s3://bucket/prefix?endpoint_url=…``, ``memory://``).
+
+Keys are the chained page hashes of the tree (hex strings); a backend maps ``(pool, key)`` to
+an object name in that pool's own key space, under its namespace.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from urllib.parse import urlsplit
+
+import torch
+
+from asynccache.errors import ConfigError
+
+if TYPE_CHECKING:
+    from asynccache.pools.base import ItemPool
+
+__all__ = [
+    "PoolName",
+    "PoolHitPolicy",
+    "PoolTransfer",
+    "PoolTransferResult",
+    "StorageBackend",
+    "register_backend",
+    "open_backend",
+    "known_schemes",
+    "longest_hit",
+]
+
+
+class PoolName(str, Enum):
+    KV = "kv"
+    MAMBA = "mamba"
+
+
+class PoolHitPolicy(str, Enum):
+    ALL_PAGES = "all_pages"
+    TRAILING_PAGES = "trailing_pages"
+
+
+def _empty_indices() -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolTransfer:
+    """One pool's share of a batched transfer.
+
+    For storage calls ``keys[i]`` pairs with ``host_indices[i]``. For host↔device copies
+    ``host_indices[i]`` pairs with ``device_indices[i]`` and ``keys`` may be empty.
+    """
+
+    pool_name: PoolName
+    keys: tuple[str, ...] = ()
+    host_indices: torch.Tensor = field(default_factory=_empty_indices)
+    device_indices: torch.Tensor = field(default_factory=_empty_indices)
+    hit_policy: PoolHitPolicy = PoolHitPolicy.ALL_PAGES
+    num_trailing: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_trailing < 1:
+            raise ConfigError(f"num_trailing must be >= 1, got {self.num_trailing}")
+
+    @property
+    def num_items(self) -> int:
+        return max(len(self.keys), self.host_indices.numel(), self.device_indices.numel())
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolTransferResult:
+    """``num_hit_pages``: the longest prefix of ``keys`` that honours every pool's hit policy.
+
+    ``exists[pool]`` tells, per key, whether that pool's object exists (for diagnostics).
+    """
+
+    num_hit_pages: int
+    exists: dict[PoolName, tuple[bool, ...]] = field(default_factory=dict)
+
+
+def longest_hit(num_keys: int, transfers: Sequence[PoolTransfer], exists: dict[PoolName, Sequence[bool]]) -> int:
+    """The deepest ``n`` ≤ ``num_keys`` such that every ALL_PAGES pool has keys ``[0, n)`` and
+    every TRAILING_PAGES pool has keys ``[n - num_trailing, n)``. Shared by every backend."""
+    n = num_keys
+    for t in transfers:
+        if t.hit_policy is PoolHitPolicy.ALL_PAGES:
+            flags = exists[t.pool_name]
+            k = 0
+            while k < min(n, len(flags)) and flags[k]:
+                k += 1
+            n = k
+    trailing = [t for t in transfers if t.hit_policy is PoolHitPolicy.TRAILING_PAGES]
+    while n > 0:
+        ok = True
+        for t in trailing:
+            flags = exists[t.pool_name]
+            lo = max(0, n - t.num_trailing)
+            if not all(flags[i] for i in range(lo, n)):
+                ok = False
+                break
+        if ok:
+            return n
+        n -= 1
+    return 0
+
+
+@runtime_checkable
+class StorageBackend(Protocol):
+    """Async L3 storage. Every method may be called concurrently from the event loop.
+
+    Contract:
+
+    - ``register_host_pool_v2`` gives the backend the host pool whose slots ``batch_get_v2``
+      writes into and ``batch_set_v2`` reads from (``page_first`` pools need no repacking).
+    - ``batch_exists_v2(keys, transfers)`` answers for the page-hash ``keys`` of one prefix: each
+      transfer names a pool and hit policy (its own ``keys`` are ignored).
+    - ``batch_get_v2`` reads ``keys[i]`` into ``host_indices[i]`` per transfer; returns success per
+      item. A missing, truncated, corrupted or foreign object is a miss (``False``), never data.
+    - ``batch_set_v2`` writes ``host_indices[i]`` under ``keys[i]`` (put-if-absent: an existing
+      object is success); returns success per item. Failures are ``False``, never exceptions,
+      unless the call itself is malformed.
+    - The host slots named in a get/set must stay allocated and unwritten until the call returns.
+    """
+
+    async def register_host_pool_v2(self, pool_name: PoolName, host_pool: ItemPool) -> None: ...
+
+    async def batch_exists_v2(self, keys: Sequence[str], transfers: Sequence[PoolTransfer]) -> PoolTransferResult: ...
+
+    async def batch_get_v2(self, transfers: Sequence[PoolTransfer]) -> list[list[bool]]: ...
+
+    async def batch_set_v2(self, transfers: Sequence[PoolTransfer]) -> list[list[bool]]: ...
+
+    async def aclose(self) -> None: ...
+
+
+BackendFactory = Callable[..., StorageBackend]
+
+#: scheme → "module:factory" (imported on first use) or a factory.
+_REGISTRY: dict[str, str | BackendFactory] = {
+    "file": "storage_backends.local_disk:open_local_disk",
+    "s3": "storage_backends.object_store:open_object_store",
+    "memory": "storage_backends.memory:open_memory",
+}
+
+
+def register_backend(scheme: str, factory: str | BackendFactory, *, replace: bool = False) -> None:
+    """Register a backend for a URI scheme (``factory(uri, **options)`` returns the backend)."""
+    if scheme in _REGISTRY and not replace:
+        raise ConfigError(f"scheme {scheme!r} is already registered")
+    _REGISTRY[scheme] = factory
+
+
+def known_schemes() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def open_backend(uri: str, **options: Any) -> StorageBackend:
+    """Open the backend for ``uri``; options go to the backend's factory (namespace, limits…)."""
+    scheme = urlsplit(uri).scheme
+    if not scheme:
+        raise ConfigError(f"storage URI {uri!r} has no scheme; known schemes: {known_schemes()}")
+    factory = _REGISTRY.get(scheme)
+    if factory is None:
+        raise ConfigError(f"unknown storage scheme {scheme!r} in {uri!r}; known schemes: {known_schemes()}")
+    if isinstance(factory, str):
+        module_name, _, attr = factory.partition(":")
+        factory = getattr(importlib.import_module(module_name), attr)
+    return factory(uri, **options)
