@@ -1,0 +1,44 @@
+"""The ``asynccache`` command line.
+
+``asynccache bench NAME [options]`` runs one benchmark; each lives in ``asynccache/bench/NAME.py``
+and exposes ``add_arguments(parser)`` and ``run(args) -> int``. ``asynccache bench NAME --help``
+lists its options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+BENCHMARKS: dict[str, str] = {
+    "transfer": "scattered page/state copies vs contiguous pinned memcpy (H2D, D2H, CTA caps)",
+    "tree": "radix tree match_prefix / insert latency for 1k…128k-token prompts",
+    "overlap": "forward with layer-by-layer load-back vs prefix on device vs load-all-first",
+    "storage": "page-object write/read through a backend vs the raw path of the same URI",
+    "multiturn": "multi-turn conversations: hit rate and TTFT per round for each offload mode",
+    "trace": "replay a Mooncake-format trace through the cache under admission/eviction policies",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="asynccache", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="run a benchmark")
+    bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="NAME")
+    for name, help_text in BENCHMARKS.items():
+        p = bench_sub.add_parser(name, help=help_text, description=help_text)
+        module = importlib.import_module(f"asynccache.bench.{name}")
+        module.add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args._module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
