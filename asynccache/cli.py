@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 from collections.abc import Sequence
 
@@ -28,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="NAME")
     for name, help_text in BENCHMARKS.items():
+        if importlib.util.find_spec(f"asynccache.bench.{name}") is None:
+            continue
         p = bench_sub.add_parser(name, help=help_text, description=help_text)
         module = importlib.import_module(f"asynccache.bench.{name}")
         module.add_arguments(p)
