@@ -29,7 +29,7 @@ import torch
 
 from asynccache.errors import SpecError
 
-__all__ = ["StateComponent", "LinearGeometry", "HybridSpec", "dtype_from_name", "PRESETS"]
+__all__ = ["StateComponent", "LinearGeometry", "HybridSpec", "dtype_from_name", "shard_kv_heads", "PRESETS"]
 
 #: Component offsets inside one state item are aligned to this many bytes so typed views of
 #: the byte buffer are legal and copies can use wide words.
@@ -93,7 +93,9 @@ class LinearGeometry:
     - gated_deltanet: conv over q,k,v channels ``2·k_heads·k_dim + v_heads·v_dim``; recurrent
       state ``[v_heads, k_dim, v_dim]``.
     - mamba2: conv over ``heads·head_dim + 2·groups·state_size``; SSM state
-      ``[heads, head_dim, state_size]``.
+      ``[heads, head_dim, state_size]``. Heads shard over TP ranks; groups shard too when
+      ``n_groups`` divides by ``tp_size``, and a single group (``n_groups == 1``) is replicated
+      on every rank (vLLM's ``extra_groups_for_head_shards``); anything else does not shard.
     - mamba1: conv over ``d_inner``; SSM state ``[d_inner, state_size]`` (``heads`` = 1,
       ``head_dim`` = d_inner).
     """
@@ -112,6 +114,16 @@ class LinearGeometry:
             raise SpecError(f"unknown linear layer kind {self.kind!r}")
         if self.conv_kernel < 2:
             raise SpecError(f"conv_kernel must be >= 2, got {self.conv_kernel}")
+        needed = {"num_heads": self.num_heads, "head_dim": self.head_dim}
+        if self.kind == "gated_deltanet":
+            needed |= {"num_k_heads": self.num_k_heads, "head_k_dim": self.head_k_dim}
+        else:
+            needed["state_size"] = self.state_size
+        if self.kind == "mamba2":
+            needed["n_groups"] = self.n_groups
+        for name, value in needed.items():
+            if value <= 0:
+                raise SpecError(f"{self.kind} geometry needs a positive {name}, got {value}")
 
     def conv_dim(self, tp_size: int = 1) -> int:
         if self.kind == "gated_deltanet":
@@ -120,9 +132,20 @@ class LinearGeometry:
             return 2 * k * self.head_k_dim + v * self.head_dim
         if self.kind == "mamba2":
             h = _shard(self.num_heads, tp_size, "mamba_num_heads")
-            g = _shard(self.n_groups, tp_size, "n_groups") if self.n_groups % tp_size == 0 else self.n_groups
-            return h * self.head_dim + 2 * g * self.state_size
+            return h * self.head_dim + 2 * self.groups_per_rank(tp_size) * self.state_size
         return _shard(self.head_dim, tp_size, "mamba d_inner")
+
+    def groups_per_rank(self, tp_size: int = 1) -> int:
+        """Mamba2 B/C groups held by one TP rank: ``n_groups / tp_size``, or 1 when a single
+        group is replicated on every rank. Other non-divisible counts raise :class:`SpecError`."""
+        if self.n_groups % tp_size == 0:
+            return self.n_groups // tp_size
+        if self.n_groups == 1:
+            return 1
+        raise SpecError(
+            f"n_groups={self.n_groups} is not divisible by tp_size={tp_size} "
+            "(only a single group can be replicated across ranks)"
+        )
 
     def ssm_shape(self, tp_size: int = 1) -> tuple[int, ...]:
         if self.kind == "gated_deltanet":
@@ -135,9 +158,30 @@ class LinearGeometry:
 
 
 def _shard(n: int, tp_size: int, what: str) -> int:
+    if tp_size <= 0:
+        raise SpecError(f"tp_size must be positive, got {tp_size}")
     if n % tp_size:
         raise SpecError(f"{what}={n} is not divisible by tp_size={tp_size}")
     return n // tp_size
+
+
+def shard_kv_heads(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads held by one TP rank.
+
+    Heads divide over ranks when ``num_kv_heads`` is a multiple of ``tp_size``; when ``tp_size``
+    is a multiple of ``num_kv_heads`` each rank holds one replicated head (vLLM and SGLang do
+    the same for GQA models with few KV heads). Anything else raises :class:`SpecError`.
+    """
+    if tp_size <= 0:
+        raise SpecError(f"tp_size must be positive, got {tp_size}")
+    if num_kv_heads % tp_size == 0:
+        return num_kv_heads // tp_size
+    if tp_size % num_kv_heads == 0:
+        return 1
+    raise SpecError(
+        f"num_key_value_heads={num_kv_heads} is not divisible by tp_size={tp_size} "
+        "(nor tp_size by it, which would replicate one head per rank)"
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,0 +1,65 @@
+"""Bridge from CUDA event completion to the event loop.
+
+Each copy stream has one :class:`CompletionQueue` whose ``run()`` task lives in the controller's
+``TaskGroup``. Operations on a stream complete in order, so the task waits on one end event at a
+time: an event that has already fired (``query()``) completes at once; otherwise the wait runs
+in the loop's bounded default thread pool (``asyncio.to_thread``) on an event created with
+``blocking=True`` (``cudaEventBlockingSync``): the waiting thread sleeps instead of spinning a
+core, and the loop never blocks. Callbacks run on the loop thread.
+
+Without CUDA the copies are synchronous and ``submit`` completes the callback immediately.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["CompletionQueue"]
+
+
+class CompletionQueue:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._queue: asyncio.Queue[tuple[torch.cuda.Event, Callable[[], None], float]] = asyncio.Queue()
+        self.num_completed = 0
+        self.total_latency_s = 0.0
+        self.max_latency_s = 0.0
+
+    @property
+    def depth(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, event: torch.cuda.Event | None, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the loop once ``event`` has completed (at once if ``event`` is None)."""
+        if event is None:
+            self._record(0.0)
+            callback()
+            return
+        self._queue.put_nowait((event, callback, time.perf_counter()))
+
+    def _record(self, latency_s: float) -> None:
+        self.num_completed += 1
+        self.total_latency_s += latency_s
+        self.max_latency_s = max(self.max_latency_s, latency_s)
+
+    async def run(self) -> None:
+        """Complete submitted operations in order, forever (cancel to stop)."""
+        while True:
+            event, callback, submitted = await self._queue.get()
+            if not event.query():
+                await asyncio.to_thread(event.synchronize)
+            self._record(time.perf_counter() - submitted)
+            callback()
+
+    async def drain(self) -> None:
+        """Wait until every submitted operation has completed (used by ``aclose``)."""
+        while not self._queue.empty():
+            event, callback, submitted = self._queue.get_nowait()
+            if not event.query():
+                await asyncio.to_thread(event.synchronize)
+            self._record(time.perf_counter() - submitted)
+            callback()

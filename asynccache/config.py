@@ -1,0 +1,72 @@
+"""HybridCacheConfig: every knob of the cache in one frozen dataclass.
+
+Sizes are in items (device) or bytes (host); KV and state host pools are sized independently.
+The storage tier is opened from ``storage_uri`` (``file:///…``, ``s3://…``, ``memory://``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from asynccache.errors import ConfigError
+from asynccache.pools.base import PoolLayout
+
+__all__ = ["HybridCacheConfig", "PrefetchPolicy"]
+
+
+class PrefetchPolicy(str, Enum):
+    """How long a request waits for a storage prefetch before it is scheduled.
+
+    ``best_effort``: use whatever has landed when the scheduler asks (never wait);
+    ``wait_complete``: wait for the whole prefetch; ``timeout``: wait up to
+    ``prefetch_timeout_base_s + prefetch_timeout_per_1k_tokens_s × tokens / 1000``.
+    """
+
+    BEST_EFFORT = "best_effort"
+    WAIT_COMPLETE = "wait_complete"
+    TIMEOUT = "timeout"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HybridCacheConfig:
+    device_kv_pages: int
+    device_state_slots: int
+    host_kv_bytes: int = 0
+    host_state_bytes: int = 0
+    host_layout: PoolLayout = PoolLayout.PAGE_FIRST
+    write_policy: str = "write_through"
+    write_through_threshold: int = 1  # hits before a write_through_selective backup
+    max_ctas: int | None = 8
+    storage_uri: str | None = None
+    prefetch_policy: PrefetchPolicy = PrefetchPolicy.TIMEOUT
+    prefetch_timeout_base_s: float = 0.5
+    prefetch_timeout_per_1k_tokens_s: float = 0.05
+    max_backups_in_flight: int = 4
+    pin_host_memory: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.device_kv_pages < 0 or self.device_state_slots < 0:
+            raise ConfigError("device pool sizes must be >= 0")
+        if self.host_kv_bytes < 0 or self.host_state_bytes < 0:
+            raise ConfigError("host pool sizes must be >= 0")
+        if self.max_ctas is not None and self.max_ctas < 1:
+            raise ConfigError(f"max_ctas must be >= 1 or None, got {self.max_ctas}")
+        if self.max_backups_in_flight < 1:
+            raise ConfigError("max_backups_in_flight must be >= 1")
+        if self.prefetch_timeout_base_s < 0 or self.prefetch_timeout_per_1k_tokens_s < 0:
+            raise ConfigError("prefetch timeouts must be >= 0")
+        object.__setattr__(self, "host_layout", PoolLayout.parse(self.host_layout))
+        object.__setattr__(self, "prefetch_policy", PrefetchPolicy(self.prefetch_policy))
+
+    @property
+    def has_host_tier(self) -> bool:
+        return self.host_kv_bytes > 0 or self.host_state_bytes > 0
+
+    def prefetch_timeout_s(self, num_tokens: int) -> float | None:
+        """Seconds a request may wait for its prefetch (None = no limit, 0 = do not wait)."""
+        if self.prefetch_policy is PrefetchPolicy.WAIT_COMPLETE:
+            return None
+        if self.prefetch_policy is PrefetchPolicy.BEST_EFFORT:
+            return 0.0
+        return self.prefetch_timeout_base_s + self.prefetch_timeout_per_1k_tokens_s * num_tokens / 1000

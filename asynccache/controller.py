@@ -1,0 +1,472 @@
+"""HybridCacheController: the only asyncio orchestrator of the cache.
+
+The tree decides what moves; the controller moves it without blocking the event loop:
+
+- ``load(match)`` allocates device pages / a state slot (evicting device memory through the tree),
+  attaches them to the match's host-only nodes (``tree.begin_load``) and queues the copy. The
+  next ``start_loading()`` merges every queued load into one transfer per pool and enqueues
+  **one launch per layer** on the load stream, in layer order, setting the step's
+  :class:`LayerTransferCounter` layer by layer; the forward ``await``s each layer.
+- ``write(nodes)`` allocates host pages / slots (evicting host memory through the tree) and
+  queues a device → host backup; ``start_writing()`` issues every queued write as **one launch
+  for all layers** per pool on the write stream, after waiting on the compute stream.
+- Completion is bridged from CUDA events to asyncio futures (``asynccache.completion``); only
+  then are nodes unlocked (``finish_load`` / ``finish_backup``) and, for backups, archived to
+  the storage tier in the background (``asynccache.tiering``).
+
+Background work lives in one ``TaskGroup``: use ``async with HybridCacheController(...)``.
+Without CUDA the same code runs on CPU tensors: copies are synchronous, events complete at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from asynccache.completion import CompletionQueue
+from asynccache.config import HybridCacheConfig
+from asynccache.errors import TransferError
+from asynccache.layer_counter import LayerTransferCounter
+from asynccache.ops import CacheOperation, MergedTransfer, OpKind, OpState
+from asynccache.pools.base import ItemPool
+from asynccache.stats import ControllerStats, StatsRecorder
+from asynccache.storage import PoolName, PoolTransfer, StorageBackend
+from kernels import copy_items
+
+if TYPE_CHECKING:
+    from asynccache.tree import HybridRadixTree
+
+__all__ = ["HybridCacheController"]
+
+log = logging.getLogger(__name__)
+
+
+def _slot_tensor(slot: int | None) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64) if slot is None else torch.tensor([slot], dtype=torch.int64)
+
+
+class HybridCacheController:
+    """Moves KV pages and Mamba states between device and host (and storage).
+
+    Call from the event-loop thread only. ``load``/``write`` are synchronous (they only queue);
+    ``start_loading``/``start_writing`` issue the queued copies once per scheduler step.
+    """
+
+    def __init__(
+        self,
+        tree: HybridRadixTree,
+        *,
+        device_kv: ItemPool,
+        device_mamba: ItemPool,
+        host_kv: ItemPool | None,
+        host_mamba: ItemPool | None,
+        config: HybridCacheConfig,
+        backend: StorageBackend | None = None,
+    ) -> None:
+        self.tree = tree
+        self.spec = tree.spec
+        self.config = config
+        self.backend = backend
+        self.pools: dict[PoolName, tuple[ItemPool, ItemPool | None]] = {
+            PoolName.KV: (device_kv, host_kv),
+            PoolName.MAMBA: (device_mamba, host_mamba),
+        }
+        self.device = device_kv.device
+        self._cuda = self.device.type == "cuda"
+        self._load_stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._write_stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._load_queue: list[CacheOperation] = []
+        self._write_queue: list[CacheOperation] = []
+        self._load_completion = CompletionQueue("load")
+        self._write_completion = CompletionQueue("write")
+        self._stats = StatsRecorder()
+        self._tg: asyncio.TaskGroup | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._loaders: set[asyncio.Task[None]] = set()
+        #: The copy function (replaceable in tests to inject failures).
+        self.copy: Callable[..., int] = copy_items
+        self.tiering: Any = None  # set in __aenter__ when a backend is configured
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    async def __aenter__(self) -> HybridCacheController:
+        self._tg = asyncio.TaskGroup()
+        await self._tg.__aenter__()
+        if self._cuda:
+            self._tasks = [
+                self._tg.create_task(self._load_completion.run(), name="asynccache-load-completion"),
+                self._tg.create_task(self._write_completion.run(), name="asynccache-write-completion"),
+            ]
+        if self.backend is not None:
+            from asynccache.tiering import StorageTier
+
+            self.tiering = StorageTier(self, self.backend, self._tg)
+            await self.tiering.register()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Finish in-flight copies and backups, then stop background tasks. Idempotent."""
+        if self._tg is None:
+            return
+        for op in self._load_queue + self._write_queue:
+            self._cancel_queued(op)
+        self._load_queue.clear()
+        self._write_queue.clear()
+        if self._loaders:
+            await asyncio.gather(*self._loaders, return_exceptions=True)
+        await self._load_completion.drain()
+        await self._write_completion.drain()
+        if self.tiering is not None:
+            await self.tiering.drain()
+        for t in self._tasks:
+            t.cancel()
+        tg, self._tg = self._tg, None
+        await tg.__aexit__(None, None, None)
+        if self.backend is not None:
+            await self.backend.aclose()
+
+    def _require_started(self) -> asyncio.TaskGroup:
+        if self._tg is None:
+            raise RuntimeError("use the controller as `async with HybridCacheController(...)`")
+        return self._tg
+
+    # ---- allocation with eviction ------------------------------------------------------
+    def _alloc(self, pool: ItemPool | None, n: int, *, device: bool, kv: bool) -> torch.Tensor | None:
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64)
+        if pool is None:
+            return None
+        idx = pool.alloc(n)
+        if idx is None:
+            short = n - pool.num_free
+            evict = self.tree.evict_device if device else self.tree.evict_host
+            evict(num_kv_pages=short if kv else 0, num_states=0 if kv else short)
+            idx = pool.alloc(n)
+        return idx
+
+    # ---- loads (host → device) ---------------------------------------------------------
+    def load(self, match: Any, *, priority: int = 0) -> CacheOperation | None:
+        """Queue the host → device load a match needs; ``None`` when the device has no room.
+
+        A match that needs nothing returns an already completed operation.
+        """
+        loop = asyncio.get_running_loop()
+        if not match.needs_load:
+            op = CacheOperation(OpKind.LOAD, (), plan=None, priority=priority, loop=loop)
+            op.state = OpState.DONE
+            op.future.set_result(None)
+            return op
+        num_pages = match.num_host_tokens // self.spec.page_size
+        need_state = match.state_tier is not None and match.state_tier.name == "HOST"
+        dev_kv_pool, _ = self.pools[PoolName.KV]
+        dev_state_pool, _ = self.pools[PoolName.MAMBA]
+        # Pin the match while allocating: eviction must not take the prefix we are loading.
+        self.tree.lock(match.last_node)
+        self.tree.lock_host(match.last_node)
+        dev_kv = dev_slot = None
+        try:
+            dev_kv = self._alloc(dev_kv_pool, num_pages, device=True, kv=True)
+            if dev_kv is None:
+                self._stats.count("load_no_room")
+                return None
+            if need_state:
+                dev_slot = self._alloc(dev_state_pool, 1, device=True, kv=False)
+                if dev_slot is None:
+                    dev_kv_pool.free(dev_kv)
+                    dev_kv = None
+                    self._stats.count("load_no_room")
+                    return None
+            plan = self.tree.begin_load(match, dev_kv, None if dev_slot is None else int(dev_slot[0]))
+        except BaseException:
+            if dev_kv is not None and dev_kv.numel():
+                dev_kv_pool.free(dev_kv)
+            if dev_slot is not None:
+                dev_state_pool.free(dev_slot)
+            raise
+        finally:
+            self.tree.unlock(match.last_node)
+            self.tree.unlock_host(match.last_node)
+        op = CacheOperation(
+            OpKind.LOAD,
+            (
+                PoolTransfer(
+                    pool_name=PoolName.KV, host_indices=plan.host_kv_indices, device_indices=plan.device_kv_indices
+                ),
+                PoolTransfer(
+                    pool_name=PoolName.MAMBA,
+                    host_indices=_slot_tensor(plan.host_state_slot),
+                    device_indices=_slot_tensor(plan.device_state_slot),
+                ),
+            ),
+            plan=plan,
+            priority=priority,
+            loop=loop,
+        )
+        self._load_queue.append(op)
+        return op
+
+    def start_loading(self) -> LayerTransferCounter:
+        """Issue every queued load (merged per pool, one launch per layer) for this step.
+
+        Returns the step's counter at once; a background task enqueues the layers in order and
+        sets the counter layer by layer, yielding to the loop between layers so the forward can
+        launch layer ``i`` while layer ``i+1`` is being enqueued.
+        """
+        tg = self._require_started()
+        ops = [op for op in self._load_queue if op.state is OpState.QUEUED]
+        self._load_queue.clear()
+        if not ops:
+            return LayerTransferCounter.completed()
+        ops.sort(key=lambda op: -op.priority)
+        merged = CacheOperation.merge_ops(ops)
+        layer_ids = sorted({lid for name in merged for lid in self.pools[name][0].layer_ids})
+        counter = LayerTransferCounter(layer_ids)
+        for op in ops:
+            op.state = OpState.ISSUED
+            op.issued_at = time.perf_counter()
+        self._stats.queue_depth("load", len(ops))
+        task = tg.create_task(self._enqueue_loads(ops, merged, layer_ids, counter), name="asynccache-load")
+        self._loaders.add(task)
+        task.add_done_callback(self._loaders.discard)
+        return counter
+
+    async def _enqueue_loads(
+        self,
+        ops: list[CacheOperation],
+        merged: dict[PoolName, MergedTransfer],
+        layer_ids: Sequence[int],
+        counter: LayerTransferCounter,
+    ) -> None:
+        stream = self._load_stream
+        if stream is not None:
+            # Freshly allocated device pages may still be read by earlier compute.
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        last_event: torch.cuda.Event | None = None
+        try:
+            for lid in layer_ids:
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    for name, m in merged.items():
+                        dev, host = self.pools[name]
+                        if lid not in dev._layer_index:
+                            continue
+                        assert host is not None
+                        li = dev.layer_index(lid)
+                        nbytes = self.copy(
+                            host,
+                            dev,
+                            m.host_indices,
+                            m.device_indices,
+                            layer_begin=li,
+                            layer_end=li + 1,
+                            max_ctas=self.config.max_ctas,
+                            stream=stream,
+                        )
+                        self._stats.bytes_moved("h2d", name, nbytes)
+                        self._stats.count(f"h2d_launches_{name.value}")
+                    if stream is not None:
+                        last_event = torch.cuda.Event(blocking=True)
+                        last_event.record(stream)
+                counter.mark_enqueued(lid, last_event)
+                await asyncio.sleep(0)
+        except BaseException as e:
+            counter.fail(e)
+            self._finish_ops(ops, merged, last_event, self._load_completion, error=e)
+            if isinstance(e, Exception):
+                log.warning("load of %d operation(s) failed: %s", len(ops), e)
+                return
+            raise
+        for op in ops:
+            self._stats.count("load_ops")
+        self._finish_ops(ops, merged, last_event, self._load_completion, error=None)
+
+    # ---- writes (device → host) --------------------------------------------------------
+    def write(self, nodes: Sequence[Any], *, priority: int = 0) -> CacheOperation | None:
+        """Queue a device → host backup of ``nodes``; ``None`` when the host has no room."""
+        loop = asyncio.get_running_loop()
+        num_pages, num_states = self.tree.backup_pages_needed(nodes)
+        _, host_kv_pool = self.pools[PoolName.KV]
+        _, host_state_pool = self.pools[PoolName.MAMBA]
+        for node in nodes:
+            self.tree.lock(node)
+        host_kv = host_slots = None
+        try:
+            host_kv = self._alloc(host_kv_pool, num_pages, device=False, kv=True)
+            if host_kv is None:
+                self._stats.count("write_no_room")
+                return None
+            host_slots = self._alloc(host_state_pool, num_states, device=False, kv=False)
+            if host_slots is None:
+                if host_kv.numel():
+                    assert host_kv_pool is not None
+                    host_kv_pool.free(host_kv)
+                host_kv = None
+                self._stats.count("write_no_room")
+                return None
+            plan = self.tree.begin_backup(nodes, host_kv, host_slots)
+        except BaseException:
+            if host_kv is not None and host_kv.numel():
+                assert host_kv_pool is not None
+                host_kv_pool.free(host_kv)
+            if host_slots is not None and host_slots.numel():
+                assert host_state_pool is not None
+                host_state_pool.free(host_slots)
+            raise
+        finally:
+            for node in nodes:
+                self.tree.unlock(node)
+        op = CacheOperation(
+            OpKind.WRITE,
+            (
+                PoolTransfer(
+                    pool_name=PoolName.KV, host_indices=plan.host_kv_indices, device_indices=plan.device_kv_indices
+                ),
+                PoolTransfer(
+                    pool_name=PoolName.MAMBA,
+                    host_indices=plan.host_state_slots,
+                    device_indices=plan.device_state_slots,
+                ),
+            ),
+            plan=plan,
+            priority=priority,
+            loop=loop,
+        )
+        self._write_queue.append(op)
+        return op
+
+    def start_writing(self) -> int:
+        """Issue every queued write: one launch for all layers per pool. Returns ops issued."""
+        self._require_started()
+        ops = [op for op in self._write_queue if op.state is OpState.QUEUED]
+        self._write_queue.clear()
+        if not ops:
+            return 0
+        merged = CacheOperation.merge_ops(ops)
+        for op in ops:
+            op.state = OpState.ISSUED
+            op.issued_at = time.perf_counter()
+        self._stats.queue_depth("write", len(ops))
+        stream = self._write_stream
+        event: torch.cuda.Event | None = None
+        try:
+            if stream is not None:
+                # D2H copies read what the compute stream wrote.
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for name, m in merged.items():
+                    dev, host = self.pools[name]
+                    assert host is not None
+                    nbytes = self.copy(
+                        dev, host, m.device_indices, m.host_indices, max_ctas=self.config.max_ctas, stream=stream
+                    )
+                    self._stats.bytes_moved("d2h", name, nbytes)
+                    self._stats.count(f"d2h_launches_{name.value}")
+                if stream is not None:
+                    event = torch.cuda.Event(blocking=True)
+                    event.record(stream)
+        except Exception as e:
+            if stream is not None:
+                event = torch.cuda.Event(blocking=True)
+                event.record(stream)
+            self._finish_ops(ops, merged, event, self._write_completion, error=e)
+            log.warning("write of %d operation(s) failed: %s", len(ops), e)
+            return len(ops)
+        for op in ops:
+            self._stats.count("write_ops")
+        self._finish_ops(ops, merged, event, self._write_completion, error=None)
+        return len(ops)
+
+    # ---- completion, cancellation ------------------------------------------------------
+    def _finish_ops(
+        self,
+        ops: list[CacheOperation],
+        merged: dict[PoolName, MergedTransfer],
+        event: torch.cuda.Event | None,
+        completion: CompletionQueue,
+        *,
+        error: BaseException | None,
+    ) -> None:
+        # `merged` is captured so its index tensors live until the copy has completed.
+        def done() -> None:
+            del_merged = merged  # noqa: F841 - keeps the index tensors alive until here
+            for op in ops:
+                self._complete(op, error)
+
+        completion.submit(event, done)
+
+    def _complete(self, op: CacheOperation, error: BaseException | None) -> None:
+        if error is None:
+            if op.kind is OpKind.LOAD:
+                self.tree.finish_load(op.plan)
+            else:
+                self.tree.finish_backup(op.plan)
+                if self.tiering is not None:
+                    self.tiering.on_host_write(op.plan)
+            op.state = OpState.DONE
+            if op.issued_at is not None:
+                self._stats.latency(op.kind.value, time.perf_counter() - op.issued_at)
+            if not op.future.done():
+                op.future.set_result(None)
+            return
+        self._abort(op)
+        op.state = OpState.FAILED
+        self._stats.count(f"{op.kind.value}_failed")
+        if not op.future.done():
+            op.future.set_exception(TransferError(f"{op!r} failed: {error}"))
+            op.future.exception()  # mark retrieved: a failed op nobody awaits is not an error
+
+    def _abort(self, op: CacheOperation) -> None:
+        """Undo a plan whose copy will never (or did not fully) happen; free what it allocated."""
+        if op.kind is OpKind.LOAD:
+            dev_kv, dev_slot = self.tree.abort_load(op.plan)
+            if dev_kv is not None and dev_kv.numel():
+                self.pools[PoolName.KV][0].free(dev_kv)
+            if dev_slot is not None:
+                self.pools[PoolName.MAMBA][0].free(_slot_tensor(dev_slot))
+        else:
+            host_kv, host_slots = self.tree.abort_backup(op.plan)
+            kv_pool, state_pool = self.pools[PoolName.KV][1], self.pools[PoolName.MAMBA][1]
+            if host_kv is not None and host_kv.numel():
+                assert kv_pool is not None
+                kv_pool.free(host_kv)
+            if host_slots is not None and host_slots.numel():
+                assert state_pool is not None
+                state_pool.free(host_slots)
+
+    def _cancel_queued(self, op: CacheOperation) -> None:
+        if op.state is not OpState.QUEUED:
+            return
+        self._abort(op)
+        op.state = OpState.CANCELLED
+        self._stats.count(f"{op.kind.value}_cancelled")
+        op.future.cancel()
+
+    def cancel(self, op: CacheOperation) -> bool:
+        """Cancel a queued operation (frees what it allocated, unlocks its nodes).
+
+        An issued copy cannot be recalled: it completes normally and ``False`` is returned.
+        """
+        if op.state is not OpState.QUEUED:
+            return False
+        queue = self._load_queue if op.kind is OpKind.LOAD else self._write_queue
+        with contextlib.suppress(ValueError):
+            queue.remove(op)
+        self._cancel_queued(op)
+        return True
+
+    # ---- introspection -----------------------------------------------------------------
+    def statistics(self) -> ControllerStats:
+        return self._stats.snapshot(
+            load_queue=len(self._load_queue),
+            write_queue=len(self._write_queue),
+            load_in_flight=self._load_completion.depth,
+            write_in_flight=self._write_completion.depth,
+            completion=(self._load_completion, self._write_completion),
+        )

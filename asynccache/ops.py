@@ -1,0 +1,111 @@
+"""Cache operations: what the controller queues, merges, launches and completes.
+
+Primitives:
+
+- :class:`OpState` — ``QUEUED → ISSUED → DONE`` (or ``CANCELLED`` / ``FAILED`` before issue).
+- :class:`CacheOperation` — a batch of :class:`PoolTransfer` (one per pool: host indices ↔ device
+  indices), the tree plan it serves, a priority, and an asyncio future completed when its copy
+  has finished on the device. Awaitable.
+- :func:`CacheOperation.merge_ops` — concatenate the transfers of many queued operations into
+  one per pool, so a scheduler step issues one launch per layer (loads) or one launch for all
+  layers (writes) however many requests are involved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+
+from asynccache.storage import PoolName, PoolTransfer
+
+__all__ = ["OpKind", "OpState", "CacheOperation", "MergedTransfer"]
+
+_ids = itertools.count()
+
+
+class OpKind(str, Enum):
+    LOAD = "load"  # host → device
+    WRITE = "write"  # device → host
+
+
+class OpState(str, Enum):
+    QUEUED = "queued"
+    ISSUED = "issued"
+    DONE = "done"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MergedTransfer:
+    """All queued transfers of one pool, concatenated (index order = operation order)."""
+
+    pool_name: PoolName
+    host_indices: torch.Tensor
+    device_indices: torch.Tensor
+
+    @property
+    def num_items(self) -> int:
+        return self.host_indices.numel()
+
+
+class CacheOperation:
+    """One queued host↔device copy. ``await op`` returns once its bytes have landed.
+
+    Owned by the controller: only the controller changes ``state``. ``plan`` is the tree's
+    LoadPlan / BackupPlan the operation serves (nodes stay locked until completion).
+    """
+
+    def __init__(
+        self,
+        kind: OpKind,
+        transfers: Sequence[PoolTransfer],
+        *,
+        plan: Any,
+        priority: int = 0,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        self.op_id = next(_ids)
+        self.kind = kind
+        self.transfers = {t.pool_name: t for t in transfers if t.num_items}
+        self.plan = plan
+        self.priority = priority
+        self.state = OpState.QUEUED
+        self.future: asyncio.Future[None] = (loop or asyncio.get_running_loop()).create_future()
+        self.issued_at: float | None = None
+
+    @property
+    def num_bytes_hint(self) -> int:
+        return sum(t.num_items for t in self.transfers.values())
+
+    @property
+    def done(self) -> bool:
+        return self.state in (OpState.DONE, OpState.CANCELLED, OpState.FAILED)
+
+    def __await__(self) -> Generator[Any, None, None]:
+        # Shield: a waiter being cancelled must not cancel the copy's bookkeeping.
+        return asyncio.shield(self.future).__await__()
+
+    def __repr__(self) -> str:
+        sizes = {p.value: t.num_items for p, t in self.transfers.items()}
+        return f"CacheOperation(id={self.op_id}, {self.kind.value}, {self.state.value}, items={sizes})"
+
+    @staticmethod
+    def merge_ops(ops: Sequence[CacheOperation]) -> dict[PoolName, MergedTransfer]:
+        """One :class:`MergedTransfer` per pool over every operation in ``ops`` (in order)."""
+        by_pool: dict[PoolName, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for op in ops:
+            for name, t in op.transfers.items():
+                hosts, devs = by_pool.setdefault(name, ([], []))
+                hosts.append(t.host_indices)
+                devs.append(t.device_indices)
+        return {
+            name: MergedTransfer(pool_name=name, host_indices=torch.cat(h), device_indices=torch.cat(d))
+            for name, (h, d) in by_pool.items()
+        }
