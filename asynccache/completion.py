@@ -28,10 +28,21 @@ class CompletionQueue:
         self.num_completed = 0
         self.total_latency_s = 0.0
         self.max_latency_s = 0.0
+        self._pending = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     @property
     def depth(self) -> int:
-        return self._queue.qsize()
+        """Operations submitted and not yet completed."""
+        return self._pending
+
+    async def wait_idle(self) -> bool:
+        """Wait until nothing is pending; True if anything was pending."""
+        if self._pending == 0:
+            return False
+        await self._idle.wait()
+        return True
 
     def submit(self, event: torch.cuda.Event | None, callback: Callable[[], None]) -> None:
         """Run ``callback`` on the loop once ``event`` has completed (at once if ``event`` is None)."""
@@ -39,7 +50,14 @@ class CompletionQueue:
             self._record(0.0)
             callback()
             return
+        self._pending += 1
+        self._idle.clear()
         self._queue.put_nowait((event, callback, time.perf_counter()))
+
+    def _done_one(self) -> None:
+        self._pending -= 1
+        if self._pending == 0:
+            self._idle.set()
 
     def _record(self, latency_s: float) -> None:
         self.num_completed += 1
@@ -53,13 +71,11 @@ class CompletionQueue:
             if not event.query():
                 await asyncio.to_thread(event.synchronize)
             self._record(time.perf_counter() - submitted)
-            callback()
+            try:
+                callback()
+            finally:
+                self._done_one()
 
     async def drain(self) -> None:
-        """Wait until every submitted operation has completed (used by ``aclose``)."""
-        while not self._queue.empty():
-            event, callback, submitted = self._queue.get_nowait()
-            if not event.query():
-                await asyncio.to_thread(event.synchronize)
-            self._record(time.perf_counter() - submitted)
-            callback()
+        """Wait until every submitted operation has completed (``run()`` must be running)."""
+        await self.wait_idle()

@@ -383,6 +383,41 @@ class HybridCacheController:
         self._finish_ops(ops, merged, event, self._write_completion, error=None)
         return len(ops)
 
+    async def wait_idle(self) -> bool:
+        """Wait until no copy is in flight; True if anything was (memory may have been freed)."""
+        busy = False
+        while self._loaders or self._load_completion.depth or self._write_completion.depth:
+            busy = True
+            if self._loaders:
+                await asyncio.gather(*list(self._loaders), return_exceptions=True)
+            await self._load_completion.wait_idle()
+            await self._write_completion.wait_idle()
+        return busy
+
+    # ---- storage tier ------------------------------------------------------------------
+    def prefetch(self, tokens: Sequence[int], match: Any, *, salt: str = "") -> asyncio.Task[Any] | None:
+        """Start fetching from storage what ``tokens`` miss past ``match``; None without a backend.
+
+        The prefetch runs in the controller's TaskGroup; wait for it with :meth:`wait_prefetch`,
+        which stops waiting at the prefetch policy's deadline but never cancels the fetch (its
+        data still lands on host for later requests).
+        """
+        tg = self._require_started()
+        if self.tiering is None:
+            return None
+        return tg.create_task(self.tiering.prefetch(tokens, match, salt=salt), name="asynccache-prefetch")
+
+    async def wait_prefetch(self, task: asyncio.Task[Any], num_tokens: int) -> Any | None:
+        """The prefetch's result if it finished within the policy's deadline, else None."""
+        timeout = self.config.prefetch_timeout_s(num_tokens)
+        if timeout == 0.0 and not task.done():
+            await asyncio.sleep(0)
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+        if task not in done:
+            self._stats.count("prefetch_deadline_passed")
+            return None
+        return task.result()
+
     # ---- completion, cancellation ------------------------------------------------------
     def _finish_ops(
         self,

@@ -79,5 +79,8 @@ class IndexAllocator:
 
 def _as_numpy(indices: torch.Tensor | Iterable[int]) -> np.ndarray:
     if isinstance(indices, torch.Tensor):
+        # A float or bool tensor would be truncated to some other index: reject it.
+        if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
+            raise AllocationError(f"indices must be an integer tensor, got {indices.dtype}")
         return indices.detach().to("cpu", torch.int64).numpy().reshape(-1)
     return np.fromiter((int(i) for i in indices), dtype=np.int64)

@@ -1,7 +1,7 @@
 """Host pools: pinned (or, without an accelerator, pageable) mirrors of the device pools.
 
 ``HostKVPool`` and ``MambaPoolHost`` are sized independently, in bytes (``size_bytes``), in items
-(``num_items``) or as a ratio of a device pool (``ratio`` × its items). Layout ``layer_first``
+(``num_pages`` / ``num_slots``) or as a ratio of a device pool (``ratio`` × its items). Layout ``layer_first``
 mirrors the device; ``page_first`` keeps one page / state contiguous across layers so it is one
 storage object with no repacking (see ``asynccache.pools.base`` for the diagrams).
 """
@@ -24,19 +24,23 @@ def resolve_num_items(
     num_items: int | None,
     ratio: float | None,
     device_pool: ItemPool | None,
+    num_items_name: str = "num_items",
 ) -> int:
     """Exactly one of size_bytes / num_items / ratio (with device_pool) sets the item count."""
     given = [x is not None for x in (size_bytes, num_items, ratio)]
     if sum(given) != 1:
-        raise ConfigError(f"{what}: give exactly one of size_bytes, num_items, ratio")
+        raise ConfigError(f"{what}: give exactly one of size_bytes, {num_items_name}, ratio")
     if num_items is not None:
         if num_items < 0:
-            raise ConfigError(f"{what}: num_items must be >= 0")
+            raise ConfigError(f"{what}: {num_items_name} must be >= 0")
         return num_items
     if size_bytes is not None:
         if size_bytes < 0:
             raise ConfigError(f"{what}: size_bytes must be >= 0")
-        return size_bytes // max(bytes_per_index, 1)
+        if bytes_per_index <= 0:
+            # A pool without layers has zero-byte items: any byte budget would mean unbounded items.
+            raise ConfigError(f"{what}: the pool has no layers, so size_bytes cannot size it; give {num_items_name}")
+        return size_bytes // bytes_per_index
     if device_pool is None or ratio is None or ratio <= 0:
         raise ConfigError(f"{what}: ratio needs a positive value and the device pool")
     return int(device_pool.num_items * ratio)
@@ -63,6 +67,7 @@ class HostKVPool(KVViews, ItemPool):
             num_items=num_pages,
             ratio=ratio,
             device_pool=device_pool,
+            num_items_name="num_pages",
         )
         super().__init__(
             name="host_kv",
@@ -97,6 +102,7 @@ class MambaPoolHost(StateViews, ItemPool):
             num_items=num_slots,
             ratio=ratio,
             device_pool=device_pool,
+            num_items_name="num_slots",
         )
         super().__init__(
             name="host_mamba",

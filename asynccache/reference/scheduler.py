@@ -1,0 +1,400 @@
+"""An asyncio scheduler that serves requests through the cache end to end.
+
+Each step: admit waiting requests (prefix match, storage prefetch within the policy's deadline,
+host → device load-back, page and slot allocation), ``start_loading()``, one batched forward
+(chunked prefill + decode, continuous batching) that awaits each layer's load, greedy sampling,
+then for finished requests ``tree.insert`` of their KV pages and admitted states and the
+write-policy's backups (``start_writing()``).
+
+Conventions (see docs/architecture.md):
+
+- a request computes at least one token: it matches ``prompt[:-1]``;
+- it owns a private working state slot, seeded per layer from the cached boundary state when the
+  forward reaches that layer (after ``counter.wait``), so cached states are never mutated;
+- snapshots at the admission policy's positions go to freshly allocated slots that ``insert``
+  hands to the tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+from asynccache.cache import HybridCache
+from asynccache.errors import CapacityError
+from asynccache.layer_counter import LayerTransferCounter
+from asynccache.reference.model import ForwardBatch, HybridModel, SequenceInput
+
+__all__ = ["Scheduler", "RequestResult", "SchedulerConfig"]
+
+_ids = itertools.count()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerConfig:
+    max_running: int = 8
+    chunk_size: int = 512  # prefill tokens per request per step
+    max_batch_tokens: int = 4096
+    use_cache: bool = True
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestResult:
+    request_id: int
+    prompt_tokens: int
+    cached_tokens: int
+    cached_by_tier: dict[str, int]
+    output_ids: list[int]
+    ttft_s: float
+    latency_s: float
+    first_logits: torch.Tensor
+
+
+class _Phase(str, Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    DONE = "done"
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    request_id: int
+    prompt: list[int]
+    max_new_tokens: int
+    salt: str
+    future: asyncio.Future[RequestResult]
+    submitted: float
+    phase: _Phase = _Phase.WAITING
+    num_computed: int = 0
+    num_cached: int = 0
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
+    locked_node: Any = None
+    kv_pages: torch.Tensor | None = None  # device pages for positions [0, capacity)
+    own_pages: torch.Tensor | None = None  # the part of kv_pages this request allocated
+    state_slot: int = -1
+    seed_slot: int | None = None  # cached boundary state to copy into state_slot
+    snapshots: dict[int, int] = field(default_factory=dict)
+    output: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    first_logits: torch.Tensor | None = None
+    cancelled: bool = False
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt) + self.max_new_tokens
+
+
+def _path_device_pages(node: Any) -> torch.Tensor:
+    """Device KV pages of every node from the root to ``node``, in token order."""
+    parts = []
+    while node is not None and node.parent is not None:
+        assert node.device_kv is not None, "a matched prefix node has no device pages"
+        parts.append(node.device_kv)
+        node = node.parent
+    parts.reverse()
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+
+class _SeedingCounter:
+    """Wraps the step's counter: after a recurrent layer's load is waited for, copy each
+    request's cached boundary state into its private working slot (same stream, no sync)."""
+
+    def __init__(self, inner: LayerTransferCounter, cache: HybridCache, seeds: list[tuple[int, int]]) -> None:
+        self.inner = inner
+        self.pool = cache.device_mamba
+        self.seeds = seeds
+        self.mamba_ids = set(cache.spec.mamba_layer_ids)
+
+    async def wait(self, layer_id: int) -> None:
+        await self.inner.wait(layer_id)
+        if self.seeds and layer_id in self.mamba_ids:
+            items = self.pool.layer_items(layer_id)
+            src = torch.tensor([s for s, _ in self.seeds], device=items.device)
+            dst = torch.tensor([d for _, d in self.seeds], device=items.device)
+            items[dst] = items[src]
+
+
+class Scheduler:
+    """Serve requests with continuous batching through a :class:`HybridCache`.
+
+    ``async with Scheduler(model, cache) as s: result = await s.generate(prompt, 32)``.
+    """
+
+    def __init__(self, model: HybridModel, cache: HybridCache, config: SchedulerConfig | None = None) -> None:
+        self.model = model
+        self.cache = cache
+        self.spec = cache.spec
+        self.config = config or SchedulerConfig()
+        self._waiting: list[_Request] = []
+        self._running: list[_Request] = []
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._tg: asyncio.TaskGroup | None = None
+        self.num_steps = 0
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    async def __aenter__(self) -> Scheduler:
+        self._tg = asyncio.TaskGroup()
+        await self._tg.__aenter__()
+        self._task = self._tg.create_task(self._loop(), name="asynccache-scheduler")
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self._tg is not None and self._task is not None
+        for req in list(self._waiting) + list(self._running):
+            self._cancel(req)
+        self._task.cancel()
+        tg, self._tg = self._tg, None
+        with contextlib.suppress(asyncio.CancelledError):
+            await tg.__aexit__(None, None, None)
+
+    # ---- public API --------------------------------------------------------------------
+    def submit(self, prompt: Sequence[int], max_new_tokens: int, *, salt: str = "") -> asyncio.Future[RequestResult]:
+        """Queue a request; the future resolves to its :class:`RequestResult`.
+
+        Cancelling the future cancels the request and frees everything it holds.
+        """
+        if len(prompt) < 1 or max_new_tokens < 1:
+            raise ValueError("a request needs at least one prompt token and one new token")
+        if self._task is None:
+            raise RuntimeError("use the scheduler as `async with Scheduler(...)`")
+        fut: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
+        req = _Request(
+            request_id=next(_ids),
+            prompt=[int(t) for t in prompt],
+            max_new_tokens=max_new_tokens,
+            salt=salt,
+            future=fut,
+            submitted=time.perf_counter(),
+        )
+        fut.add_done_callback(lambda f, r=req: self._on_future_done(f, r))
+        self._waiting.append(req)
+        self._wakeup.set()
+        return fut
+
+    async def generate(self, prompt: Sequence[int], max_new_tokens: int, *, salt: str = "") -> RequestResult:
+        return await self.submit(prompt, max_new_tokens, salt=salt)
+
+    def _on_future_done(self, fut: asyncio.Future[RequestResult], req: _Request) -> None:
+        if fut.cancelled() and req.phase is not _Phase.DONE:
+            req.cancelled = True
+            self._wakeup.set()
+
+    # ---- the loop ----------------------------------------------------------------------
+    async def _loop(self) -> None:
+        while True:
+            if not self._waiting and not self._running:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            await self._step()
+
+    async def _step(self) -> None:
+        self.num_steps += 1
+        self._reap_cancelled()
+        await self._admit()
+        if not self._running:
+            if self._waiting and not await self.cache.controller.wait_idle():
+                # Nothing could be admitted and no copy in flight will free memory.
+                req = self._waiting.pop(0)
+                req.future.set_exception(CapacityError("request does not fit in the device pools"))
+            return
+        ctrl = self.cache.controller
+        counter = ctrl.start_loading()
+        seqs, reqs = self._build_batch()
+        seeds = [(r.seed_slot, r.state_slot) for r in reqs if r.seed_slot is not None]
+        for r in reqs:
+            r.seed_slot = None
+        logits = await self.model.forward(
+            ForwardBatch(sequences=tuple(seqs)),
+            self.cache.device_kv,
+            self.cache.device_mamba,
+            _SeedingCounter(counter, self.cache, seeds),  # type: ignore[arg-type]
+        )
+        now = time.perf_counter()
+        next_ids = logits.argmax(dim=-1).tolist()
+        for i, (r, s) in enumerate(zip(reqs, seqs, strict=True)):
+            r.num_computed = s.start + s.token_ids.numel()
+            if r.num_computed < len(r.prompt):
+                continue  # mid-prefill chunk
+            if r.first_token_at is None:
+                r.first_token_at = now
+                r.first_logits = logits[i].detach().float().cpu()
+            r.output.append(int(next_ids[i]))
+            r.phase = _Phase.DECODE
+            if len(r.output) >= r.max_new_tokens:
+                self._finish(r)
+        ctrl.start_writing()
+
+    # ---- admission ---------------------------------------------------------------------
+    async def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.config.max_running:
+            req = self._waiting[0]
+            if not await self._try_admit(req):
+                return
+            self._waiting.pop(0)
+            self._running.append(req)
+
+    async def _try_admit(self, req: _Request) -> bool:
+        tree, ctrl, page = self.cache.tree, self.cache.controller, self.spec.page_size
+        key = req.prompt[:-1]
+        match = tree.match_prefix(key, salt=req.salt) if self.config.use_cache else None
+        by_tier = {"device": 0, "host": 0, "storage": 0}
+        if match is not None and ctrl.tiering is not None:
+            before = match.num_tokens
+            task = ctrl.prefetch(key, match, salt=req.salt)
+            if task is not None:
+                await ctrl.wait_prefetch(task, len(key))
+                match = tree.match_prefix(key, salt=req.salt)
+                by_tier["storage"] = max(0, match.num_tokens - before)
+        num_cached = match.num_tokens if match is not None else 0
+        if match is not None:
+            tree.lock(match.last_node)
+        # Pages for every position this request will compute: [num_cached, total_len - 1).
+        last_pos = req.total_len - 1
+        num_pages_total = -(-last_pos // page)
+        own = ctrl._alloc(self.cache.device_kv, num_pages_total - num_cached // page, device=True, kv=True)
+        snap_positions = self._snapshot_positions(req, num_cached)
+        slots = ctrl._alloc(self.cache.device_mamba, 1 + len(snap_positions), device=True, kv=False)
+        op = None
+        if own is not None and slots is not None and match is not None and match.needs_load:
+            op = ctrl.load(match)
+        if own is None or slots is None or (match is not None and match.needs_load and op is None):
+            if own is not None and own.numel():
+                self.cache.device_kv.free(own)
+            if slots is not None and slots.numel():
+                self.cache.device_mamba.free(slots)
+            if match is not None:
+                tree.unlock(match.last_node)
+            return False
+        if match is not None and num_cached:
+            node = match.last_node
+            prefix_pages = _path_device_pages(node)  # every page of the prefix, on device after the load
+            assert prefix_pages.numel() == num_cached // page
+            req.seed_slot = node.device_state
+            assert req.seed_slot is not None
+            req.kv_pages = torch.cat([prefix_pages, own])
+            by_tier["host"] = match.num_host_tokens - by_tier["storage"]
+            by_tier["device"] = num_cached - match.num_host_tokens
+            req.locked_node = node
+        else:
+            if match is not None:
+                tree.unlock(match.last_node)
+            req.kv_pages = own
+        req.own_pages = own
+        req.state_slot = int(slots[0])
+        req.snapshots = dict(zip(snap_positions, (int(s) for s in slots[1:]), strict=True))
+        req.num_cached = req.num_computed = num_cached
+        req.cached_by_tier = by_tier
+        req.phase = _Phase.PREFILL
+        return True
+
+    def _snapshot_positions(self, req: _Request, num_cached: int) -> list[int]:
+        """Page-aligned positions the admission policy keeps, past the cached prefix."""
+        computed_len = req.total_len - 1  # the last sampled token is never computed
+        positions = self.cache.tree.admission.state_positions(
+            len(req.prompt), total_len=computed_len, page_size=self.spec.page_size
+        )
+        return sorted(p for p in positions if num_cached < p <= computed_len)
+
+    # ---- batching ----------------------------------------------------------------------
+    def _build_batch(self) -> tuple[list[SequenceInput], list[_Request]]:
+        seqs: list[SequenceInput] = []
+        reqs: list[_Request] = []
+        budget = self.config.max_batch_tokens
+        for r in self._running:
+            if r.phase is _Phase.DECODE:
+                ids = torch.tensor([r.output[-1]], dtype=torch.int64)
+            else:
+                n = min(len(r.prompt) - r.num_computed, self.config.chunk_size, max(budget, 1))
+                ids = torch.tensor(r.prompt[r.num_computed : r.num_computed + n], dtype=torch.int64)
+            budget -= ids.numel()
+            start = r.num_computed
+            end = start + ids.numel()
+            snaps = {p: s for p, s in r.snapshots.items() if start < p <= end}
+            assert r.kv_pages is not None
+            seqs.append(
+                SequenceInput(
+                    token_ids=ids,
+                    start=start,
+                    kv_page_indices=r.kv_pages,
+                    state_slot=r.state_slot,
+                    snapshots=snaps,
+                )
+            )
+            reqs.append(r)
+            if budget <= 0:
+                break
+        return seqs, reqs
+
+    # ---- completion --------------------------------------------------------------------
+    def _finish(self, req: _Request) -> None:
+        tree, page = self.cache.tree, self.spec.page_size
+        tokens = req.prompt + req.output[:-1]
+        full = len(tokens) // page
+        assert req.kv_pages is not None and req.own_pages is not None
+        states = {p: s for p, s in req.snapshots.items() if p <= full * page}
+        result = None
+        if self.config.use_cache:
+            result = tree.insert(tokens[: full * page], req.kv_pages[:full], states=states, salt=req.salt)
+            # Pages past the last full page and snapshot slots the insert did not cover are ours.
+            n_prefix = req.num_cached // page
+            tail = req.own_pages[max(0, full - n_prefix) :]
+            leftover = [s for p, s in req.snapshots.items() if p not in states]
+        else:
+            tail = req.own_pages
+            leftover = list(req.snapshots.values())
+        if tail.numel():
+            self.cache.device_kv.free(tail)
+        slots = leftover + [req.state_slot]
+        self.cache.device_mamba.free(torch.tensor(slots, dtype=torch.int64))
+        if req.locked_node is not None:
+            tree.unlock(req.locked_node)
+            req.locked_node = None
+        if result is not None and result.backup_nodes:
+            self.cache.controller.write(result.backup_nodes)
+        req.phase = _Phase.DONE
+        self._running.remove(req)
+        now = time.perf_counter()
+        assert req.first_token_at is not None and req.first_logits is not None
+        if not req.future.done():
+            req.future.set_result(
+                RequestResult(
+                    request_id=req.request_id,
+                    prompt_tokens=len(req.prompt),
+                    cached_tokens=req.num_cached,
+                    cached_by_tier=dict(req.cached_by_tier),
+                    output_ids=list(req.output),
+                    ttft_s=req.first_token_at - req.submitted,
+                    latency_s=now - req.submitted,
+                    first_logits=req.first_logits,
+                )
+            )
+
+    def _reap_cancelled(self) -> None:
+        for req in [r for r in self._waiting + self._running if r.cancelled]:
+            self._cancel(req)
+
+    def _cancel(self, req: _Request) -> None:
+        """Free everything a request holds (between steps: no forward is using it)."""
+        if req in self._waiting:
+            self._waiting.remove(req)
+        if req in self._running:
+            self._running.remove(req)
+            if req.own_pages is not None and req.own_pages.numel():
+                self.cache.device_kv.free(req.own_pages)
+            slots = [*req.snapshots.values(), req.state_slot]
+            self.cache.device_mamba.free(torch.tensor(slots, dtype=torch.int64))
+            if req.locked_node is not None:
+                self.cache.tree.unlock(req.locked_node)
+        req.phase = _Phase.DONE
+        if not req.future.done():
+            req.future.cancel()

@@ -1,0 +1,213 @@
+"""The storage tier (L3) as the controller drives it: backup (host → storage) and prefetch
+(storage → host).
+
+- **Backup** follows every completed host write: for each backed-up node that holds a host
+  state, the KV pages of its path not yet archived and then the state are written in one
+  ``batch_set_v2`` call (KV first, state last), so archived KV always has a state companion at
+  or below it. Backups run in the controller's TaskGroup, at most
+  ``config.max_backups_in_flight`` at once; beyond that they are skipped and counted, never
+  queued without bound. Host copies stay locked while their bytes are read.
+- **Prefetch** of a miss past the host tier: ``batch_exists_v2`` with KV ``ALL_PAGES`` and the
+  state ``TRAILING_PAGES`` clips the hit to the deepest page whose state is stored; KV pages and
+  then the state are read straight into fresh host slots, which become host-only tree nodes
+  (``tree.insert_host``) that the next match loads back. A failure, timeout or corrupt object is
+  a miss: everything allocated is freed, nothing is inserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer, StorageBackend
+
+if TYPE_CHECKING:
+    from asynccache.controller import HybridCacheController
+
+__all__ = ["StorageTier", "PrefetchResult"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefetchResult:
+    """``num_tokens``: prefix length now available on host (0 when nothing was fetched)."""
+
+    num_tokens: int
+    num_pages_fetched: int
+    timed_out: bool = False
+
+
+def _path_to_root(node: Any) -> list[Any]:
+    path = []
+    while node is not None and node.parent is not None:
+        path.append(node)
+        node = node.parent
+    path.reverse()
+    return path
+
+
+class StorageTier:
+    def __init__(self, controller: HybridCacheController, backend: StorageBackend, tg: asyncio.TaskGroup) -> None:
+        self.controller = controller
+        self.tree = controller.tree
+        self.backend = backend
+        self._tg = tg
+        self._sem = asyncio.Semaphore(controller.config.max_backups_in_flight)
+        self._in_flight: set[asyncio.Task[None]] = set()
+        self.counts: Counter[str] = Counter()
+
+    async def register(self) -> None:
+        for name, (_, host) in self.controller.pools.items():
+            if host is not None:
+                await self.backend.register_host_pool_v2(name, host)
+
+    async def drain(self) -> None:
+        while self._in_flight:
+            await asyncio.gather(*list(self._in_flight), return_exceptions=True)
+
+    # ---- backup ------------------------------------------------------------------------
+    def on_host_write(self, plan: Any) -> None:
+        """Called on the loop when a device → host backup completed."""
+        for node in plan.nodes:
+            if node.host_state is None or node.state_archived:
+                continue
+            if len(self._in_flight) >= self.controller.config.max_backups_in_flight:
+                self.counts["backup_skipped_busy"] += 1
+                continue
+            task = self._tg.create_task(self._archive(node), name="asynccache-backup")
+            self._in_flight.add(task)
+            task.add_done_callback(self._in_flight.discard)
+
+    def archive_now(self, node: Any) -> asyncio.Task[None]:
+        """Archive ``node`` (its path KV + state) in the background; returns the task."""
+        task = self._tg.create_task(self._archive(node), name="asynccache-backup")
+        self._in_flight.add(task)
+        task.add_done_callback(self._in_flight.discard)
+        return task
+
+    async def _archive(self, node: Any) -> None:
+        async with self._sem:
+            if node.host_state is None or node.state_archived:
+                return
+            path = _path_to_root(node)
+            if any(n.host_kv is None for n in path):
+                self.counts["backup_skipped_not_on_host"] += 1
+                return
+            self.tree.lock_host(node)
+            try:
+                keys: list[str] = []
+                indices: list[torch.Tensor] = []
+                for n in path:
+                    if not n.kv_archived:
+                        keys.extend(n.page_hashes)
+                        indices.append(n.host_kv)
+                kv = PoolTransfer(
+                    pool_name=PoolName.KV,
+                    keys=tuple(keys),
+                    host_indices=torch.cat(indices) if indices else torch.empty(0, dtype=torch.int64),
+                )
+                state = PoolTransfer(
+                    pool_name=PoolName.MAMBA,
+                    keys=(node.page_hashes[-1],),
+                    host_indices=torch.tensor([node.host_state], dtype=torch.int64),
+                )
+                results = await self.backend.batch_set_v2([kv, state])
+            except Exception as e:  # a backend failure is a skipped backup, never a crash
+                self.counts["backup_failed"] += 1
+                log.warning("backup to storage failed: %s", e)
+                return
+            finally:
+                self.tree.unlock_host(node)
+            kv_ok = all(results[0])
+            state_ok = kv_ok and all(results[1])
+            if kv_ok:
+                for n in path:
+                    self.tree.mark_archived(n, kv=True, state=(n is node and state_ok))
+            self.counts["backup_ok" if state_ok else "backup_failed"] += 1
+
+    # ---- prefetch ----------------------------------------------------------------------
+    async def prefetch(self, tokens: Any, match: Any, *, salt: str = "") -> PrefetchResult:
+        """Fetch from storage the part of ``tokens`` past ``match`` (see module docstring)."""
+        page = self.tree.spec.page_size
+        keys = list(match.page_hashes)
+        start_page = match.num_tokens // page
+        if len(keys) <= start_page:
+            return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
+        try:
+            exists = await self.backend.batch_exists_v2(
+                keys,
+                [
+                    PoolTransfer(pool_name=PoolName.KV, hit_policy=PoolHitPolicy.ALL_PAGES),
+                    PoolTransfer(pool_name=PoolName.MAMBA, hit_policy=PoolHitPolicy.TRAILING_PAGES),
+                ],
+            )
+        except Exception as e:
+            self.counts["prefetch_failed"] += 1
+            log.warning("storage lookup failed: %s", e)
+            return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
+        n = exists.num_hit_pages
+        if n <= start_page:
+            self.counts["prefetch_miss"] += 1
+            return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
+        return await self._fetch(tokens, match, keys, start_page, n, salt=salt)
+
+    async def _fetch(
+        self, tokens: Any, match: Any, keys: list[str], start_page: int, n: int, *, salt: str
+    ) -> PrefetchResult:
+        ctrl = self.controller
+        page = self.tree.spec.page_size
+        _, host_kv_pool = ctrl.pools[PoolName.KV]
+        _, host_state_pool = ctrl.pools[PoolName.MAMBA]
+        node = match.last_node
+        self.tree.lock(node)
+        self.tree.lock_host(node)
+        host_kv = host_slot = None
+        inserted = False
+        try:
+            host_kv = ctrl._alloc(host_kv_pool, n - start_page, device=False, kv=True)
+            host_slot = ctrl._alloc(host_state_pool, 1, device=False, kv=False)
+            if host_kv is None or host_slot is None:
+                self.counts["prefetch_no_room"] += 1
+                return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
+            results = await self.backend.batch_get_v2(
+                [
+                    PoolTransfer(pool_name=PoolName.KV, keys=tuple(keys[start_page:n]), host_indices=host_kv),
+                    PoolTransfer(pool_name=PoolName.MAMBA, keys=(keys[n - 1],), host_indices=host_slot),
+                ]
+            )
+            if not (all(results[0]) and all(results[1])):
+                self.counts["prefetch_incomplete"] += 1
+                return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
+            self.tree.insert_host(
+                tokens[: n * page],
+                host_kv,
+                start_page=start_page,
+                host_state={n * page: int(host_slot[0])},
+                salt=salt,
+            )
+            inserted = True
+            self.counts["prefetch_hit"] += 1
+            self.counts["prefetch_pages"] += n - start_page
+            return PrefetchResult(num_tokens=n * page, num_pages_fetched=n - start_page)
+        except Exception as e:
+            self.counts["prefetch_failed"] += 1
+            log.warning("prefetch from storage failed: %s", e)
+            return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
+        finally:
+            # Prefetches run as TaskGroup tasks that waiters never cancel (they stop waiting at the
+            # policy's deadline instead), so no read can still be landing in a slot freed here.
+            if not inserted:
+                if host_kv is not None and host_kv.numel():
+                    assert host_kv_pool is not None
+                    host_kv_pool.free(host_kv)
+                if host_slot is not None and host_slot.numel():
+                    assert host_state_pool is not None
+                    host_state_pool.free(host_slot)
+            self.tree.unlock(node)
+            self.tree.unlock_host(node)

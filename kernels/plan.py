@@ -1,0 +1,205 @@
+"""Launch planning for the item-copy kernel: word width, tile shape, grid (host-side, no Triton).
+
+Primitives:
+
+- ``CopyTuning(num_warps, tile_bytes, pipeline)`` — the per-direction knobs of the kernel.
+- ``DEFAULT_TUNING`` — measured defaults for ``"h2d"``, ``"d2h"`` and ``"d2d"`` copies
+  (docs/benchmarks.md, Transfer); ``DEFAULT_MAX_CTAS`` — the default CTA cap.
+- ``word_bytes_for(...)`` — the widest access (16, 8, 4, 2 or 1 bytes) that divides the item size,
+  every stride and both base addresses.
+- ``plan_copy(...) -> CopyPlan`` — everything the launcher passes to the kernel.
+
+How the work is cut. A copy moves ``num_layers × num_pairs`` items of ``item_words`` words. Each
+item is cut into ``num_chunks`` chunks of ``chunk_words`` (a power of two); one *task* is one
+chunk of one item of one layer, numbered chunk-fastest::
+
+    task = ((layer - layer_begin) · num_pairs + pair) · num_chunks + chunk
+
+One loop iteration of a CTA copies a tile of ``rows`` consecutive tasks (``rows × chunk_words``
+words: several small items, or several chunks of one large item, at once), so a CTA has a whole
+tile of loads in flight before its first store whatever the item size. With ``pipeline`` the
+next tile's loads are issued before the current tile's stores (two tiles in flight). A CTA
+walks iterations ``pid, pid + grid, …`` (persistent loop), so ``grid ≤ max_ctas`` bounds the SMs
+a copy occupies while a forward pass runs next to it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from asynccache.errors import TransferError
+
+__all__ = [
+    "CopyTuning",
+    "CopyPlan",
+    "DEFAULT_MAX_CTAS",
+    "DEFAULT_TUNING",
+    "MAX_CHUNK_BYTES",
+    "word_bytes_for",
+    "choose_chunk_words",
+    "plan_copy",
+]
+
+#: Default cap on the CTAs of one copy launch (the controller config may override it per call).
+DEFAULT_MAX_CTAS = 8
+
+#: Largest chunk of one item that one tile row covers: rows of 4 KiB keep the tile shape (and so
+#: the compiled kernel) the same for every item size that is a multiple of 4 KiB.
+MAX_CHUNK_BYTES = 4096
+
+_WORD_DTYPES: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CopyTuning:
+    """Kernel knobs for one copy direction.
+
+    ``num_warps``: warps per CTA (more warps, more loads in flight per SM). ``tile_bytes``: bytes
+    one CTA loads per loop iteration (a power of two ≥ 32). ``pipeline``: issue the next tile's
+    loads before storing the current tile.
+    """
+
+    num_warps: int = 16
+    tile_bytes: int = 32768
+    pipeline: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_warps not in (1, 2, 4, 8, 16, 32):
+            raise TransferError(f"num_warps must be a power of two in 1..32, got {self.num_warps}")
+        if self.tile_bytes < 32 or self.tile_bytes & (self.tile_bytes - 1):
+            raise TransferError(f"tile_bytes must be a power of two >= 32, got {self.tile_bytes}")
+
+
+#: Per-direction defaults: ``h2d`` reads pinned host memory over PCIe (latency-bound: many bytes
+#: in flight per CTA), ``d2h`` writes it (posted writes), ``d2d`` stays in HBM.
+DEFAULT_TUNING: dict[str, CopyTuning] = {
+    "h2d": CopyTuning(num_warps=16, tile_bytes=32768, pipeline=True),
+    "d2h": CopyTuning(num_warps=16, tile_bytes=32768, pipeline=True),
+    "d2d": CopyTuning(num_warps=8, tile_bytes=16384, pipeline=True),
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CopyPlan:
+    """One launch, fully described (sizes and strides in words of ``word_bytes``)."""
+
+    word_bytes: int
+    word_dtype: torch.dtype
+    align_words: int  # every row start is a multiple of this many words (16-byte vectors when 4)
+    item_words: int
+    chunk_words: int
+    num_chunks: int
+    rows: int
+    num_pairs: int
+    layer_begin: int
+    num_layers: int
+    num_tasks: int
+    num_iters: int
+    grid: int
+    src_layer_stride: int
+    src_item_stride: int
+    dst_layer_stride: int
+    dst_item_stride: int
+    tuning: CopyTuning
+
+    @property
+    def even(self) -> bool:
+        """True when chunks tile every item exactly (no column mask needed)."""
+        return self.num_chunks * self.chunk_words == self.item_words
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_layers * self.num_pairs * self.item_words * self.word_bytes
+
+
+def word_bytes_for(*values: int) -> int:
+    """Largest power of two ≤ 16 dividing every value (sizes, strides, addresses in bytes)."""
+    word = 16
+    for v in values:
+        while word > 1 and v % word:
+            word //= 2
+    return word
+
+
+def choose_chunk_words(item_words: int, *, align_words: int, max_chunk_words: int) -> int:
+    """Largest power-of-two chunk ≤ ``max_chunk_words`` whose padding wastes ≤ 1/8 of the lanes.
+
+    ``align_words`` (a power of two dividing ``item_words``) always qualifies (no padding), so a
+    chunk is always found; chunks never go below it so every row start stays aligned.
+    """
+    if item_words <= 0 or align_words <= 0 or item_words % align_words:
+        raise TransferError(f"bad chunking: {item_words} words aligned to {align_words}")
+    limit = max(align_words, max_chunk_words)
+    chunk = 1 << (limit.bit_length() - 1)
+    while chunk > align_words:
+        padded = math.ceil(item_words / chunk) * chunk
+        if (padded - item_words) * 8 <= padded:
+            return chunk
+        chunk //= 2
+    return align_words
+
+
+def plan_copy(
+    *,
+    item_bytes: int,
+    src_layer_stride_bytes: int,
+    src_item_stride_bytes: int,
+    dst_layer_stride_bytes: int,
+    dst_item_stride_bytes: int,
+    src_address: int,
+    dst_address: int,
+    num_pairs: int,
+    layer_begin: int,
+    layer_end: int,
+    max_ctas: int,
+    tuning: CopyTuning,
+) -> CopyPlan:
+    """Plan one launch; ``num_pairs`` and the layer range must be non-empty."""
+    if num_pairs <= 0 or layer_end <= layer_begin:
+        raise TransferError("plan_copy needs at least one item pair and one layer")
+    if max_ctas < 1:
+        raise TransferError(f"max_ctas must be >= 1, got {max_ctas}")
+    word = word_bytes_for(
+        item_bytes,
+        src_layer_stride_bytes,
+        src_item_stride_bytes,
+        dst_layer_stride_bytes,
+        dst_item_stride_bytes,
+        src_address,
+        dst_address,
+    )
+    elem = min(word, 4)  # 16- and 8-byte words are int32 vectors of 4 or 2 (Triton vectorizes them)
+    align = word // elem
+    tile_words = max(tuning.tile_bytes // elem, 2 * align)
+    item_words = item_bytes // elem
+    chunk = choose_chunk_words(
+        item_words, align_words=align, max_chunk_words=min(MAX_CHUNK_BYTES // elem, tile_words // 2)
+    )
+    num_chunks = math.ceil(item_words / chunk)
+    rows = max(2, tile_words // chunk)
+    num_layers = layer_end - layer_begin
+    num_tasks = num_layers * num_pairs * num_chunks
+    num_iters = math.ceil(num_tasks / rows)
+    return CopyPlan(
+        word_bytes=word,
+        word_dtype=_WORD_DTYPES[elem],
+        align_words=align,
+        item_words=item_words,
+        chunk_words=chunk,
+        num_chunks=num_chunks,
+        rows=rows,
+        num_pairs=num_pairs,
+        layer_begin=layer_begin,
+        num_layers=num_layers,
+        num_tasks=num_tasks,
+        num_iters=num_iters,
+        grid=min(max_ctas, num_iters),
+        src_layer_stride=src_layer_stride_bytes // elem,
+        src_item_stride=src_item_stride_bytes // elem,
+        dst_layer_stride=dst_layer_stride_bytes // elem,
+        dst_item_stride=dst_item_stride_bytes // elem,
+        tuning=tuning,
+    )

@@ -1,0 +1,202 @@
+"""IndexAllocator: all-or-nothing alloc, strict free, and a model-based property test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asynccache.errors import AllocationError
+from asynccache.pools.allocator import IndexAllocator
+
+
+def make_allocator(size: int = 8) -> IndexAllocator:
+    return IndexAllocator(size, name="test_pool")
+
+
+def test_alloc_returns_distinct_int64_cpu_indices() -> None:
+    alloc = make_allocator(8)
+    got = alloc.alloc(5)
+    assert got is not None
+    assert got.dtype == torch.int64
+    assert got.device.type == "cpu"
+    assert len(set(got.tolist())) == 5
+    assert all(0 <= i < 8 for i in got.tolist())
+    assert alloc.num_free == 3
+    assert alloc.num_used == 5
+    assert all(alloc.is_allocated(i) for i in got.tolist())
+
+
+def test_fresh_allocator_hands_out_lowest_indices_first() -> None:
+    alloc = make_allocator(6)
+    first = alloc.alloc(3)
+    assert first is not None
+    assert first.tolist() == [0, 1, 2]
+
+
+def test_alloc_free_round_trip_restores_counts_and_indices() -> None:
+    alloc = make_allocator(4)
+    got = alloc.alloc(4)
+    assert got is not None
+    assert alloc.num_free == 0
+    alloc.free(got)
+    assert alloc.num_free == 4
+    assert alloc.allocated_indices().tolist() == []
+    again = alloc.alloc(4)
+    assert again is not None
+    assert sorted(again.tolist()) == [0, 1, 2, 3]
+
+
+def test_exhaustion_returns_none_and_takes_nothing() -> None:
+    alloc = make_allocator(5)
+    held = alloc.alloc(3)
+    assert held is not None
+    assert alloc.alloc(3) is None
+    assert alloc.num_free == 2
+    assert sorted(alloc.allocated_indices().tolist()) == sorted(held.tolist())
+    rest = alloc.alloc(2)
+    assert rest is not None
+    assert alloc.alloc(1) is None
+    assert alloc.num_free == 0
+
+
+def test_alloc_zero_returns_empty_tensor_and_changes_nothing() -> None:
+    alloc = make_allocator(3)
+    got = alloc.alloc(0)
+    assert got is not None
+    assert got.numel() == 0
+    assert got.dtype == torch.int64
+    assert alloc.num_free == 3
+
+
+def test_alloc_zero_on_an_empty_pool_is_not_none() -> None:
+    alloc = make_allocator(0)
+    got = alloc.alloc(0)
+    assert got is not None and got.numel() == 0
+    assert alloc.alloc(1) is None
+
+
+def test_negative_alloc_raises() -> None:
+    alloc = make_allocator(3)
+    with pytest.raises(ValueError, match="-1"):
+        alloc.alloc(-1)
+    assert alloc.num_free == 3
+
+
+def test_negative_size_raises() -> None:
+    with pytest.raises(ValueError, match="size"):
+        IndexAllocator(-1)
+
+
+def test_double_free_raises_and_frees_nothing_of_that_call() -> None:
+    alloc = make_allocator(6)
+    a = alloc.alloc(2)
+    b = alloc.alloc(2)
+    assert a is not None and b is not None
+    alloc.free(a)
+    free_before = alloc.num_free
+    # b is valid, a[0] was already freed: the whole call must be rejected.
+    mixed = torch.cat([b, a[:1]])
+    with pytest.raises(AllocationError, match="double free"):
+        alloc.free(mixed)
+    assert alloc.num_free == free_before
+    assert all(alloc.is_allocated(i) for i in b.tolist())
+    alloc.free(b)
+    assert alloc.num_free == 6
+
+
+def test_free_of_never_allocated_index_raises() -> None:
+    alloc = make_allocator(4)
+    with pytest.raises(AllocationError, match="double free"):
+        alloc.free([2])
+    assert alloc.num_free == 4
+
+
+@pytest.mark.parametrize("bad", [-1, 4, 100])
+def test_out_of_range_index_raises_and_frees_nothing(bad: int) -> None:
+    alloc = make_allocator(4)
+    held = alloc.alloc(2)
+    assert held is not None
+    with pytest.raises(AllocationError, match="outside"):
+        alloc.free(held.tolist() + [bad])
+    assert alloc.num_free == 2
+    assert all(alloc.is_allocated(i) for i in held.tolist())
+
+
+def test_duplicates_in_one_free_call_raise_and_free_nothing() -> None:
+    alloc = make_allocator(4)
+    held = alloc.alloc(2)
+    assert held is not None
+    with pytest.raises(AllocationError, match="duplicate"):
+        alloc.free(torch.tensor([held[0].item(), held[0].item()]))
+    assert alloc.num_free == 2
+    assert alloc.is_allocated(int(held[0]))
+
+
+def test_float_index_tensor_is_rejected() -> None:
+    alloc = make_allocator(4)
+    held = alloc.alloc(2)
+    assert held is not None
+    with pytest.raises(AllocationError, match="integer"):
+        alloc.free(held.to(torch.float32))
+    assert alloc.num_free == 2
+
+
+def test_free_accepts_lists_and_empty_input() -> None:
+    alloc = make_allocator(4)
+    held = alloc.alloc(3)
+    assert held is not None
+    alloc.free([])
+    alloc.free(torch.empty(0, dtype=torch.int64))
+    assert alloc.num_free == 1
+    alloc.free(held.tolist())
+    assert alloc.num_free == 4
+
+
+# ---- property test -----------------------------------------------------------------------
+
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("alloc"), st.integers(min_value=0, max_value=12)),
+        st.tuples(st.just("free"), st.integers(min_value=0, max_value=2**16)),
+        st.tuples(st.just("double_free"), st.integers(min_value=0, max_value=2**16)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(size=st.integers(min_value=0, max_value=16), ops=_ops)
+def test_random_alloc_free_sequences_match_a_model_set(size: int, ops: list[tuple[str, int]]) -> None:
+    alloc = make_allocator(size)
+    held: list[list[int]] = []  # batches currently allocated, in allocation order
+    model: set[int] = set()
+    for op, arg in ops:
+        if op == "alloc":
+            got = alloc.alloc(arg)
+            if arg > size - len(model):
+                assert got is None
+            else:
+                assert got is not None
+                batch = got.tolist()
+                assert len(batch) == arg
+                assert len(set(batch)) == arg
+                assert all(0 <= i < size for i in batch)
+                assert not (set(batch) & model), "an index was handed out twice"
+                model |= set(batch)
+                if batch:
+                    held.append(batch)
+        elif op == "free" and held:
+            batch = held.pop(arg % len(held))
+            alloc.free(torch.tensor(batch, dtype=torch.int64))
+            model -= set(batch)
+        elif op == "double_free" and size > 0:
+            free_index = [i for i in range(size) if i not in model]
+            if free_index:
+                victim = free_index[arg % len(free_index)]
+                with pytest.raises(AllocationError):
+                    alloc.free([victim])
+        assert alloc.num_used == len(model)
+        assert alloc.num_free == size - len(model)
+        assert set(alloc.allocated_indices().tolist()) == model
