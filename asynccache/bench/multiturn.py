@@ -1,0 +1,287 @@
+"""``asynccache bench multiturn``: multi-turn conversations served through the cache.
+
+N clients × R rounds (``asynccache.reference.workload``), run round by round with at most
+``--max-parallel`` requests in flight, under four modes that differ only in the tiers enabled:
+
+=====================  ==================================================================
+``no-offload``         device tier only
+``kv-offload``         + host KV tier; Mamba states only on the device (reference baseline)
+``kv+mamba-offload``   + host state tier
+``kv+mamba+storage``   + L3 storage (``--storage URI``, default a temporary directory);
+                       device and host tiers flushed between rounds, so hits come from storage
+=====================  ==================================================================
+
+Reports per mode: hit rate (cached ÷ prompt tokens), the workload's ideal hit rate, TTFT
+mean/p50/p99 overall and per round, throughput; a table, a PNG plot (``--plot``) and ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from asynccache.cache import HybridCache
+from asynccache.config import HybridCacheConfig
+from asynccache.reference.model import HybridModel
+from asynccache.reference.scheduler import RequestResult, Scheduler, SchedulerConfig
+from asynccache.reference.workload import ProcessedPrefixes, make_conversations
+from asynccache.spec import HybridSpec, dtype_from_name
+
+MODES = ("no-offload", "kv-offload", "kv+mamba-offload", "kv+mamba+storage")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--clients", type=int, default=8, help="concurrent conversations (default 8)")
+    p.add_argument("--rounds", type=int, default=4, help="rounds per conversation (default 4)")
+    p.add_argument("--request-len", type=int, default=96, help="tokens of each new question (default 96)")
+    p.add_argument("--output-len", type=int, default=16, help="tokens generated per answer (default 16)")
+    p.add_argument("--max-parallel", type=int, default=4, help="requests in flight at once (default 4)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    p.add_argument("--preset", default="tiny", help="model preset (tiny, hybrid-3b, …) or an HF config path")
+    p.add_argument("--page-size", type=int, default=1, help="tokens per KV page (default 1)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="model dtype (default: fp32 on CPU, bf16 on CUDA)")
+    p.add_argument("--device-kv-pages", type=int, default=None, help="device KV pages (default: fits ~3 clients)")
+    p.add_argument("--device-state-slots", type=int, default=None, help="device state slots (default: < clients)")
+    p.add_argument("--host-kv-bytes", type=int, default=None, help="host KV bytes (default: holds every client)")
+    p.add_argument("--host-state-bytes", type=int, default=None, help="host state bytes (default: 4 per client)")
+    p.add_argument("--storage", default=None, help="storage URI for kv+mamba+storage (default: temp directory)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", dest="json_path", default=None, help="write results as JSON to this path")
+    p.add_argument("--plot", default=None, help="write a PNG of hit rate and TTFT per round to this path")
+
+
+@dataclass(slots=True)
+class ModeResult:
+    results: list[list[RequestResult]] = field(default_factory=list)  # per round
+    ideal: list[list[int]] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        flat = [r for rnd in self.results for r in rnd]
+        prompt = sum(r.prompt_tokens for r in flat)
+        cached = sum(r.cached_tokens for r in flat)
+        ideal = sum(sum(i) for i in self.ideal)
+        ttft = np.array([r.ttft_s * 1e3 for r in flat])
+        out_tokens = sum(len(r.output_ids) for r in flat)
+        by_tier = {t: sum(r.cached_by_tier.get(t, 0) for r in flat) for t in ("device", "host", "storage")}
+        return {
+            "hit_rate": cached / prompt,
+            "ideal_hit_rate": ideal / prompt,
+            "fraction_of_ideal": cached / ideal if ideal else 1.0,
+            "cached_by_tier": by_tier,
+            "ttft_ms": {
+                "mean": float(ttft.mean()),
+                "p50": float(np.percentile(ttft, 50)),
+                "p99": float(np.percentile(ttft, 99)),
+            },
+            "throughput_tok_s": (prompt + out_tokens) / self.wall_s if self.wall_s else 0.0,
+            "rounds": [
+                {
+                    "hit_rate": sum(r.cached_tokens for r in rnd) / sum(r.prompt_tokens for r in rnd),
+                    "ideal_hit_rate": sum(ide) / sum(r.prompt_tokens for r in rnd),
+                    "ttft_ms_mean": float(np.mean([r.ttft_s * 1e3 for r in rnd])),
+                }
+                for rnd, ide in zip(self.results, self.ideal, strict=True)
+            ],
+        }
+
+
+def _default_budgets(args: argparse.Namespace, spec: HybridSpec) -> dict[str, int]:
+    page = spec.page_size
+    conv_tokens = args.rounds * (args.request_len + args.output_len)
+    pages_per_conv = -(-conv_tokens // page)
+    # Working set of the requests in flight (pages + a private slot and ≤ 3 snapshots each).
+    working_pages = args.max_parallel * (pages_per_conv + 1)
+    return {
+        "device_kv_pages": args.device_kv_pages or working_pages + 3 * pages_per_conv,
+        "device_state_slots": args.device_state_slots or 4 * args.max_parallel + max(1, args.clients // 4),
+        "host_kv_bytes": args.host_kv_bytes or 2 * args.clients * pages_per_conv * spec.kv_page_bytes,
+        "host_state_bytes": args.host_state_bytes or 4 * args.clients * args.rounds * spec.state_bytes,
+    }
+
+
+def _mode_config(mode: str, budgets: dict[str, int], storage_uri: str | None) -> HybridCacheConfig:
+    host_kv = budgets["host_kv_bytes"] if mode != "no-offload" else 0
+    host_state = budgets["host_state_bytes"] if mode in ("kv+mamba-offload", "kv+mamba+storage") else 0
+    return HybridCacheConfig(
+        device_kv_pages=budgets["device_kv_pages"],
+        device_state_slots=budgets["device_state_slots"],
+        host_kv_bytes=host_kv,
+        host_state_bytes=host_state,
+        write_policy="write_through",
+        storage_uri=storage_uri if mode == "kv+mamba+storage" else None,
+        prefetch_policy="wait_complete",
+    )
+
+
+async def run_mode(
+    mode: str,
+    *,
+    model: HybridModel,
+    spec: HybridSpec,
+    args: argparse.Namespace,
+    budgets: dict[str, int],
+    storage_uri: str | None,
+    progress: Any,
+) -> ModeResult:
+    convs = make_conversations(
+        num_clients=args.clients,
+        num_rounds=args.rounds,
+        request_len=args.request_len,
+        vocab_size=spec.vocab_size,
+        seed=args.seed,
+    )
+    cfg = _mode_config(mode, budgets, storage_uri)
+    res = ModeResult()
+    seen = ProcessedPrefixes()
+    history: list[list[int]] = [[] for _ in convs]
+    sem = asyncio.Semaphore(args.max_parallel)
+    t0 = time.perf_counter()
+    async with HybridCache(spec, cfg, device=args.device) as cache, Scheduler(
+        model, cache, SchedulerConfig(max_running=args.max_parallel, chunk_size=4096, max_batch_tokens=16384)
+    ) as sched:
+
+        async def one(c: int, prompt: list[int]) -> RequestResult:
+            async with sem:
+                r = await sched.generate(prompt, args.output_len)
+            progress()
+            return r
+
+        for rnd in range(args.rounds):
+            prompts = [convs[c].prompt(rnd, history[c]) for c in range(len(convs))]
+            res.ideal.append([seen.ideal_cached(p) for p in prompts])
+            results = await asyncio.gather(*(one(c, p) for c, p in enumerate(prompts)))
+            res.results.append(list(results))
+            for c, (p, r) in enumerate(zip(prompts, results, strict=True)):
+                history[c] = p + r.output_ids
+                seen.add(p + r.output_ids[:-1])
+            if mode == "kv+mamba+storage":
+                await cache.controller.wait_idle()
+                if cache.controller.tiering is not None:
+                    await cache.controller.tiering.drain()
+                cache.flush_device()
+                cache.flush_host()
+    res.wall_s = time.perf_counter() - t0
+    return res
+
+
+def _progress_printer(total: int) -> Any:
+    done = 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        width = 30
+        filled = width * done // total
+        sys.stderr.write(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} requests")
+        if done == total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return tick
+
+
+def _print_tables(summaries: dict[str, dict[str, Any]]) -> None:
+    print()
+    print(f"{'mode':<20}{'hit rate':>9}{'ideal':>8}{'of ideal':>9}{'TTFT mean':>11}{'p50':>9}{'p99':>9}{'tok/s':>10}")
+    for mode, s in summaries.items():
+        t = s["ttft_ms"]
+        print(
+            f"{mode:<20}{s['hit_rate']:>9.3f}{s['ideal_hit_rate']:>8.3f}{s['fraction_of_ideal']:>9.3f}"
+            f"{t['mean']:>9.1f}ms{t['p50']:>7.1f}ms{t['p99']:>7.1f}ms{s['throughput_tok_s']:>10.0f}"
+        )
+    print()
+    print("per round: hit rate / TTFT mean (ms)")
+    rounds = len(next(iter(summaries.values()))["rounds"])
+    print(f"{'mode':<20}" + "".join(f"{'round ' + str(i):>18}" for i in range(rounds)))
+    for mode, s in summaries.items():
+        cells = "".join(f"{r['hit_rate']:>9.3f} /{r['ttft_ms_mean']:>7.1f}" for r in s["rounds"])
+        print(f"{mode:<20}{cells}")
+
+
+def _plot(summaries: dict[str, dict[str, Any]], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode, s in summaries.items():
+        xs = list(range(len(s["rounds"])))
+        ax1.plot(xs, [r["hit_rate"] for r in s["rounds"]], marker="o", label=mode)
+        ax2.plot(xs, [r["ttft_ms_mean"] for r in s["rounds"]], marker="o", label=mode)
+    first = next(iter(summaries.values()))
+    ax1.plot(
+        range(len(first["rounds"])), [r["ideal_hit_rate"] for r in first["rounds"]], "k--", label="ideal"
+    )
+    ax1.set(xlabel="round", ylabel="cache hit rate", title="hit rate per round", ylim=(0, 1))
+    ax2.set(xlabel="round", ylabel="TTFT mean (ms)", title="TTFT per round")
+    ax1.legend(fontsize=8)
+    ax2.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        print(f"unknown modes {unknown}; known: {list(MODES)}", file=sys.stderr)
+        return 2
+    if args.preset.endswith(".json") or Path(args.preset).is_dir():
+        spec = HybridSpec.from_hf_config(args.preset, page_size=args.page_size)
+    else:
+        spec = HybridSpec.preset(args.preset, page_size=args.page_size)
+    dtype = dtype_from_name(args.dtype) if args.dtype else (torch.bfloat16 if args.device != "cpu" else torch.float32)
+    model = HybridModel(spec, device=args.device, dtype=dtype, seed=args.seed)
+    budgets = _default_budgets(args, spec)
+    print(
+        f"multiturn: {args.clients} clients × {args.rounds} rounds, question {args.request_len} tokens, "
+        f"answer {args.output_len} tokens, ≤{args.max_parallel} in flight; model {args.preset} on {args.device} "
+        f"({dtype}), page {spec.page_size}; budgets {budgets}"
+    )
+    summaries: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="asynccache-multiturn-") as tmp:
+        storage_uri = args.storage or Path(tmp).as_uri()
+        for mode in modes:
+            print(f"mode {mode}" + (f" (storage {storage_uri})" if mode == "kv+mamba+storage" else ""))
+            res = asyncio.run(
+                run_mode(
+                    mode,
+                    model=model,
+                    spec=spec,
+                    args=args,
+                    budgets=budgets,
+                    storage_uri=storage_uri,
+                    progress=_progress_printer(args.clients * args.rounds),
+                ),
+                loop_factory=_loop_factory(),
+            )
+            summaries[mode] = res.summary()
+    _print_tables(summaries)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps({"modes": summaries, "budgets": budgets}, indent=2))
+        print(f"wrote {args.json_path}")
+    if args.plot:
+        _plot(summaries, args.plot, f"{args.preset} on {args.device}: {args.clients}×{args.rounds}")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _loop_factory() -> Any:
+    import uvloop
+
+    return uvloop.new_event_loop
