@@ -288,7 +288,9 @@ def parse_hf_config(
         head_dim = _first_int(cfg, ("head_dim", "attention_head_dim"), mt)
     else:
         if num_heads <= 0 or hidden % num_heads:
-            raise SpecError(f"{mt} config has no 'head_dim' and hidden_size={hidden} does not split into {num_heads} heads")
+            raise SpecError(
+                f"{mt} config has no 'head_dim' and hidden_size={hidden} does not split into {num_heads} heads"
+            )
         head_dim = hidden // num_heads
     model_dtype = dtype_from_name(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
     kv_heads = shard_kv_heads(num_kv_heads, tp_size)

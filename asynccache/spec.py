@@ -138,6 +138,8 @@ class LinearGeometry:
     def groups_per_rank(self, tp_size: int = 1) -> int:
         """Mamba2 B/C groups held by one TP rank: ``n_groups / tp_size``, or 1 when a single
         group is replicated on every rank. Other non-divisible counts raise :class:`SpecError`."""
+        if tp_size <= 0:
+            raise SpecError(f"tp_size must be positive, got {tp_size}")
         if self.n_groups % tp_size == 0:
             return self.n_groups // tp_size
         if self.n_groups == 1:

@@ -1,9 +1,9 @@
 """Host pools: pinned (or, without an accelerator, pageable) mirrors of the device pools.
 
 ``HostKVPool`` and ``MambaPoolHost`` are sized independently, in bytes (``size_bytes``), in items
-(``num_pages`` / ``num_slots``) or as a ratio of a device pool (``ratio`` × its items). Layout ``layer_first``
-mirrors the device; ``page_first`` keeps one page / state contiguous across layers so it is one
-storage object with no repacking (see ``asynccache.pools.base`` for the diagrams).
+(``num_pages`` / ``num_slots``) or as a ratio of a device pool (``ratio`` × its items). Layout
+``layer_first`` mirrors the device; ``page_first`` keeps one page / state contiguous across layers
+so it is one storage object with no repacking (see ``asynccache.pools.base`` for the diagrams).
 """
 
 from __future__ import annotations
