@@ -1,0 +1,186 @@
+"""The reference hybrid model: attention + Gated DeltaNet layers over the cache's device pools.
+
+Primitives:
+
+- :class:`HybridModel` — built from a :class:`~asynccache.spec.HybridSpec` (Qwen3-Next-shaped:
+  attention at ``spec.attention_layer_ids``, Gated DeltaNet at ``spec.mamba_layer_ids``, an
+  MLP-only block at any other id), random weights from a seed or loaded from safetensors.
+  ``await model.forward(batch, kv_pool, state_pool, counter)`` computes a :class:`ForwardBatch`
+  and returns the fp32 logits of each sequence's last new token.
+- :class:`SequenceInput`, :class:`ForwardBatch` (from ``asynccache.reference.batch``).
+
+Structure: embedding → per layer [RMSNorm → attention | gated DeltaNet → residual → RMSNorm →
+SwiGLU MLP → residual] → RMSNorm → LM head. Attention layers write the new tokens' K/V into the
+paged ``DeviceKVPool`` and read keys ``[0, end)`` from it; recurrent layers resume from the
+working slot of the ``DeviceMambaPool`` (zeros when ``start == 0``), write it back and emit
+snapshots (conv state: the last ``kernel − 1`` conv inputs in the model dtype; recurrent state:
+fp32 ``[v_heads, k_dim, v_dim]``).
+
+Contract with the cache (see docs/architecture.md, "Scheduler conventions"):
+
+- ``await counter.wait(layer_id)`` runs exactly once per cached layer per forward, before that
+  layer first reads or writes the pools (global ids; MLP-only ids are not awaited). The working
+  slot of a recurrent layer is read only after its wait, so a wait may seed it.
+- A forward with snapshots at P computes exactly what forward calls split at P compute (each
+  segment runs through all layers before the next; see ``asynccache.reference.batch``), so the
+  same inputs with the same segmentation give the same bits, a snapshot at p equals the state a
+  call ending at p leaves behind, and a sequence's result does not depend on where its KV pages
+  are. With ``pack_sequences=False`` (the default on CPU) every sequence runs alone, so its result
+  does not depend on the rest of the batch either; packed (the default on CUDA), sequences of a
+  pass share matrix products whose rounding may depend on the batch's shape.
+- Recurrent segments of one token use the exact recurrence; longer ones the chunked form with
+  chunks starting at the segment start (both fp32; see ``asynccache.reference.gdn``).
+"""
+
+from __future__ import annotations
+
+from os import PathLike
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asynccache.errors import ConfigError
+from asynccache.layer_counter import LayerTransferCounter
+from asynccache.pools import DeviceKVPool, DeviceMambaPool
+from asynccache.reference.batch import ForwardBatch, SequenceInput, plan_passes
+from asynccache.reference.context import build_pass_context
+from asynccache.reference.layers import DecoderLayer, RMSNorm
+from asynccache.reference.weights import init_random_, load_tensors_, read_safetensors, save_safetensors
+from asynccache.spec import HybridSpec
+
+__all__ = ["HybridModel", "SequenceInput", "ForwardBatch"]
+
+
+class _Backbone(nn.Module):
+    def __init__(self, spec: HybridSpec, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, dtype=dtype) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, dtype=dtype)
+
+
+class HybridModel(nn.Module):
+    """A hybrid attention + Gated DeltaNet language model computing on the cache's pools.
+
+    ``weights``: a ``{name: tensor}`` mapping to load instead of the seeded random init (see
+    :meth:`from_safetensors`). ``pack_sequences``: compute the sequences of a batch together
+    (``None``: on CUDA only).
+    """
+
+    def __init__(
+        self,
+        spec: HybridSpec,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+        weights: dict[str, torch.Tensor] | None = None,
+        pack_sequences: bool | None = None,
+    ) -> None:
+        super().__init__()
+        _check_spec(spec)
+        self.spec = spec
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.pack_sequences = self.device.type == "cuda" if pack_sequences is None else pack_sequences
+        with torch.device("meta"):
+            self.model = _Backbone(spec, dtype=dtype)
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
+        self.to_empty(device=self.device)
+        self.requires_grad_(False)
+        if weights is None:
+            init_random_(self, seed=seed, num_layers=spec.num_layers)
+        else:
+            load_tensors_(self, weights)
+        self._cached_layer_ids = frozenset(spec.cached_layer_ids)
+
+    # ---- weights -----------------------------------------------------------------------
+    @classmethod
+    def from_safetensors(
+        cls,
+        spec: HybridSpec,
+        path: str | PathLike[str],
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        pack_sequences: bool | None = None,
+    ) -> HybridModel:
+        """Load weights written by :meth:`save_safetensors` (or any file with the same names and shapes)."""
+        return cls(spec, device=device, dtype=dtype, weights=read_safetensors(path, device=device), pack_sequences=pack_sequences)
+
+    def save_safetensors(self, path: str | PathLike[str]) -> None:
+        """Write every parameter to ``path`` (safetensors, Hugging Face-style names)."""
+        save_safetensors(self, path, metadata={"model_id": self.spec.model_id, "num_layers": str(self.spec.num_layers)})
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    # ---- forward -----------------------------------------------------------------------
+    async def forward(  # type: ignore[override]
+        self,
+        batch: ForwardBatch,
+        kv_pool: DeviceKVPool,
+        state_pool: DeviceMambaPool,
+        counter: LayerTransferCounter | None = None,
+    ) -> torch.Tensor:
+        """Compute ``batch``; return fp32 logits ``[num_seqs, vocab]`` of each sequence's last new token.
+
+        Mutates: the KV pages at the new positions, each working slot, each snapshot slot.
+        Runs on the caller's current CUDA stream; never synchronises the host.
+        """
+        self._check_pools(kv_pool, state_pool)
+        spec = self.spec
+        passes = plan_passes(
+            batch.sequences,
+            page_size=spec.page_size,
+            num_pages=kv_pool.num_items,
+            num_slots=state_pool.num_items,
+            pack=self.pack_sequences,
+        )
+        logits = torch.empty(len(batch.sequences), spec.vocab_size, dtype=torch.float32, device=self.device)
+        for pass_index, segments in enumerate(passes):
+            ctx = build_pass_context(segments, page_size=spec.page_size, head_dim=spec.head_dim, device=self.device)
+            h = F.embedding(ctx.token_ids, self.model.embed_tokens.weight)
+            for layer in self.model.layers:
+                if pass_index == 0 and counter is not None and layer.layer_id in self._cached_layer_ids:
+                    await counter.wait(layer.layer_id)
+                h = layer(h, ctx, kv_pool, state_pool)
+            if ctx.logit_seq_indices:
+                last = self.model.norm(h[ctx.logit_rows])
+                logits[list(ctx.logit_seq_indices)] = self.lm_head(last).float()
+        return logits
+
+    def _check_pools(self, kv_pool: DeviceKVPool, state_pool: DeviceMambaPool) -> None:
+        ks, ss, spec = kv_pool.spec, state_pool.spec, self.spec
+        if (ks.attention_layer_ids, ks.page_size, ks.num_kv_heads, ks.head_dim) != (
+            spec.attention_layer_ids,
+            spec.page_size,
+            spec.num_kv_heads,
+            spec.head_dim,
+        ):
+            raise ConfigError(f"KV pool geometry does not match the model's spec {spec.model_id!r}")
+        if (ss.mamba_layer_ids, ss.state_components) != (spec.mamba_layer_ids, spec.state_components):
+            raise ConfigError(f"state pool geometry does not match the model's spec {spec.model_id!r}")
+        for pool in (kv_pool, state_pool):
+            if not pool.materialized:
+                raise ConfigError(f"{pool.name}: the model needs a materialized pool")
+            if pool.device.type != self.device.type:
+                raise ConfigError(f"{pool.name} is on {pool.device}, the model on {self.device}")
+
+
+def _check_spec(spec: HybridSpec) -> None:
+    if spec.tp_size != 1:
+        raise ConfigError("the reference model runs unsharded (tp_size=1)")
+    missing = [f for f in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size") if not getattr(spec, f)]
+    if missing:
+        raise ConfigError(f"spec {spec.model_id!r} lacks model dimensions {missing}")
+    if spec.mamba_layer_ids and (spec.linear is None or spec.linear.kind != "gated_deltanet"):
+        raise ConfigError(f"the reference model runs gated_deltanet recurrent layers, not {spec.linear and spec.linear.kind!r}")
+    overlap = set(spec.attention_layer_ids) & set(spec.mamba_layer_ids)
+    if overlap:
+        raise ConfigError(f"layers {sorted(overlap)} are both attention and recurrent; the reference model runs one per layer")
+    names = [c.name for c in spec.state_components]
+    if spec.mamba_layer_ids and names != ["conv", "ssm"]:
+        raise ConfigError(f"expected state components ['conv', 'ssm'], got {names}")

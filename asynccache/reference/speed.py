@@ -1,0 +1,211 @@
+"""Prefill throughput of the reference model (cold prompts, no cache), so cache benchmarks can
+check that time-to-first-token savings are not inflated by a slow model.
+
+Primitives:
+
+- :class:`PrefillResult` — one measurement (timed iterations, tokens/s, host enqueue time).
+- :func:`make_prefill_batch` — ``batch`` random prompts of ``seq_len`` tokens on their own pages and slots.
+- :func:`prefill_tokens_per_s` — build (or reuse) a model and pools, warm up, time full prefills.
+
+Command line (on a GPU)::
+
+    python -m asynccache.reference.speed --preset hybrid-3b --seq-len 8192 --batch 1 4 8 --profile
+
+Each timed iteration prefills every prompt from position 0 in one forward (no snapshots, so one
+pass) and synchronises the device before stopping the clock. ``enqueue_s`` is the host time until
+``forward`` returned, before the synchronisation: close to ``seconds`` means the run is bound by
+kernel launches, not by the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from asynccache.pools import DeviceKVPool, DeviceMambaPool
+from asynccache.reference.batch import ForwardBatch, SequenceInput
+from asynccache.reference.model import HybridModel
+from asynccache.spec import HybridSpec, dtype_from_name
+
+__all__ = ["PrefillResult", "make_prefill_batch", "prefill_tokens_per_s", "main"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillResult:
+    preset: str
+    seq_len: int
+    batch: int
+    device: str
+    dtype: str
+    num_parameters: int
+    seconds: tuple[float, ...]  # per timed iteration, synchronised
+    enqueue_s: tuple[float, ...]  # host time until forward returned
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch * self.seq_len / statistics.median(self.seconds)
+
+    def as_dict(self) -> dict[str, object]:
+        return {**asdict(self), "tokens_per_s": round(self.tokens_per_s, 1)}
+
+
+def make_prefill_batch(spec: HybridSpec, seq_len: int, batch: int, *, seed: int = 0) -> ForwardBatch:
+    """``batch`` random prompts of ``seq_len`` tokens; sequence i uses slot i and its own pages."""
+    gen = torch.Generator().manual_seed(seed)
+    pages_per_seq = -(-seq_len // spec.page_size)
+    return ForwardBatch(
+        sequences=tuple(
+            SequenceInput(
+                token_ids=torch.randint(0, spec.vocab_size, (seq_len,), generator=gen),
+                start=0,
+                kv_page_indices=torch.arange(i * pages_per_seq, (i + 1) * pages_per_seq, dtype=torch.int64),
+                state_slot=i,
+            )
+            for i in range(batch)
+        )
+    )
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def prefill_tokens_per_s(
+    preset: str = "hybrid-3b",
+    seq_len: int = 8192,
+    batch: int = 4,
+    *,
+    device: str | torch.device = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    warmup: int = 1,
+    iters: int = 3,
+    seed: int = 0,
+    model: HybridModel | None = None,
+) -> PrefillResult:
+    """Time ``iters`` cold prefills of ``batch × seq_len`` tokens after ``warmup`` untimed ones."""
+    spec = model.spec if model is not None else HybridSpec.preset(preset)
+    dev = torch.device(device)
+    if model is None:
+        model = HybridModel(spec, device=dev, dtype=dtype, seed=seed)
+    pages_per_seq = -(-seq_len // spec.page_size)
+    kv_pool = DeviceKVPool(spec, batch * pages_per_seq, device=dev)
+    state_pool = DeviceMambaPool(spec, batch, device=dev)
+    fwd_batch = make_prefill_batch(spec, seq_len, batch, seed=seed)
+
+    async def measure() -> tuple[list[float], list[float]]:
+        seconds, enqueue = [], []
+        for i in range(warmup + iters):
+            _sync(dev)
+            t0 = time.perf_counter()
+            await model.forward(fwd_batch, kv_pool, state_pool)
+            t1 = time.perf_counter()
+            _sync(dev)
+            t2 = time.perf_counter()
+            if i >= warmup:
+                enqueue.append(t1 - t0)
+                seconds.append(t2 - t0)
+        return seconds, enqueue
+
+    seconds, enqueue = asyncio.run(measure())
+    return PrefillResult(
+        preset=spec.model_id,
+        seq_len=seq_len,
+        batch=batch,
+        device=str(dev),
+        dtype=str(model.dtype).removeprefix("torch."),
+        num_parameters=model.num_parameters,
+        seconds=tuple(seconds),
+        enqueue_s=tuple(enqueue),
+    )
+
+
+def _set_tf32(enabled: bool) -> None:
+    """Let fp32 matrix products use TF32 (process-wide; the command line only)."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        matmul.fp32_precision = "tf32" if enabled else "ieee"
+    else:
+        matmul.allow_tf32 = enabled
+
+
+def _profile(model: HybridModel, seq_len: int, batch: int, row_limit: int = 30) -> str:
+    """A torch profiler table of one prefill, sorted by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    spec = model.spec
+    pages_per_seq = -(-seq_len // spec.page_size)
+    kv_pool = DeviceKVPool(spec, batch * pages_per_seq, device=model.device)
+    state_pool = DeviceMambaPool(spec, batch, device=model.device)
+    fwd_batch = make_prefill_batch(spec, seq_len, batch)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
+    async def prefill() -> None:
+        await model.forward(fwd_batch, kv_pool, state_pool)
+
+    asyncio.run(prefill())  # warm
+    with profile(activities=activities) as prof:
+        asyncio.run(prefill())
+        _sync(model.device)
+    averages = prof.key_averages()
+    keys = ("self_device_time_total", "self_cuda_time_total") if model.device.type == "cuda" else ()
+    for key in (*keys, "self_cpu_time_total"):
+        try:
+            return averages.table(sort_by=key, row_limit=row_limit)
+        except (AttributeError, KeyError, RuntimeError):
+            continue
+    return averages.table(row_limit=row_limit)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--preset", default="hybrid-3b")
+    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--batch", type=int, nargs="+", default=[4])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--tf32", action="store_true", help="also measure with TF32 fp32 matmuls (recurrent core)")
+    parser.add_argument("--profile", action="store_true", help="print a profiler table of one prefill (first batch size)")
+    parser.add_argument("--json", default=None, help="append results as JSON lines to this file")
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    dtype = dtype_from_name(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    if device.type == "cuda":
+        print(f"# {torch.cuda.get_device_name(device)}, torch {torch.__version__}", flush=True)
+    t0 = time.perf_counter()
+    model = HybridModel(HybridSpec.preset(args.preset), device=device, dtype=dtype)
+    _sync(device)
+    print(f"# built {args.preset}: {model.num_parameters / 1e9:.3f} B parameters in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    variants = [False, True] if args.tf32 else [False]
+    results = []
+    for tf32 in variants:
+        _set_tf32(tf32)
+        for batch in args.batch:
+            res = prefill_tokens_per_s(
+                args.preset, args.seq_len, batch, device=device, warmup=args.warmup, iters=args.iters, model=model
+            )
+            row = {**res.as_dict(), "tf32": tf32}
+            results.append(row)
+            print(json.dumps(row), flush=True)
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+    _set_tf32(False)
+    if args.profile:
+        print(_profile(model, args.seq_len, args.batch[0]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
