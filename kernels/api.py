@@ -97,23 +97,29 @@ def copy_items(
 ) -> int:
     """Copy items ``src[l, src_indices[i]] → dst[l, dst_indices[i]]`` for ``l`` in the layer range.
 
-    One call is one launch on CUDA (on ``stream``, default the current stream); on CPU it is
-    synchronous. Returns the number of bytes copied (counted also in accounting mode, where
+    One call is one launch on CUDA (on ``stream``, default the current stream; at most
+    ``max_ctas`` CTAs, default ``kernels.plan.DEFAULT_MAX_CTAS``); on CPU it is synchronous
+    torch indexing and ``max_ctas``/``stream`` are ignored. Returns the number of bytes copied (counted also in accounting mode, where
     nothing is copied). Layer positions are *local* to the pools (0 … num_layers-1).
     """
     layer_end = src.num_layers if layer_end is None else layer_end
+    if _on_cuda(src) or _on_cuda(dst):
+        # The launcher validates (the same checks plus device, pinning and overlap rules).
+        from kernels.triton_copy import launch_copy
+
+        launch_copy(src, dst, src_indices, dst_indices, layer_begin, layer_end, max_ctas=max_ctas, stream=stream)
+        return src_indices.numel() * (layer_end - layer_begin) * src.item_bytes
     validate_copy(src, dst, src_indices, dst_indices, layer_begin, layer_end)
     nbytes = src_indices.numel() * (layer_end - layer_begin) * src.item_bytes
     if nbytes == 0 or src.buffer is None:
         return nbytes
     assert dst.buffer is not None
-    if src.buffer.device.type == "cuda" or dst.buffer.device.type == "cuda":
-        from kernels.triton_copy import launch_copy
-
-        launch_copy(src, dst, src_indices, dst_indices, layer_begin, layer_end, max_ctas=max_ctas, stream=stream)
-        return nbytes
     _copy_torch(src, dst, src_indices, dst_indices, layer_begin, layer_end)
     return nbytes
+
+
+def _on_cuda(pool: PoolBufferLike) -> bool:
+    return pool.buffer is not None and pool.buffer.device.type == "cuda"
 
 
 def _copy_torch(

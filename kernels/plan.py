@@ -37,18 +37,19 @@ __all__ = [
     "CopyPlan",
     "DEFAULT_MAX_CTAS",
     "DEFAULT_TUNING",
-    "MAX_CHUNK_BYTES",
+    "INT32_TASK_LIMIT",
     "word_bytes_for",
     "choose_chunk_words",
     "plan_copy",
 ]
 
 #: Default cap on the CTAs of one copy launch (the controller config may override it per call).
+#: On the H200, 8 CTAs reach the ceiling of SM-issued PCIe traffic for 4 KiB…2 MiB items (H2D
+#: 0.92, D2H 0.94–0.95 of the DMA engine); 4 CTAs lose 4 KiB pages (docs/benchmarks.md).
 DEFAULT_MAX_CTAS = 8
 
-#: Largest chunk of one item that one tile row covers: rows of 4 KiB keep the tile shape (and so
-#: the compiled kernel) the same for every item size that is a multiple of 4 KiB.
-MAX_CHUNK_BYTES = 4096
+#: Task numbers below this are decomposed with int32 division (addresses are int64 regardless).
+INT32_TASK_LIMIT = 2**31
 
 _WORD_DTYPES: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
@@ -58,27 +59,35 @@ class CopyTuning:
     """Kernel knobs for one copy direction.
 
     ``num_warps``: warps per CTA (more warps, more loads in flight per SM). ``tile_bytes``: bytes
-    one CTA loads per loop iteration (a power of two ≥ 32). ``pipeline``: issue the next tile's
-    loads before storing the current tile.
+    one CTA loads per loop iteration (a power of two ≥ 32). ``chunk_bytes``: the longest piece of
+    one item a tile row covers (a power of two; fewer, longer rows need fewer registers for
+    addresses; at most half a tile). ``pipeline``: issue the next tile's loads before storing the
+    current tile.
     """
 
     num_warps: int = 16
     tile_bytes: int = 32768
+    chunk_bytes: int = 4096
     pipeline: bool = True
 
     def __post_init__(self) -> None:
         if self.num_warps not in (1, 2, 4, 8, 16, 32):
             raise TransferError(f"num_warps must be a power of two in 1..32, got {self.num_warps}")
-        if self.tile_bytes < 32 or self.tile_bytes & (self.tile_bytes - 1):
-            raise TransferError(f"tile_bytes must be a power of two >= 32, got {self.tile_bytes}")
+        for name in ("tile_bytes", "chunk_bytes"):
+            value = getattr(self, name)
+            if value < 32 or value & (value - 1):
+                raise TransferError(f"{name} must be a power of two >= 32, got {value}")
 
 
 #: Per-direction defaults: ``h2d`` reads pinned host memory over PCIe (latency-bound: many bytes
-#: in flight per CTA), ``d2h`` writes it (posted writes), ``d2d`` stays in HBM.
+#: in flight per CTA), ``d2h`` writes it (posted writes), ``d2d`` stays in HBM. The h2d and d2h
+#: entries are measured on the GPU (``python -m kernels.tune``; docs/benchmarks.md, Transfer).
 DEFAULT_TUNING: dict[str, CopyTuning] = {
-    "h2d": CopyTuning(num_warps=16, tile_bytes=32768, pipeline=True),
-    "d2h": CopyTuning(num_warps=16, tile_bytes=32768, pipeline=True),
-    "d2d": CopyTuning(num_warps=8, tile_bytes=16384, pipeline=True),
+    # tuned: begin (python -m kernels.tune --write-defaults rewrites the lines up to "tuned: end")
+    "h2d": CopyTuning(num_warps=16, tile_bytes=32768, chunk_bytes=16384, pipeline=True),
+    "d2h": CopyTuning(num_warps=16, tile_bytes=32768, chunk_bytes=16384, pipeline=True),
+    # tuned: end
+    "d2d": CopyTuning(num_warps=8, tile_bytes=16384, chunk_bytes=8192, pipeline=True),
 }
 
 
@@ -86,8 +95,8 @@ DEFAULT_TUNING: dict[str, CopyTuning] = {
 class CopyPlan:
     """One launch, fully described (sizes and strides in words of ``word_bytes``)."""
 
-    word_bytes: int
-    word_dtype: torch.dtype
+    word_bytes: int  # widest aligned access (bytes); the kernel moves it as ``align_words`` elements
+    word_dtype: torch.dtype  # element type of the kernel's pointers (int32 for 4-, 8- and 16-byte words)
     align_words: int  # every row start is a multiple of this many words (16-byte vectors when 4)
     item_words: int
     chunk_words: int
@@ -111,8 +120,13 @@ class CopyPlan:
         return self.num_chunks * self.chunk_words == self.item_words
 
     @property
+    def wide(self) -> bool:
+        """True when task numbers may pass int32 (the kernel then divides in int64, slower)."""
+        return self.num_iters * self.rows >= INT32_TASK_LIMIT
+
+    @property
     def num_bytes(self) -> int:
-        return self.num_layers * self.num_pairs * self.item_words * self.word_bytes
+        return self.num_layers * self.num_pairs * self.item_words * self.word_dtype.itemsize
 
 
 def word_bytes_for(*values: int) -> int:
@@ -176,7 +190,7 @@ def plan_copy(
     tile_words = max(tuning.tile_bytes // elem, 2 * align)
     item_words = item_bytes // elem
     chunk = choose_chunk_words(
-        item_words, align_words=align, max_chunk_words=min(MAX_CHUNK_BYTES // elem, tile_words // 2)
+        item_words, align_words=align, max_chunk_words=min(tuning.chunk_bytes // elem, tile_words // 2)
     )
     num_chunks = math.ceil(item_words / chunk)
     rows = max(2, tile_words // chunk)

@@ -1,0 +1,49 @@
+"""``asynccache bench transfer`` on CPU: a short run that measures the torch path and writes JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from asynccache.bench import transfer
+from asynccache.errors import ConfigError
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    transfer.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_cpu_run_writes_the_documented_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "transfer.json"
+    args = _args(
+        "--device", "cpu", "--sizes", "4096,kv,4100", "--total-mib", "1", "--reps", "2",
+        "--states", "1", "--tokens", "128", "--json", str(out),
+    )  # fmt: skip
+    assert transfer.run(args) == 0
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu"
+    assert report["gemm_slowdown"] is None
+    rows = report["results"]
+    assert {(r["direction"], r["item_bytes"]) for r in rows} == {
+        (d, b) for d in ("h2d", "d2h") for b in (4096, 131072, 4100)
+    }
+    for r in rows:
+        assert set(r) == {"direction", "item_bytes", "num_items", "ctas", "gbps", "ratio"}
+        assert r["num_items"] == (1 << 20) // r["item_bytes"]
+        assert r["ctas"] == 0
+        assert r["gbps"] > 0 and r["ratio"] > 0
+    (load,) = report["per_layer_load"]
+    assert load["launches"] == 48 and load["gbps"] > 0
+    printed = capsys.readouterr().out
+    assert "torch-indexing path" in printed
+    assert "per-layer load" in printed
+
+
+def test_unknown_named_size_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="huge"):
+        transfer.run(_args("--device", "cpu", "--sizes", "huge", "--no-scenario"))

@@ -1,0 +1,144 @@
+"""copy_items on CPU pools (the torch-indexing path): every layout pair, dtype, awkward size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asynccache.errors import TransferError
+from asynccache.pools.base import ItemPool, PoolLayout
+from kernels import copy_items
+from kernels.testing import COPY_CASES, LAYOUT_PAIRS, CopyCase, assert_copied, index_pairs, make_item_pool, snapshot
+
+NUM_LAYERS = 3
+
+
+def _run_case(case: CopyCase, layouts: tuple[PoolLayout, PoolLayout], kind: str, layer_range: tuple[int, int]) -> None:
+    src = make_item_pool(num_layers=NUM_LAYERS, num_items=7, case=case, layout=layouts[0], seed=1)
+    dst = make_item_pool(num_layers=NUM_LAYERS, num_items=9, case=case, layout=layouts[1], seed=2)
+    si, di = index_pairs(kind, src_items=7, dst_items=9, seed=3)
+    src_before, dst_before = snapshot(src), snapshot(dst)
+    lb, le = layer_range
+    nbytes = copy_items(src, dst, si, di, layer_begin=lb, layer_end=le)
+    assert nbytes == si.numel() * (le - lb) * case.item_bytes
+    assert_copied(
+        src=src, dst=dst, src_before=src_before, dst_before=dst_before,
+        src_indices=si, dst_indices=di, layer_begin=lb, layer_end=le,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("layouts", LAYOUT_PAIRS, ids=lambda p: f"{p[0].value}->{p[1].value}")
+@pytest.mark.parametrize("case", COPY_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("kind", ["scattered", "single", "all"])
+def test_copy_matches_reference(case: CopyCase, layouts: tuple[PoolLayout, PoolLayout], kind: str) -> None:
+    _run_case(case, layouts, kind, (0, NUM_LAYERS))
+
+
+@pytest.mark.parametrize("layouts", LAYOUT_PAIRS, ids=lambda p: f"{p[0].value}->{p[1].value}")
+@pytest.mark.parametrize("layer_range", [(1, 2), (0, 1), (2, 3)])
+def test_layer_subrange_leaves_other_layers(layouts: tuple[PoolLayout, PoolLayout], layer_range: tuple[int, int]) -> None:
+    _run_case(CopyCase(48, torch.float32), layouts, "scattered", layer_range)
+
+
+def test_empty_index_list_copies_nothing() -> None:
+    case = CopyCase(20, torch.float32)
+    src = make_item_pool(num_layers=2, num_items=4, case=case, layout=PoolLayout.LAYER_FIRST, seed=1)
+    dst = make_item_pool(num_layers=2, num_items=4, case=case, layout=PoolLayout.PAGE_FIRST, seed=2)
+    before = snapshot(dst)
+    si, di = index_pairs("empty", src_items=4, dst_items=4)
+    assert copy_items(src, dst, si, di) == 0
+    assert torch.equal(snapshot(dst), before)
+
+
+def test_typed_values_survive_a_round_trip() -> None:
+    """bf16 values written through a typed view come back identical after h→d→h."""
+    case = CopyCase(64, torch.bfloat16)
+    host = make_item_pool(num_layers=2, num_items=5, case=case, layout=PoolLayout.PAGE_FIRST, seed=4)
+    dev = make_item_pool(num_layers=2, num_items=5, case=case, layout=PoolLayout.LAYER_FIRST, seed=5)
+    back = make_item_pool(num_layers=2, num_items=5, case=case, layout=PoolLayout.PAGE_FIRST, seed=6)
+    idx = torch.tensor([4, 0, 2])
+    copy_items(host, dev, idx, torch.tensor([1, 3, 0]))
+    copy_items(dev, back, torch.tensor([1, 3, 0]), idx)
+    assert host.buffer is not None and back.buffer is not None
+    want = host.buffer[idx].view(torch.bfloat16)
+    got = back.buffer[idx].view(torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_accounting_mode_counts_bytes_and_copies_nothing() -> None:
+    a = ItemPool(name="a", layer_ids=(0, 1), num_items=4, item_bytes=100, materialize=False)
+    b = ItemPool(name="b", layer_ids=(0, 1), num_items=4, item_bytes=100, materialize=False)
+    assert copy_items(a, b, torch.tensor([0, 3]), torch.tensor([1, 2])) == 2 * 2 * 100
+
+
+# ---- validation: every misuse is a TransferError before anything is touched -------------------
+
+
+def _pools(item_bytes: int = 16, **dst_kwargs: object) -> tuple[ItemPool, ItemPool]:
+    src = ItemPool(name="s", layer_ids=(0, 1), num_items=4, item_bytes=item_bytes)
+    kwargs: dict[str, object] = {"name": "d", "layer_ids": (0, 1), "num_items": 4, "item_bytes": item_bytes}
+    kwargs.update(dst_kwargs)
+    return src, ItemPool(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("src_idx", "dst_idx", "message"),
+    [
+        (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 1]), "int64"),
+        (torch.tensor([0, 4]), torch.tensor([0, 1]), "out of range"),
+        (torch.tensor([-1]), torch.tensor([0]), "out of range"),
+        (torch.tensor([0, 1]), torch.tensor([0]), "count mismatch"),
+        (torch.tensor([[0, 1]]), torch.tensor([[0, 1]]), "1-D"),
+        ([0, 1], torch.tensor([0, 1]), "must be a tensor"),
+    ],
+)
+def test_bad_indices_raise(src_idx: object, dst_idx: torch.Tensor, message: str) -> None:
+    src, dst = _pools()
+    before = snapshot(dst)
+    with pytest.raises(TransferError, match=message):
+        copy_items(src, dst, src_idx, dst_idx)  # type: ignore[arg-type]
+    assert torch.equal(snapshot(dst), before)
+
+
+def test_mismatched_geometry_raises() -> None:
+    src, dst = _pools(item_bytes=16)
+    _, other = _pools(item_bytes=32)
+    with pytest.raises(TransferError, match="item size mismatch"):
+        copy_items(src, other, torch.tensor([0]), torch.tensor([0]))
+    three = ItemPool(name="t", layer_ids=(0, 1, 2), num_items=4, item_bytes=16)
+    with pytest.raises(TransferError, match="layer count mismatch"):
+        copy_items(src, three, torch.tensor([0]), torch.tensor([0]))
+    with pytest.raises(TransferError, match="layer range"):
+        copy_items(src, dst, torch.tensor([0]), torch.tensor([0]), layer_begin=1, layer_end=3)
+
+
+def test_non_byte_or_non_contiguous_buffer_raises() -> None:
+    src, dst = _pools()
+    assert dst.buffer is not None
+    dst.buffer = dst.buffer.view(torch.int32)
+    with pytest.raises(TransferError, match="uint8"):
+        copy_items(src, dst, torch.tensor([0]), torch.tensor([0]))
+    src2, dst2 = _pools()
+    assert dst2.buffer is not None
+    dst2.buffer = torch.empty(2 * dst2.buffer.numel(), dtype=torch.uint8)[::2]
+    with pytest.raises(TransferError, match="contiguous"):
+        copy_items(src2, dst2, torch.tensor([0]), torch.tensor([0]))
+
+
+def test_materialized_to_accounting_raises() -> None:
+    src, _ = _pools()
+    ghost = ItemPool(name="g", layer_ids=(0, 1), num_items=4, item_bytes=16, materialize=False)
+    with pytest.raises(TransferError, match="accounting"):
+        copy_items(src, ghost, torch.tensor([0]), torch.tensor([0]))
+
+
+def test_launcher_rejects_cpu_buffers_without_the_interpreter() -> None:
+    """The compiled launcher refuses CPU-only copies (they belong to copy_items' torch path)."""
+    from kernels import triton_copy
+
+    assert not triton_copy.interpreting()
+    case = CopyCase(16, torch.uint8)
+    src = make_item_pool(num_layers=1, num_items=2, case=case, layout=PoolLayout.LAYER_FIRST)
+    dst = make_item_pool(num_layers=1, num_items=2, case=case, layout=PoolLayout.LAYER_FIRST)
+    with pytest.raises(TransferError, match="CUDA buffer"):
+        triton_copy.launch_copy(src, dst, torch.tensor([0]), torch.tensor([1]))
