@@ -1,0 +1,393 @@
+"""``asynccache bench storage``: page objects through a storage backend against the raw path.
+
+What it measures, for ``--uri`` (default: a temporary local directory):
+
+- **Backend path**: ``batch_set_v2`` then ``batch_get_v2`` of the KV pages and Mamba states of a
+  real spec (``--preset``, ``--tp-size``; Qwen3-Next-80B at tp 1: 1.5 MiB per 64-token KV page,
+  77 MB per state), ``--batch-pages`` pages per call, from page_first host pools into fresh host
+  slots — object header, CRC-32, put-if-absent, atomic rename/conditional PUT included.
+- **Raw path**, the same bytes in the same run: for ``file://`` plain sequential file I/O (one
+  ``open``/``write``/[``fsync`` when the backend fsyncs]/``close`` per object, ``readinto`` the
+  destination slot); for ``s3://`` obstore ``put``/``get`` of each payload with as many requests
+  in flight as the backend allows and the same multipart shape for large objects, each reply
+  copied into the destination slot. (Sequential requests would measure latency, not the path.)
+
+Each of ``--rounds`` rounds runs both paths on fresh keys, alternating which goes first (page
+cache and writeback then favour neither); throughputs are medians over rounds, in GB/s of payload
+(10⁹ bytes/s), and each ratio is the median of the per-round ratios (both paths of a round run
+back to back, so a machine whose load drifts during the run still compares like with like). Every read is checked against the written bytes. Reads are served from the page
+cache unless ``--cold-reads`` (file:// only) drops both paths' objects from it first
+(``fdatasync`` + ``POSIX_FADV_DONTNEED``, untimed). ``--json PATH`` writes::
+
+    {"uri", "write_gbps", "read_gbps", "raw_write_gbps", "raw_read_gbps", "write_ratio",
+     "read_ratio", "preset", "tp_size", "num_pages", "num_states", "bytes_per_round", "rounds",
+     "fsync", "cold_reads"}
+
+Everything the run writes is removed at the end (the temporary directory, or this run's
+namespace and raw objects under a given URI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+import torch
+import uvloop
+
+from asynccache.errors import AsyncCacheError
+from asynccache.pools.base import ItemPool
+from asynccache.pools.host import HostKVPool, MambaPoolHost
+from asynccache.spec import HybridSpec
+from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer, open_backend
+from storage_backends.base import ObjectBackend
+from storage_backends.local_disk import LocalDiskBackend
+from storage_backends.object_store import ObjectStoreBackend
+
+__all__ = ["add_arguments", "run"]
+
+MiB = 1 << 20
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--uri", default=None, help="storage URI (default: a temporary local directory)")
+    parser.add_argument("--preset", default="qwen3-next-80b", help="HybridSpec preset (default qwen3-next-80b)")
+    parser.add_argument("--tp-size", type=int, default=1, help="TP shard of the spec (default 1)")
+    parser.add_argument("--num-pages", type=int, default=256, help="KV pages per round (default 256)")
+    parser.add_argument("--num-states", type=int, default=2, help="Mamba states per round (default 2)")
+    parser.add_argument("--batch-pages", type=int, default=64, help="pages per batch call (default 64)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, medians reported (default 3)")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="backend's objects in flight")
+    parser.add_argument("--no-fsync", action="store_true", help="file://: do not fsync (backend and raw)")
+    parser.add_argument(
+        "--cold-reads",
+        action="store_true",
+        help="file://: drop the objects of both paths from the page cache before each read pass",
+    )
+    parser.add_argument("--json", dest="json_path", default=None, help="write results as JSON to this path")
+
+
+def _random_pool(pool: ItemPool, seed: int) -> None:
+    assert pool.buffer is not None
+    flat = pool.buffer.view(-1)
+    gen = torch.Generator().manual_seed(seed)
+    words = flat[: flat.numel() // 8 * 8].view(torch.int64)
+    words.copy_(torch.randint(-(2**62), 2**62, words.shape, dtype=torch.int64, generator=gen))
+
+
+def _indices(n: int) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.int64)
+
+
+class _Raw:
+    """The raw path of one URI: put and get of one payload by name."""
+
+    def __init__(self, backend: ObjectBackend, run_id: str) -> None:
+        self.backend = backend
+        self.run_id = run_id
+
+    def evict(self, names: list[str]) -> None:
+        raise AsyncCacheError("--cold-reads needs a file:// URI")
+
+    async def put(self, name: str, payload: memoryview) -> None:
+        raise NotImplementedError
+
+    async def get(self, name: str, dest: memoryview) -> None:
+        raise NotImplementedError
+
+    @property
+    def in_flight(self) -> int:
+        return 1
+
+    async def cleanup(self) -> None:
+        raise NotImplementedError
+
+
+class _RawFile(_Raw):
+    def __init__(self, backend: LocalDiskBackend, run_id: str) -> None:
+        super().__init__(backend, run_id)
+        self.fsync = backend.fsync
+        self.dir = os.path.join(backend.root, f"raw-bench-{run_id}")
+        os.makedirs(self.dir, exist_ok=True)
+
+    async def put(self, name: str, payload: memoryview) -> None:
+        with open(os.path.join(self.dir, name), "wb") as f:
+            f.write(payload)
+            if self.fsync:
+                f.flush()
+                os.fsync(f.fileno())
+
+    async def get(self, name: str, dest: memoryview) -> None:
+        with open(os.path.join(self.dir, name), "rb") as f:
+            if f.readinto(dest) != len(dest):
+                raise AsyncCacheError(f"raw read of {name} came back short")
+
+    def evict(self, names: list[str]) -> None:
+        _drop_from_page_cache([os.path.join(self.dir, name) for name in names])
+
+    async def cleanup(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _drop_from_page_cache(paths: list[str]) -> None:
+    """Write back and drop the files' pages, so the next read comes from the device."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+class _RawS3(_Raw):
+    def __init__(self, backend: ObjectStoreBackend, run_id: str) -> None:
+        import obstore
+
+        super().__init__(backend, run_id)
+        self.obstore = obstore
+        self.store = backend.store
+        self.prefix = f"raw-bench-{run_id}"
+        self.names: list[str] = []
+
+    @property
+    def in_flight(self) -> int:
+        return self.backend.max_concurrency
+
+    async def put(self, name: str, payload: memoryview) -> None:
+        b: Any = self.backend
+        path = f"{self.prefix}/{name}"
+        self.names.append(path)
+        if len(payload) > b.multipart_threshold_bytes:
+            await self.obstore.put_async(self.store, path, payload, use_multipart=True,
+                                         chunk_size=b.multipart_part_bytes, max_concurrency=b.multipart_concurrency)
+        else:
+            await self.obstore.put_async(self.store, path, payload, use_multipart=False)
+
+    async def get(self, name: str, dest: memoryview) -> None:
+        result = await self.obstore.get_async(self.store, f"{self.prefix}/{name}")
+        data = await result.bytes_async()
+        if len(data) != len(dest):
+            raise AsyncCacheError(f"raw read of {name} came back with {len(data)} bytes")
+        dest[:] = memoryview(data)
+
+    async def cleanup(self) -> None:
+        for start in range(0, len(self.names), 500):
+            await self.obstore.delete_async(self.store, self.names[start : start + 500])
+
+
+async def _cleanup_backend(backend: ObjectBackend, names: list[str]) -> None:
+    if isinstance(backend, LocalDiskBackend):
+        await asyncio.to_thread(shutil.rmtree, backend.namespace_dir, True)
+    elif isinstance(backend, ObjectStoreBackend):
+        import obstore
+
+        for start in range(0, len(names), 500):
+            await obstore.delete_async(backend.store, names[start : start + 500])
+
+
+async def _timed(fn: Callable[[], Awaitable[None]]) -> float:
+    t0 = time.perf_counter()
+    await fn()
+    return time.perf_counter() - t0
+
+
+async def _bounded(n: int, limit: int, one: Callable[[int], Awaitable[None]]) -> None:
+    sem = asyncio.Semaphore(limit)
+
+    async def guarded(i: int) -> None:
+        async with sem:
+            await one(i)
+
+    async with asyncio.TaskGroup() as tg:
+        for i in range(n):
+            tg.create_task(guarded(i))
+
+
+async def _bench(args: argparse.Namespace, uri: str) -> dict[str, Any]:
+    spec = HybridSpec.preset(args.preset, tp_size=args.tp_size)
+    run_id = uuid.uuid4().hex[:12]
+    options: dict[str, Any] = {"namespace": f"{spec.namespace_id}|bench-{run_id}"}
+    if args.max_concurrency:
+        options["max_concurrency"] = args.max_concurrency
+    if args.no_fsync and urlsplit(uri).scheme == "file":
+        options["fsync"] = False
+    n_pages, n_states = args.num_pages, args.num_states
+    src_kv = HostKVPool(spec, num_pages=n_pages)
+    src_state = MambaPoolHost(spec, num_slots=n_states)
+    dst_kv = HostKVPool(spec, num_pages=n_pages)
+    dst_state = MambaPoolHost(spec, num_slots=n_states)
+    _random_pool(src_kv, 1)
+    _random_pool(src_state, 2)
+    for pool in (dst_kv, dst_state):  # touch every page now: first-touch faults would bias round 0
+        assert pool.buffer is not None
+        pool.buffer.zero_()
+    objects = [(src_kv, dst_kv, i) for i in range(n_pages)] + [(src_state, dst_state, i) for i in range(n_states)]
+    bytes_per_round = n_pages * spec.kv_page_bytes + n_states * spec.state_bytes
+
+    backend = open_backend(uri, **options)
+    if not isinstance(backend, ObjectBackend):
+        raise AsyncCacheError(f"{uri}: the benchmark needs a built-in backend")
+    raw: _Raw
+    if isinstance(backend, LocalDiskBackend):
+        raw = _RawFile(backend, run_id)
+    elif isinstance(backend, ObjectStoreBackend):
+        raw = _RawS3(backend, run_id)
+    else:
+        raise AsyncCacheError(f"{uri}: no raw path to compare with (file:// and s3:// have one)")
+
+    written: list[str] = []
+
+    def transfers(round_id: int, lo: int, hi: int, states: bool) -> list[PoolTransfer]:
+        keys = tuple(f"{round_id:08x}{i:024x}" for i in range(lo, hi))
+        out = [PoolTransfer(pool_name=PoolName.KV, keys=keys, host_indices=torch.arange(lo, hi))]
+        if states:
+            skeys = tuple(f"{round_id:08x}{i:024x}" for i in range(n_states))
+            out.append(PoolTransfer(pool_name=PoolName.MAMBA, keys=skeys, host_indices=_indices(n_states),
+                                    hit_policy=PoolHitPolicy.TRAILING_PAGES))
+        written.extend(backend.object_name(t.pool_name, k) for t in out for k in t.keys)
+        return out
+
+    async def backend_pass(round_id: int, write: bool) -> None:
+        call = backend.batch_set_v2 if write else backend.batch_get_v2
+        for lo in range(0, max(n_pages, 1), args.batch_pages):
+            hi = min(n_pages, lo + args.batch_pages)
+            results = await call(transfers(round_id, lo, hi, states=lo == 0))
+            if not all(all(r) for r in results):
+                raise AsyncCacheError(f"backend {'write' if write else 'read'} failed: {backend.statistics()}")
+
+    def raw_name(round_id: int, i: int) -> str:
+        src, _, index = objects[i]
+        return f"{round_id}-{src.name}-{index}"
+
+    def evict(path: str, round_id: int) -> None:
+        if path == "raw":
+            raw.evict([raw_name(round_id, i) for i in range(len(objects))])
+            return
+        if not isinstance(backend, LocalDiskBackend):
+            raise AsyncCacheError("--cold-reads needs a file:// URI")
+        keys = [f"{round_id:08x}{i:024x}" for i in range(max(n_pages, n_states))]
+        paths = [backend.object_name(PoolName.KV, k) for k in keys[:n_pages]]
+        paths += [backend.object_name(PoolName.MAMBA, k) for k in keys[:n_states]]
+        _drop_from_page_cache(paths)
+
+    async def raw_pass(round_id: int, write: bool) -> None:
+        async def one(i: int) -> None:
+            src, dst, index = objects[i]
+            name = raw_name(round_id, i)
+            if write:
+                await raw.put(name, memoryview(src.index_bytes(index).numpy()).cast("B"))
+            else:
+                await raw.get(name, memoryview(dst.index_bytes(index).numpy()).cast("B"))
+
+        await _bounded(len(objects), raw.in_flight, one)
+
+    def check_and_clear() -> None:
+        for src, dst in ((src_kv, dst_kv), (src_state, dst_state)):
+            assert src.buffer is not None and dst.buffer is not None
+            if not torch.equal(src.buffer, dst.buffer):
+                raise AsyncCacheError("read-back bytes differ from the written bytes")
+            dst.buffer.zero_()
+
+    rows: list[dict[str, float]] = []
+    try:
+        await backend.register_host_pool_v2(PoolName.KV, src_kv)
+        await backend.register_host_pool_v2(PoolName.MAMBA, src_state)
+        for r in range(args.rounds):
+            times: dict[str, float] = {}
+            order = ("backend", "raw") if r % 2 == 0 else ("raw", "backend")
+            for path in order:
+                p = backend_pass if path == "backend" else raw_pass
+                if path == "backend":
+                    await backend.register_host_pool_v2(PoolName.KV, src_kv)
+                    await backend.register_host_pool_v2(PoolName.MAMBA, src_state)
+                times[f"{path}_write"] = await _timed(lambda p=p: p(r, True))
+                if args.cold_reads:
+                    await asyncio.to_thread(evict, path, r)
+                if path == "backend":
+                    await backend.register_host_pool_v2(PoolName.KV, dst_kv)
+                    await backend.register_host_pool_v2(PoolName.MAMBA, dst_state)
+                times[f"{path}_read"] = await _timed(lambda p=p: p(r, False))
+                check_and_clear()
+            row = {k: bytes_per_round / v / 1e9 for k, v in times.items()}
+            rows.append(row)
+            print(
+                f"round {r}: backend write {row['backend_write']:.3f} read {row['backend_read']:.3f} GB/s | "
+                f"raw write {row['raw_write']:.3f} read {row['raw_read']:.3f} GB/s",
+                flush=True,
+            )
+    finally:
+        try:
+            await _cleanup_backend(backend, sorted(set(written)))
+            await raw.cleanup()
+        finally:
+            await backend.aclose()
+
+    med = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
+    return {
+        "uri": uri,
+        "write_gbps": med["backend_write"],
+        "read_gbps": med["backend_read"],
+        "raw_write_gbps": med["raw_write"],
+        "raw_read_gbps": med["raw_read"],
+        "write_ratio": statistics.median(row["backend_write"] / row["raw_write"] for row in rows),
+        "read_ratio": statistics.median(row["backend_read"] / row["raw_read"] for row in rows),
+        "preset": args.preset,
+        "tp_size": args.tp_size,
+        "num_pages": n_pages,
+        "num_states": n_states,
+        "bytes_per_round": bytes_per_round,
+        "rounds": args.rounds,
+        "fsync": bool(getattr(backend, "fsync", False)),
+        "cold_reads": bool(args.cold_reads),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.rounds < 1 or args.num_pages < 0 or args.num_states < 0 or args.num_pages + args.num_states == 0:
+        print("need rounds >= 1 and at least one page or state", file=sys.stderr)
+        return 2
+    if args.batch_pages < 1:
+        print("--batch-pages must be >= 1", file=sys.stderr)
+        return 2
+    tmp = None
+    uri = args.uri
+    if uri is None:
+        tmp = tempfile.mkdtemp(prefix="asynccache-bench-")
+        uri = f"file://{tmp}"
+    try:
+        spec = HybridSpec.preset(args.preset, tp_size=args.tp_size)
+        print(
+            f"storage benchmark: {uri}\n  {args.preset} tp{args.tp_size}: {args.num_pages} KV pages x "
+            f"{spec.kv_page_bytes / MiB:.2f} MiB + {args.num_states} states x {spec.state_bytes / MiB:.1f} MiB "
+            f"per round, {args.rounds} rounds",
+            flush=True,
+        )
+        # uvloop: obstore completes futures from its own threads; see docs/benchmarks.md.
+        report = uvloop.run(_bench(args, uri))
+    except AsyncCacheError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    print(
+        f"median: backend write {report['write_gbps']:.3f} read {report['read_gbps']:.3f} GB/s; "
+        f"raw write {report['raw_write_gbps']:.3f} read {report['raw_read_gbps']:.3f} GB/s; "
+        f"ratio write {report['write_ratio']:.2f} read {report['read_ratio']:.2f}"
+    )
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0

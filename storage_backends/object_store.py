@@ -1,0 +1,279 @@
+"""``s3://bucket/prefix?endpoint_url=…&region=…`` — objects in an S3-compatible bucket (obstore).
+
+Object names are ``{prefix}/{namespace-digest}/{pool}/{key[:2]}/{key}``. Credentials come from
+the environment only (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``,
+or the instance's credential provider, as obstore resolves them); a URI that carries credentials
+is refused, and neither the URI, the store nor any message of this module ever shows them.
+
+- Reads: one GET per object; the header, length and payload checksum are verified on a worker thread while
+  the payload is copied into the host slot.
+- Writes: the object (header + payload gathered from the slot) is built on a worker thread, then
+  sent as one conditional PUT (``If-None-Match: *``: put-if-absent; a racing writer's
+  ``412``/``409`` counts as present). Objects larger than ``multipart_threshold_bytes`` are
+  checked with HEAD and uploaded in parts of ``multipart_part_bytes``
+  (``multipart_concurrency`` at a time); S3 completes a multipart upload atomically, so a reader
+  sees the old object, the new one or none — two racing writers of one key both store a valid
+  object and the last completion wins. Uploads cut short by a timeout can leave incomplete
+  multipart uploads behind: give the bucket a lifecycle rule that aborts them.
+- Every request has a timeout (``timeout_s``) and is retried by obstore with exponential backoff
+  and jitter (``max_retries``, bounded by ``timeout_s`` in total); the whole item is bounded by
+  ``timeout_s`` as well.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl, urlsplit
+
+from asynccache.errors import BackendError, ConfigError
+from asynccache.storage import PoolName
+from storage_backends.base import BatchItem, ObjectBackend, WorkerPool
+from storage_backends.object_format import validate_pool_name
+
+if TYPE_CHECKING:
+    from obstore.store import S3Store
+
+__all__ = ["S3Location", "parse_s3_uri", "ObjectStoreBackend", "open_object_store"]
+
+_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_SEGMENT_RE = re.compile(r"[A-Za-z0-9._-]+")
+_REGION_RE = re.compile(r"[a-z0-9-]{1,32}")
+_QUERY_KEYS = ("endpoint_url", "region")
+
+
+def _shown(uri: str) -> str:
+    """The URI without its query values (for error messages: a refused URI may hold secrets)."""
+    parts = urlsplit(uri)
+    keys = [k for k, _ in parse_qsl(parts.query, keep_blank_values=True)]
+    query = "&".join(f"{k}=…" for k in keys)
+    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}" + (f"?{query}" if query else "")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class S3Location:
+    bucket: str
+    prefix: str
+    endpoint_url: str | None = None
+    region: str | None = None
+
+
+def parse_s3_uri(uri: str) -> S3Location:
+    """Parse and validate ``s3://bucket[/prefix][?endpoint_url=…&region=…]``."""
+    try:
+        parts = urlsplit(uri)
+        query = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
+    except ValueError as e:
+        raise ConfigError(f"malformed s3 URI {_shown(uri)}: {e}") from None
+    if parts.scheme != "s3":
+        raise ConfigError(f"not an s3 URI: {_shown(uri)}")
+    if "@" in parts.netloc or ":" in parts.netloc:
+        raise ConfigError(
+            f"s3 URI {_shown(uri)} carries credentials or a port in its host part; the host part is the "
+            "bucket, credentials come from the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)"
+        )
+    if _BUCKET_RE.fullmatch(parts.netloc) is None:
+        raise ConfigError(f"s3 URI {_shown(uri)}: invalid or missing bucket name {parts.netloc!r}")
+    if parts.fragment:
+        raise ConfigError(f"s3 URI {_shown(uri)} must not have a fragment")
+    prefix = parts.path.strip("/")
+    for segment in prefix.split("/") if prefix else ():
+        if _SEGMENT_RE.fullmatch(segment) is None or segment in (".", ".."):
+            raise ConfigError(f"s3 URI {_shown(uri)}: invalid prefix segment {segment!r} (use [A-Za-z0-9._-])")
+    seen: dict[str, str] = {}
+    for key, value in query:
+        if key not in _QUERY_KEYS:
+            raise ConfigError(
+                f"s3 URI {_shown(uri)}: unknown parameter {key!r} (known: {list(_QUERY_KEYS)}); "
+                "credentials come from the environment, never from the URI"
+            )
+        if key in seen:
+            raise ConfigError(f"s3 URI {_shown(uri)}: parameter {key!r} given twice")
+        seen[key] = value
+    endpoint = seen.get("endpoint_url")
+    if endpoint is not None:
+        ep = urlsplit(endpoint)
+        if ep.scheme not in ("http", "https") or not ep.hostname or "@" in ep.netloc or ep.query or ep.fragment:
+            raise ConfigError(f"s3 URI {_shown(uri)}: endpoint_url must be http(s)://host[:port] without credentials")
+    region = seen.get("region")
+    if region is not None and _REGION_RE.fullmatch(region) is None:
+        raise ConfigError(f"s3 URI {_shown(uri)}: invalid region")
+    return S3Location(bucket=parts.netloc, prefix=prefix, endpoint_url=endpoint, region=region)
+
+
+def _backend_error(error: BaseException) -> BackendError:
+    """obstore's messages carry URLs and server replies; keep the first line, no reply body."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    text = text.split("<", 1)[0].strip()[:300]
+    return BackendError(f"{type(error).__name__}: {text}")
+
+
+class ObjectStoreBackend(ObjectBackend):
+    """Objects in an S3-compatible bucket (see the module docstring)."""
+
+    probe_window = 32
+    default_max_concurrency = 16
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        max_retries: int = 3,
+        multipart_threshold_bytes: int = 32 << 20,
+        multipart_part_bytes: int = 8 << 20,
+        multipart_concurrency: int = 4,
+        **options: Any,
+    ) -> None:
+        location = parse_s3_uri(uri)
+        if multipart_part_bytes < 5 << 20 or multipart_threshold_bytes < multipart_part_bytes:
+            raise ConfigError("multipart parts must be >= 5 MiB and the threshold >= the part size")
+        if max_retries < 0 or multipart_concurrency < 1:
+            raise ConfigError("max_retries must be >= 0 and multipart_concurrency >= 1")
+        super().__init__(uri, **options)
+        try:
+            import obstore
+            from obstore.store import S3Store
+        except ImportError as e:
+            raise ConfigError("s3:// storage needs obstore (pip install 'asynccache[s3]')") from e
+        self._obstore = obstore
+        self._errors: tuple[type[BaseException], ...] = (obstore.exceptions.BaseError, ValueError)
+        self.location = location
+        self.multipart_threshold_bytes = multipart_threshold_bytes
+        self.multipart_part_bytes = multipart_part_bytes
+        self.multipart_concurrency = multipart_concurrency
+        config: dict[str, Any] = {}
+        if location.endpoint_url is not None:
+            config["endpoint"] = location.endpoint_url
+        if location.region is not None:
+            config["region"] = location.region
+        timeout = timedelta(seconds=self.timeout_s)
+        self._store: S3Store = S3Store(
+            location.bucket,
+            prefix=location.prefix or None,
+            client_options={
+                "allow_http": (location.endpoint_url or "").startswith("http://"),
+                "timeout": timeout,
+                "connect_timeout": min(timeout, timedelta(seconds=5)),
+            },
+            retry_config={
+                "max_retries": max_retries,
+                "retry_timeout": timeout,
+                "backoff": {
+                    "init_backoff": timedelta(milliseconds=50),
+                    "max_backoff": timedelta(seconds=2),
+                    "base": 2,
+                },
+            },
+            **config,
+        )
+        self._workers = WorkerPool(self.max_concurrency, name="asynccache-s3")
+
+    @property
+    def store(self) -> S3Store:
+        """The obstore store (bucket and prefix applied), for tools that need the raw path."""
+        return self._store
+
+    def object_name(self, pool_name: PoolName | str, key: str) -> str:
+        """The object's name relative to ``bucket/prefix``."""
+        return self.codec.relpath(validate_pool_name(pool_name), key)
+
+    async def _close(self) -> None:
+        await self._workers.aclose()
+
+    # ---- primitives ------------------------------------------------------------------------
+    async def _head_size(self, name: str) -> int | None:
+        try:
+            meta = await self._obstore.head_async(self._store, name)
+        except FileNotFoundError:
+            return None
+        except self._errors as e:
+            raise _backend_error(e) from None
+        return int(meta["size"])
+
+    async def _object_sizes(self, names: Sequence[str]) -> list[int | None]:
+        async def one(name: str) -> int | None | BackendError:
+            async with self._limit:
+                try:
+                    return await self._head_size(name)
+                except BackendError as e:
+                    return e
+
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(one(n)) for n in names]
+        sizes = [t.result() for t in tasks]
+        for size in sizes:
+            if isinstance(size, BackendError):
+                raise size  # the window fails as a whole: its keys count as absent
+        return sizes  # type: ignore[return-value]
+
+    async def _read_object(self, item: BatchItem) -> bool:
+        try:
+            result = await self._obstore.get_async(self._store, item.name)
+            data = await result.bytes_async()
+        except FileNotFoundError:
+            return False
+        except self._errors as e:
+            raise _backend_error(e) from None
+        await self._workers.run(self._decode, data, item)
+        return True
+
+    def _decode(self, stop: threading.Event, data: Any, item: BatchItem) -> None:
+        self.codec.decode_into(data, item.geometry, item.key, item.buffers(), stop)
+
+    def _encode(self, stop: threading.Event, item: BatchItem) -> bytearray:
+        return self.codec.encode(item.geometry, item.key, item.buffers(), stop)
+
+    async def _write_object(self, item: BatchItem) -> bool:
+        obstore, name = self._obstore, item.name
+        large = self.codec.object_bytes(item.geometry, item.key) > self.multipart_threshold_bytes
+        if large and await self._head_size(name) is not None:
+            return False
+        body = await self._workers.run(self._encode, item)
+        try:
+            if large:
+                await obstore.put_async(
+                    self._store,
+                    name,
+                    body,
+                    use_multipart=True,
+                    chunk_size=self.multipart_part_bytes,
+                    max_concurrency=self.multipart_concurrency,
+                )
+            else:
+                await obstore.put_async(self._store, name, body, mode="create", use_multipart=False)
+        except (obstore.exceptions.AlreadyExistsError, obstore.exceptions.PreconditionError):
+            return False
+        except self._errors as e:
+            raise _backend_error(e) from None
+        return True
+
+    async def _delete_objects(self, names: Sequence[str]) -> None:
+        try:
+            await self._obstore.delete_async(self._store, list(names))
+        except FileNotFoundError:
+            return  # already gone: the state we want
+        except self._errors as e:
+            raise _backend_error(e) from None
+
+    async def _list_objects(self) -> list[tuple[str, int]]:
+        found: list[tuple[Any, str, int]] = []
+        try:
+            async for batch in self._obstore.list(self._store, prefix=self.codec.digest_hex, chunk_size=1000):
+                found.extend((m["last_modified"], m["path"], int(m["size"])) for m in batch)
+        except self._errors as e:
+            raise _backend_error(e) from None
+        found.sort()
+        return [(path, size) for _, path, size in found]
+
+
+def open_object_store(uri: str, **options: Any) -> ObjectStoreBackend:
+    """Open ``s3://bucket/prefix?endpoint_url=…&region=…``; options: ``namespace`` (required),
+    ``capacity_bytes``, ``max_concurrency`` (16), ``timeout_s`` (30), ``max_retries`` (3),
+    ``multipart_threshold_bytes`` (32 MiB), ``multipart_part_bytes`` (8 MiB),
+    ``multipart_concurrency`` (4)."""
+    return ObjectStoreBackend(uri, **options)

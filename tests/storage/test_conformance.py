@@ -1,0 +1,349 @@
+"""One conformance suite, run against every backend (memory, local disk, S3 on SeaweedFS)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+import zlib
+
+import pytest
+import torch
+from storage_harness import (
+    NAMESPACE,
+    OTHER_NAMESPACE,
+    SPEC,
+    Harness,
+    kv_transfer,
+    make_keys,
+    make_pools,
+    mamba_transfer,
+    slot,
+)
+
+from asynccache.errors import BackendError, ConfigError
+from asynccache.pools.base import ItemPool
+from asynccache.storage import PoolName, PoolTransfer, longest_hit
+from storage_backends.base import ObjectBackend
+from storage_backends.object_format import ObjectGeometry
+
+DEADLINE_S = 30
+
+
+async def opened(h: Harness, *, layout: str = "page_first", seed: int | None = 0, **options: object):
+    backend = h.open(**options)
+    kv, mamba = make_pools(layout=layout, seed=seed)
+    await backend.register_host_pool_v2(PoolName.KV, kv)
+    await backend.register_host_pool_v2(PoolName.MAMBA, mamba)
+    return backend, kv, mamba
+
+
+async def put(backend: ObjectBackend, *transfers: PoolTransfer) -> list[list[bool]]:
+    async with asyncio.timeout(DEADLINE_S):
+        return await backend.batch_set_v2(list(transfers))
+
+
+async def get(backend: ObjectBackend, *transfers: PoolTransfer) -> list[list[bool]]:
+    async with asyncio.timeout(DEADLINE_S):
+        return await backend.batch_get_v2(list(transfers))
+
+
+async def hit_pages(backend: ObjectBackend, keys: list[str], *transfers: PoolTransfer) -> int:
+    async with asyncio.timeout(DEADLINE_S):
+        return (await backend.batch_exists_v2(keys, list(transfers))).num_hit_pages
+
+
+# ---- round trips -----------------------------------------------------------------------------
+@pytest.mark.parametrize("src_layout,dst_layout", [("page_first", "page_first"), ("page_first", "layer_first"),
+                                                   ("layer_first", "page_first"), ("layer_first", "layer_first")])
+async def test_roundtrip_both_pools_any_layout(harness: Harness, src_layout: str, dst_layout: str) -> None:
+    keys = make_keys(4)
+    writer, kv, mamba = await opened(harness, layout=src_layout, seed=1)
+    assert await put(writer, kv_transfer(keys, [0, 1, 2, 3]), mamba_transfer([keys[1], keys[3]], [5, 6])) == [
+        [True] * 4, [True, True]]
+    reader, kv2, mamba2 = await opened(harness, layout=dst_layout, seed=None)
+    assert await get(reader, kv_transfer(keys, [7, 6, 5, 4]), mamba_transfer([keys[1], keys[3]], [0, 1])) == [
+        [True] * 4, [True, True]]
+    for src, dst in zip([0, 1, 2, 3], [7, 6, 5, 4]):
+        assert slot(kv2, dst) == slot(kv, src)
+    assert slot(mamba2, 0) == slot(mamba, 5) and slot(mamba2, 1) == slot(mamba, 6)
+    assert slot(kv2, 0) == bytes([0xAB]) * SPEC.kv_page_bytes  # untouched
+    stats = reader.statistics()
+    assert stats.num_hits == 6 and stats.num_misses == 0
+    assert stats.bytes_read == 4 * SPEC.kv_page_bytes + 2 * SPEC.state_bytes
+    assert writer.statistics().bytes_written == stats.bytes_read
+    assert writer.statistics().num_writes == 6
+
+
+async def test_state_and_page_of_one_key_are_separate_objects(harness: Harness) -> None:
+    keys = make_keys(1)
+    backend, kv, mamba = await opened(harness)
+    await put(backend, kv_transfer(keys, [0]))
+    assert await get(backend, mamba_transfer(keys, [3])) == [[False]]
+    assert await hit_pages(backend, keys, kv_transfer(keys), mamba_transfer(keys)) == 0
+    assert backend.object_name(PoolName.KV, keys[0]) != backend.object_name(PoolName.MAMBA, keys[0])
+
+
+async def test_missing_keys_are_misses_and_leave_slots_untouched(harness: Harness) -> None:
+    keys = make_keys(3, seed="absent")
+    backend, kv, mamba = await opened(harness, seed=None)
+    assert await get(backend, kv_transfer(keys, [0, 1, 2]), mamba_transfer(keys[:1], [0])) == [[False] * 3, [False]]
+    assert slot(kv, 0) == bytes([0xAB]) * SPEC.kv_page_bytes
+    assert slot(mamba, 0) == bytes([0xAB]) * SPEC.state_bytes
+    stats = backend.statistics()
+    assert (stats.num_misses, stats.num_hits, stats.num_corrupt, stats.num_failures) == (4, 0, 0, 0)
+    assert await hit_pages(backend, keys, kv_transfer(keys)) == 0
+    assert await get(backend, kv_transfer([], [])) == [[]]
+
+
+# ---- exists and hit policies -----------------------------------------------------------------
+async def test_exists_honours_every_policy(harness: Harness) -> None:
+    keys = make_keys(12, seed="prefix")
+    backend, kv, mamba = await opened(harness)
+    kv_present = [0, 1, 2, 3, 4, 5, 6, 7]  # key 8.. absent
+    state_present = [1, 3, 4, 9]
+    await put(backend, kv_transfer([keys[i] for i in kv_present], kv_present),
+              mamba_transfer([keys[i] for i in state_present], [0, 1, 2, 3]))
+    truth = {PoolName.KV: [i in kv_present for i in range(12)], PoolName.MAMBA: [i in state_present for i in range(12)]}
+
+    def expect(*transfers: PoolTransfer) -> int:
+        return longest_hit(len(keys), transfers, truth)
+
+    cases = [
+        (kv_transfer(keys),),
+        (mamba_transfer(keys),),
+        (kv_transfer(keys), mamba_transfer(keys)),
+        (kv_transfer(keys), mamba_transfer(keys, num_trailing=2)),
+        (kv_transfer(keys), mamba_transfer(keys, num_trailing=3)),
+    ]
+    answers = [8, 10, 5, 5, 0]
+    for transfers, answer in zip(cases, answers, strict=True):
+        assert expect(*transfers) == answer
+        result = await backend.batch_exists_v2(keys, list(transfers))
+        assert result.num_hit_pages == answer, transfers
+        for t in transfers:
+            flags = result.exists[t.pool_name]
+            assert len(flags) == len(keys)
+            assert all(truth[t.pool_name][i] for i, f in enumerate(flags) if f)  # never claims a missing one
+    # a hole in the KV prefix cuts the hit at the hole, then back to the deepest state
+    await harness.raw_put(backend, backend.object_name(PoolName.KV, keys[2]), b"")
+    assert await hit_pages(backend, keys, kv_transfer(keys), mamba_transfer(keys)) == 2
+    assert await hit_pages(backend, keys[:0], kv_transfer([]), mamba_transfer([])) == 0
+
+
+async def test_exists_probes_long_prefixes_in_windows(harness: Harness) -> None:
+    keys = make_keys(300, seed="long")
+    backend, kv, mamba = await opened(harness)
+    kv_big, _ = make_pools(num_items=300)
+    backend2 = harness.open()
+    await backend2.register_host_pool_v2(PoolName.KV, kv_big)
+    await backend2.register_host_pool_v2(PoolName.MAMBA, mamba)
+    await put(backend2, kv_transfer(keys[:290], range(290)), mamba_transfer([keys[40]], [0]))
+    assert await hit_pages(backend, keys, kv_transfer(keys)) == 290
+    assert await hit_pages(backend, keys, kv_transfer(keys), mamba_transfer(keys)) == 41
+
+
+# ---- writes ----------------------------------------------------------------------------------
+async def test_put_if_absent_keeps_the_first_object(harness: Harness) -> None:
+    keys = make_keys(1)
+    backend, kv, mamba = await opened(harness)
+    assert await put(backend, kv_transfer(keys, [0])) == [[True]]
+    assert await put(backend, kv_transfer(keys, [1])) == [[True]]  # present: success, not rewritten
+    assert await get(backend, kv_transfer(keys, [2])) == [[True]]
+    assert slot(kv, 2) == slot(kv, 0) != slot(kv, 1)
+    stats = backend.statistics()
+    assert (stats.num_writes, stats.num_write_skips) == (1, 1)
+
+
+async def test_concurrent_writers_of_one_key(harness: Harness) -> None:
+    keys = make_keys(1, seed="race")
+    writers = [await opened(harness, seed=s) for s in (11, 12)]
+    calls = [put(b, kv_transfer(keys, [i]), mamba_transfer(keys, [i])) for b, _, _ in writers for i in range(6)]
+    async with asyncio.timeout(DEADLINE_S):
+        results = await asyncio.gather(*calls)
+    assert all(r == [[True], [True]] for r in results)
+    reader, kv, mamba = await opened(harness, seed=None)
+    assert await get(reader, kv_transfer(keys, [7]), mamba_transfer(keys, [7])) == [[True], [True]]
+    assert slot(kv, 7) in [slot(k, i) for _, k, _ in writers for i in range(6)]
+    assert slot(mamba, 7) in [slot(m, i) for _, _, m in writers for i in range(6)]
+    assert sum(b.statistics().num_writes for b, _, _ in writers) == 2  # one KV page, one state
+
+
+async def test_large_objects(harness: Harness) -> None:
+    layers, item = 2, 6 << 20  # 12 MiB objects: multipart on S3 (threshold lowered below)
+    options = {"multipart_threshold_bytes": 8 << 20, "multipart_part_bytes": 5 << 20} if harness.kind == "s3" else {}
+    keys = make_keys(2, seed="large")
+    pools = []
+    for layout in ("page_first", "layer_first"):
+        pool = ItemPool(name=f"big_{layout}", layer_ids=tuple(range(layers)), num_items=3, item_bytes=item,
+                        layout=layout, pin=False)
+        assert pool.buffer is not None
+        pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, dtype=torch.uint8))
+        backend = harness.open(**options)
+        await backend.register_host_pool_v2(PoolName.KV, pool)
+        pools.append((backend, pool))
+    (b1, p1), (b2, p2) = pools
+    async with asyncio.timeout(DEADLINE_S):
+        first = await asyncio.gather(put(b1, kv_transfer(keys, [0, 1])), put(b2, kv_transfer(keys[:1], [2])))
+    assert first == [[[True, True]], [[True]]]
+    assert await get(b2, kv_transfer(keys, [0, 1])) == [[True, True]]
+    assert slot(p2, 1) == slot(p1, 1)
+    assert slot(p2, 0) in (slot(p1, 0), slot(p2, 2))  # one writer's object, whole
+    assert await hit_pages(b1, keys, kv_transfer(keys)) == 2
+    assert b2.statistics().bytes_read == 2 * layers * item
+
+
+# ---- invalid objects: never loaded, counted, removed -------------------------------------------
+def _rewrite_header(data: bytes, **fields: int) -> bytes:
+    out = bytearray(data)
+    if "version" in fields:
+        struct.pack_into("<H", out, 4, fields["version"])
+    hlen = struct.unpack_from("<H", out, 6)[0]
+    struct.pack_into("<I", out, 24, 0)
+    struct.pack_into("<I", out, 24, zlib.crc32(out[:hlen]))
+    return bytes(out)
+
+
+DAMAGE = {
+    "flip_payload_byte": lambda d, other: d[:-100] + bytes([d[-100] ^ 0x01]) + d[-99:],
+    "flip_header_byte": lambda d, other: d[:70] + bytes([d[70] ^ 0x40]) + d[71:],
+    "flip_checksum": lambda d, other: d[:16] + bytes([d[16] ^ 0xFF]) + d[17:],
+    "cut_one_byte": lambda d, other: d[:-1],
+    "cut_half": lambda d, other: d[: len(d) // 2],
+    "header_only": lambda d, other: d[:64],
+    "empty": lambda d, other: b"",
+    "extra_bytes": lambda d, other: d + b"\0\0",
+    "garbage_same_size": lambda d, other: bytes(len(d)),
+    "another_models_object": lambda d, other: other,
+    "other_format_version": lambda d, other: _rewrite_header(d, version=2),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+async def test_invalid_objects_are_misses_and_removed(harness: Harness, damage: str, caplog: pytest.LogCaptureFixture) -> None:
+    keys = make_keys(2, seed="damage")
+    backend, kv, mamba = await opened(harness, seed=3)
+    foreign, fkv, _ = await opened(harness, namespace=OTHER_NAMESPACE, seed=4)
+    await put(backend, kv_transfer(keys, [0, 1]))
+    await put(foreign, kv_transfer(keys[:1], [0]))
+    name = backend.object_name(PoolName.KV, keys[0])
+    good = await harness.raw_get(backend, name)
+    other = await harness.raw_get(foreign, foreign.object_name(PoolName.KV, keys[0]))
+    assert good is not None and other is not None and len(good) == len(other) and good != other
+    await harness.raw_put(backend, name, DAMAGE[damage](good, other))
+
+    reader, kv2, _ = await opened(harness, seed=None)
+    with caplog.at_level(logging.WARNING, logger="asynccache.storage"):
+        assert await get(reader, kv_transfer(keys, [0, 1])) == [[False, True]]
+    assert slot(kv2, 1) == slot(kv, 1)
+    stats = reader.statistics()
+    assert (stats.num_corrupt, stats.num_hits, stats.num_misses) == (1, 1, 1)
+    assert await harness.raw_get(backend, name) is None  # removed
+    assert "invalid objects" in caplog.text
+    assert await hit_pages(reader, keys, kv_transfer(keys)) == 0
+    # the key can be stored again
+    assert await put(backend, kv_transfer(keys[:1], [0])) == [[True]]
+    assert await get(reader, kv_transfer(keys[:1], [3])) == [[True]] and slot(kv2, 3) == slot(kv, 0)
+
+
+async def test_object_under_another_key_is_a_miss(harness: Harness) -> None:
+    keys = make_keys(2, seed="swap")
+    backend, kv, _ = await opened(harness)
+    await put(backend, kv_transfer(keys[:1], [0]))
+    data = await harness.raw_get(backend, backend.object_name(PoolName.KV, keys[0]))
+    assert data is not None
+    await harness.raw_put(backend, backend.object_name(PoolName.KV, keys[1]), data)
+    assert await hit_pages(backend, keys[1:], kv_transfer(keys[1:])) == 1  # same size: only a read can tell
+    assert await get(backend, kv_transfer(keys[1:], [1])) == [[False]]
+    assert backend.statistics().num_corrupt == 1
+
+
+async def test_wrongly_sized_objects_are_removed_at_exists(harness: Harness) -> None:
+    keys = make_keys(3, seed="sized")
+    backend, kv, _ = await opened(harness)
+    await put(backend, kv_transfer(keys, [0, 1, 2]))
+    name = backend.object_name(PoolName.KV, keys[1])
+    data = await harness.raw_get(backend, name)
+    assert data is not None
+    await harness.raw_put(backend, name, data[:-10])
+    assert await hit_pages(backend, keys, kv_transfer(keys)) == 1
+    assert await harness.raw_get(backend, name) is None
+    assert backend.statistics().num_corrupt == 1
+
+
+# ---- capacity ----------------------------------------------------------------------------------
+async def test_capacity_limit_evicts_least_recently_used(harness: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    keys = make_keys(5, seed="cap")
+    probe = harness.open()
+    size = probe.codec.object_bytes(ObjectGeometry.of_pool(PoolName.KV, make_pools(1)[0]), keys[0])
+    backend, kv, mamba = await opened(harness, capacity_bytes=3 * size)
+    for i in range(3):
+        assert await put(backend, kv_transfer(keys[i : i + 1], [i])) == [[True]]
+    assert await get(backend, kv_transfer(keys[:1], [7])) == [[True]]  # key 0 is now the most recent
+    assert await put(backend, kv_transfer(keys[3:5], [3, 4])) == [[True, True]]
+    present = [await harness.raw_get(backend, backend.object_name(PoolName.KV, k)) is not None for k in keys]
+    assert present == [True, False, False, True, True]
+    stats = backend.statistics()
+    assert stats.num_evictions == 2 and stats.used_bytes == 3 * size and stats.capacity_bytes == 3 * size
+    # an object larger than the whole capacity is refused, with a warning and a counter
+    tiny, _, _ = await opened(harness, capacity_bytes=size - 1)
+    with caplog.at_level(logging.WARNING, logger="asynccache.storage"):
+        assert await put(tiny, kv_transfer(keys[1:2], [1])) == [[False]]
+    assert tiny.statistics().num_rejected == 1 and "no room" in caplog.text
+    # a new backend over the same store finds what is there
+    again, _, _ = await opened(harness, capacity_bytes=3 * size)
+    assert await hit_pages(again, keys, kv_transfer(keys)) == 1
+    assert again.statistics().used_bytes == 3 * size
+
+
+# ---- misuse raises before any I/O ----------------------------------------------------------------
+TRAVERSAL_KEYS = ["../../../../etc/passwd", "ab/../../cd", "/etc/passwd", "..", "", ".", "a" * 7,
+                  "ABCDEF0123456789", "0123456789abcdef/", "0123456789abcdef\0", "0123456789abcdeg",
+                  "../" + "0" * 16, "0" * 129, "%2e%2e%2f00000000"]
+
+
+@pytest.mark.parametrize("key", TRAVERSAL_KEYS)
+async def test_keys_that_attempt_path_traversal_are_refused(harness: Harness, key: str) -> None:
+    backend, kv, _ = await opened(harness)
+    before = await harness.raw_names()
+    for call in (put(backend, kv_transfer([key], [0])), get(backend, kv_transfer([key], [0])),
+                 backend.batch_exists_v2([key], [kv_transfer([])])):
+        with pytest.raises(ConfigError, match="invalid storage key"):
+            await call
+    with pytest.raises(ConfigError):
+        backend.object_name(PoolName.KV, key)
+    with pytest.raises(ConfigError):
+        backend.object_name("../kv", "0" * 16)
+    assert await harness.raw_names() == before
+    assert backend.statistics().num_failures == 0
+
+
+async def test_malformed_calls_raise(harness: Harness) -> None:
+    keys = make_keys(2)
+    backend = harness.open()
+    with pytest.raises(ConfigError, match="not registered"):
+        await backend.batch_get_v2([kv_transfer(keys, [0, 1])])
+    backend, kv, mamba = await opened(harness)
+    with pytest.raises(ConfigError, match="host indices"):
+        await backend.batch_set_v2([kv_transfer(keys, [0])])
+    with pytest.raises(ConfigError, match="outside pool"):
+        await backend.batch_set_v2([kv_transfer(keys, [0, 99])])
+    with pytest.raises(ConfigError, match="one host slot"):
+        await backend.batch_get_v2([kv_transfer(keys, [1, 1])])
+    with pytest.raises(ConfigError, match="already registered"):
+        await backend.register_host_pool_v2(PoolName.KV, mamba)
+    await backend.register_host_pool_v2(PoolName.KV, make_pools()[0])  # same geometry: fine
+    await backend.aclose()
+    with pytest.raises(BackendError, match="closed"):
+        await backend.batch_get_v2([kv_transfer(keys, [0, 1])])
+    with pytest.raises(ConfigError, match="namespace"):
+        harness.open(namespace="")
+
+
+async def test_statistics_snapshot_is_frozen(harness: Harness) -> None:
+    backend, kv, _ = await opened(harness)
+    stats = backend.statistics()
+    with pytest.raises(AttributeError):
+        stats.num_hits = 3  # type: ignore[misc]
+    assert stats.uri and stats.used_bytes is None and stats.capacity_bytes is None
+    assert NAMESPACE in repr(backend)

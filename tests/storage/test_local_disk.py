@@ -1,0 +1,192 @@
+"""Local-disk specifics: a full disk, leftovers of crashed writers, timeouts, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from storage_harness import NAMESPACE, kv_transfer, make_keys, make_pools, mamba_transfer, slot
+
+import storage_backends.local_disk as local_disk
+from asynccache.storage import PoolName
+from storage_backends.base import WorkerPool
+from storage_backends.local_disk import STALE_TMP_S, LocalDiskBackend
+
+
+async def open_disk(root: Path, **options: object) -> tuple[LocalDiskBackend, object, object]:
+    backend = LocalDiskBackend(f"file://{root}", namespace=NAMESPACE, **options)
+    kv, mamba = make_pools(seed=1)
+    await backend.register_host_pool_v2(PoolName.KV, kv)
+    await backend.register_host_pool_v2(PoolName.MAMBA, mamba)
+    return backend, kv, mamba
+
+
+def files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+async def test_disk_full_skips_the_backup_and_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    backend, kv, _ = await open_disk(tmp_path)
+    keys = make_keys(3, seed="full")
+    assert await backend.batch_set_v2([kv_transfer(keys[:1], [0])]) == [[True]]
+
+    def no_space(fd: int, views: list[memoryview], offset: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(local_disk, "_pwritev_all", no_space)
+    with caplog.at_level(logging.WARNING, logger="asynccache.storage"):
+        assert await backend.batch_set_v2([kv_transfer(keys[1:], [1, 2])]) == [[False, False]]
+    assert "2 of 2 items failed" in caplog.text and "No space left" in caplog.text
+    assert backend.statistics().num_failures == 2
+    assert not any(f.endswith(".tmp") for f in files(tmp_path))
+    assert await backend.batch_exists_v2(keys, [kv_transfer([])]) is not None
+    assert (await backend.batch_exists_v2(keys, [kv_transfer([])])).num_hit_pages == 1
+    await backend.aclose()
+
+
+SMALL_FS_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, json, os, sys
+    sys.path[:0] = [{tests!r}, {repo!r}]
+    from storage_harness import NAMESPACE, kv_transfer, make_keys, make_pools
+    from asynccache.storage import PoolName
+    from storage_backends.local_disk import LocalDiskBackend
+
+    async def main():
+        backend = LocalDiskBackend("file://" + sys.argv[1], namespace=NAMESPACE, fsync=True)
+        kv, _ = make_pools(num_items=64, seed=3)
+        await backend.register_host_pool_v2(PoolName.KV, kv)
+        keys = make_keys(64, seed="smallfs")
+        results = (await backend.batch_set_v2([kv_transfer(keys, range(64))]))[0]
+        kv2, _ = make_pools(num_items=64, seed=None)
+        await backend.register_host_pool_v2(PoolName.KV, kv2)
+        stored = [k for k, ok in zip(keys, results) if ok]
+        idx = [keys.index(k) for k in stored]
+        got = (await backend.batch_get_v2([kv_transfer(stored, idx)]))[0]
+        same = all(kv.index_bytes(i).numpy().tobytes() == kv2.index_bytes(i).numpy().tobytes() for i in idx)
+        tmp = [f for _, _, fs in os.walk(sys.argv[1]) for f in fs if f.endswith(".tmp")]
+        stats = backend.statistics()
+        await backend.aclose()
+        print(json.dumps({{"written": sum(results), "read_back": all(got), "same": same, "tmp": len(tmp),
+                          "failures": stats.num_failures}}))
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_a_really_full_filesystem(tmp_path: Path) -> None:
+    """A 1 MiB tmpfs in a private mount namespace (skipped where unshare is not allowed)."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("unshare(1) not available")
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    script = tmp_path / "fill.py"
+    tests_dir = str(Path(__file__).parent)
+    repo = str(Path(__file__).parents[2])
+    script.write_text(SMALL_FS_SCRIPT.format(tests=tests_dir, repo=repo))
+    cmd = (f"mount -t tmpfs -o size=1m tmpfs {mount_point} && "
+           f"exec {sys.executable} -W error {script} {mount_point}")
+    probe = subprocess.run([unshare, "-rm", "true"], capture_output=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"unprivileged mount namespaces unavailable: {probe.stderr.decode()[:200]}")
+    proc = subprocess.run([unshare, "-rm", "sh", "-c", cmd], capture_output=True, timeout=120, text=True)
+    if proc.returncode != 0 and "mount" in proc.stderr and "permission" in proc.stderr.lower():
+        pytest.skip(f"tmpfs mount refused: {proc.stderr[:200]}")
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    # 64 pages of 32 KiB do not fit in 1 MiB: some are stored, the rest fail cleanly
+    assert 0 < out["written"] < 64 and out["failures"] == 64 - out["written"]
+    assert out["read_back"] and out["same"] and out["tmp"] == 0
+
+
+async def test_stale_temporary_files_are_removed_by_the_scan(tmp_path: Path) -> None:
+    backend, kv, _ = await open_disk(tmp_path, capacity_bytes=1 << 20)
+    keys = make_keys(2, seed="tmp")
+    await backend.batch_set_v2([kv_transfer(keys, [0, 1])])
+    name = backend.object_name(PoolName.KV, keys[0])
+    stale, fresh = Path(name + ".dead.tmp"), Path(name + ".live.tmp")
+    stale.write_bytes(b"x" * 100)
+    fresh.write_bytes(b"y" * 100)
+    old = time.time() - STALE_TMP_S - 60
+    os.utime(stale, (old, old))
+    Path(backend.namespace_dir, "kv", "zz").mkdir()
+    Path(backend.namespace_dir, "kv", "zz", "not-a-key").write_bytes(b"z")
+    await backend.aclose()
+    again, _, _ = await open_disk(tmp_path, capacity_bytes=1 << 20)
+    result = await again.batch_exists_v2(keys, [kv_transfer([])])
+    assert result.num_hit_pages == 2
+    assert not stale.exists() and fresh.exists()
+    size = again.codec.object_bytes(again._geometry(PoolName.KV)[1], keys[0])
+    assert again.statistics().used_bytes == 2 * size  # foreign files are not counted
+    await again.aclose()
+
+
+async def test_a_timed_out_read_never_touches_the_slot_after_returning(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    backend, kv, mamba = await open_disk(tmp_path, timeout_s=0.2)
+    keys = make_keys(1, seed="slow")
+    await backend.batch_set_v2([mamba_transfer(keys, [0])])
+    dst_kv, dst = make_pools(seed=None)
+    await backend.register_host_pool_v2(PoolName.MAMBA, dst)
+    release = threading.Event()
+    real = local_disk._preadv_all
+    returned = threading.Event()
+
+    def slow(fd: int, views: list[memoryview], offset: int) -> None:
+        if offset > 0:  # payload pieces: wait past the deadline, then continue
+            release.wait(1.0)
+        real(fd, views, offset)
+        returned.set()
+
+    monkeypatch.setattr(local_disk, "_preadv_all", slow)
+    monkeypatch.setattr(local_disk, "IO_CHUNK_BYTES", 1024)  # many pieces: the deadline is checked between them
+    async with asyncio.timeout(20):
+        assert await backend.batch_get_v2([mamba_transfer(keys, [1])]) == [[False]]
+    assert returned.is_set()  # the worker's last write into the slot happened before the call returned
+    assert backend.statistics().num_timeouts == 1
+    assert slot(dst, 1) != slot(mamba, 0)  # never completed
+    await backend.aclose()
+
+
+async def test_worker_pool_waits_for_a_cancelled_job() -> None:
+    pool = WorkerPool(2, name="test-workers")
+    started, finished = threading.Event(), threading.Event()
+
+    def job(stop: threading.Event) -> None:
+        started.set()
+        while not stop.wait(0.01):
+            pass
+        time.sleep(0.05)  # the job's last touch of shared memory
+        finished.set()
+
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.1):
+            await pool.run(job)
+    assert started.is_set() and finished.is_set()
+    await pool.aclose()
+
+
+async def test_no_fsync_and_no_leftovers(tmp_path: Path) -> None:
+    backend, kv, mamba = await open_disk(tmp_path, fsync=False, max_concurrency=3)
+    keys = make_keys(20, seed="nofsync")
+    assert await backend.batch_set_v2([kv_transfer(keys[:8], range(8)), mamba_transfer(keys[8:16], range(8))]) == [
+        [True] * 8, [True] * 8]
+    names = files(tmp_path)
+    assert len(names) == 16 and not any(n.endswith(".tmp") for n in names)
+    assert all(len(Path(n).parts) == 4 for n in names)  # namespace / pool / shard / key
+    await backend.aclose()
