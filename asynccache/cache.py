@@ -66,7 +66,7 @@ class HybridCache:
             host_mamba=self.host_mamba,
             admission=admission or EndsAdmission(),
             eviction=eviction or LRUEviction(),
-            write_policy=WritePolicy.parse(config.write_policy, threshold=config.write_through_threshold),
+            write_policy=WritePolicy.parse(config.write_policy),
         )
         self.controller = HybridCacheController(
             self.tree,
@@ -77,6 +77,7 @@ class HybridCache:
             config=config,
             backend=backend,
         )
+        self.tree.write_back = self.controller.write_back
 
     @classmethod
     def build(cls, spec: HybridSpec, config: HybridCacheConfig, **kwargs: Any) -> HybridCache:

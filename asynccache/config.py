@@ -35,8 +35,7 @@ class HybridCacheConfig:
     host_kv_bytes: int = 0
     host_state_bytes: int = 0
     host_layout: PoolLayout = PoolLayout.PAGE_FIRST
-    write_policy: str = "write_through"
-    write_through_threshold: int = 1  # hits before a write_through_selective backup
+    write_policy: str = "write_through"  # write_through | write_through_selective[:N hits] | write_back
     max_ctas: int | None = 8
     storage_uri: str | None = None
     prefetch_policy: PrefetchPolicy = PrefetchPolicy.TIMEOUT

@@ -138,20 +138,6 @@ class HybridCacheController:
             raise RuntimeError("use the controller as `async with HybridCacheController(...)`")
         return self._tg
 
-    # ---- allocation with eviction ------------------------------------------------------
-    def _alloc(self, pool: ItemPool | None, n: int, *, device: bool, kv: bool) -> torch.Tensor | None:
-        if n == 0:
-            return torch.empty(0, dtype=torch.int64)
-        if pool is None:
-            return None
-        idx = pool.alloc(n)
-        if idx is None:
-            short = n - pool.num_free
-            evict = self.tree.evict_device if device else self.tree.evict_host
-            evict(num_kv_pages=short if kv else 0, num_states=0 if kv else short)
-            idx = pool.alloc(n)
-        return idx
-
     # ---- loads (host → device) ---------------------------------------------------------
     def load(self, match: Any, *, priority: int = 0) -> CacheOperation | None:
         """Queue the host → device load a match needs; ``None`` when the device has no room.
@@ -164,32 +150,19 @@ class HybridCacheController:
             op.state = OpState.DONE
             op.future.set_result(None)
             return op
-        num_pages = match.num_host_tokens // self.spec.page_size
-        need_state = match.state_tier is not None and match.state_tier.name == "HOST"
-        dev_kv_pool, _ = self.pools[PoolName.KV]
-        dev_state_pool, _ = self.pools[PoolName.MAMBA]
         # Pin the match while allocating: eviction must not take the prefix we are loading.
         self.tree.lock(match.last_node)
         self.tree.lock_host(match.last_node)
-        dev_kv = dev_slot = None
+        alloc = None
         try:
-            dev_kv = self._alloc(dev_kv_pool, num_pages, device=True, kv=True)
-            if dev_kv is None:
+            alloc = self.tree.alloc_device(match.num_load_kv_pages, match.num_load_states)
+            if alloc is None:
                 self._stats.count("load_no_room")
                 return None
-            if need_state:
-                dev_slot = self._alloc(dev_state_pool, 1, device=True, kv=False)
-                if dev_slot is None:
-                    dev_kv_pool.free(dev_kv)
-                    dev_kv = None
-                    self._stats.count("load_no_room")
-                    return None
-            plan = self.tree.begin_load(match, dev_kv, None if dev_slot is None else int(dev_slot[0]))
+            plan = self.tree.begin_load(match, alloc.kv_indices, alloc.state_slot)
         except BaseException:
-            if dev_kv is not None and dev_kv.numel():
-                dev_kv_pool.free(dev_kv)
-            if dev_slot is not None:
-                dev_state_pool.free(dev_slot)
+            if alloc is not None:
+                self._free(alloc.kv_indices, alloc.state_slots, device=True)
             raise
         finally:
             self.tree.unlock(match.last_node)
@@ -292,32 +265,18 @@ class HybridCacheController:
         """Queue a device → host backup of ``nodes``; ``None`` when the host has no room."""
         loop = asyncio.get_running_loop()
         num_pages, num_states = self.tree.backup_pages_needed(nodes)
-        _, host_kv_pool = self.pools[PoolName.KV]
-        _, host_state_pool = self.pools[PoolName.MAMBA]
         for node in nodes:
             self.tree.lock(node)
-        host_kv = host_slots = None
+        alloc = None
         try:
-            host_kv = self._alloc(host_kv_pool, num_pages, device=False, kv=True)
-            if host_kv is None:
+            alloc = self.tree.alloc_host(num_pages, num_states)
+            if alloc is None:
                 self._stats.count("write_no_room")
                 return None
-            host_slots = self._alloc(host_state_pool, num_states, device=False, kv=False)
-            if host_slots is None:
-                if host_kv.numel():
-                    assert host_kv_pool is not None
-                    host_kv_pool.free(host_kv)
-                host_kv = None
-                self._stats.count("write_no_room")
-                return None
-            plan = self.tree.begin_backup(nodes, host_kv, host_slots)
+            plan = self.tree.begin_backup(nodes, alloc.kv_indices, alloc.state_slots)
         except BaseException:
-            if host_kv is not None and host_kv.numel():
-                assert host_kv_pool is not None
-                host_kv_pool.free(host_kv)
-            if host_slots is not None and host_slots.numel():
-                assert host_state_pool is not None
-                host_state_pool.free(host_slots)
+            if alloc is not None:
+                self._free(alloc.kv_indices, alloc.state_slots, device=False)
             raise
         finally:
             for node in nodes:
@@ -457,23 +416,35 @@ class HybridCacheController:
             op.future.set_exception(TransferError(f"{op!r} failed: {error}"))
             op.future.exception()  # mark retrieved: a failed op nobody awaits is not an error
 
+    def _free(self, kv: torch.Tensor, slots: torch.Tensor, *, device: bool) -> None:
+        tier = 0 if device else 1
+        kv_pool, state_pool = self.pools[PoolName.KV][tier], self.pools[PoolName.MAMBA][tier]
+        if kv.numel():
+            assert kv_pool is not None
+            kv_pool.free(kv)
+        if slots.numel():
+            assert state_pool is not None
+            state_pool.free(slots)
+
     def _abort(self, op: CacheOperation) -> None:
-        """Undo a plan whose copy will never (or did not fully) happen; free what it allocated."""
+        """Undo a plan whose copy will never (or did not fully) happen; free what it allocated.
+
+        Only called when no copy into the plan's destination is in flight (before issue, or
+        after a failed copy's stream position has completed)."""
         if op.kind is OpKind.LOAD:
-            dev_kv, dev_slot = self.tree.abort_load(op.plan)
-            if dev_kv is not None and dev_kv.numel():
-                self.pools[PoolName.KV][0].free(dev_kv)
-            if dev_slot is not None:
-                self.pools[PoolName.MAMBA][0].free(_slot_tensor(dev_slot))
+            released = self.tree.abort_load(op.plan)
+            self._free(released.kv_indices, released.state_slots, device=True)
         else:
-            host_kv, host_slots = self.tree.abort_backup(op.plan)
-            kv_pool, state_pool = self.pools[PoolName.KV][1], self.pools[PoolName.MAMBA][1]
-            if host_kv is not None and host_kv.numel():
-                assert kv_pool is not None
-                kv_pool.free(host_kv)
-            if host_slots is not None and host_slots.numel():
-                assert state_pool is not None
-                state_pool.free(host_slots)
+            released = self.tree.abort_backup(op.plan)
+            self._free(released.kv_indices, released.state_slots, device=False)
+
+    def write_back(self, nodes: Sequence[Any]) -> bool:
+        """The tree's write-back callback (``write_back`` policy): back ``nodes`` up now."""
+        op = self.write(nodes, priority=1)
+        if op is None:
+            return False
+        self.start_writing()
+        return True
 
     def _cancel_queued(self, op: CacheOperation) -> None:
         if op.state is not OpState.QUEUED:

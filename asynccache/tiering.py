@@ -2,9 +2,9 @@
 (storage → host).
 
 - **Backup** follows every completed host write: for each backed-up node that holds a host
-  state, the KV pages of its path not yet archived and then the state are written in one
-  ``batch_set_v2`` call (KV first, state last), so archived KV always has a state companion at
-  or below it. Backups run in the controller's TaskGroup, at most
+  state, the KV pages of its path not yet archived are written, then the host states of those
+  nodes (KV first, states last), so a stored state always has its KV and archived KV always has
+  a state companion at or below it. Nodes are marked archived only when both succeeded. Backups run in the controller's TaskGroup, at most
   ``config.max_backups_in_flight`` at once; beyond that they are skipped and counted, never
   queued without bound. Host copies stay locked while their bytes are read.
 - **Prefetch** of a miss past the host tier: ``batch_exists_v2`` with KV ``ALL_PAGES`` and the
@@ -75,7 +75,7 @@ class StorageTier:
     def on_host_write(self, plan: Any) -> None:
         """Called on the loop when a device → host backup completed."""
         for node in plan.nodes:
-            if node.host_state is None or node.state_archived:
+            if node.host_state is None or node.archived:
                 continue
             if len(self._in_flight) >= self.controller.config.max_backups_in_flight:
                 self.counts["backup_skipped_busy"] += 1
@@ -93,7 +93,7 @@ class StorageTier:
 
     async def _archive(self, node: Any) -> None:
         async with self._sem:
-            if node.host_state is None or node.state_archived:
+            if node.host_state is None or node.archived or not node.alive:
                 return
             path = _path_to_root(node)
             if any(n.host_kv is None for n in path):
@@ -101,35 +101,34 @@ class StorageTier:
                 return
             self.tree.lock_host(node)
             try:
-                keys: list[str] = []
-                indices: list[torch.Tensor] = []
-                for n in path:
-                    if not n.kv_archived:
-                        keys.extend(n.page_hashes)
-                        indices.append(n.host_kv)
+                todo = [n for n in path if not n.archived]
                 kv = PoolTransfer(
                     pool_name=PoolName.KV,
-                    keys=tuple(keys),
-                    host_indices=torch.cat(indices) if indices else torch.empty(0, dtype=torch.int64),
+                    keys=tuple(h for n in todo for h in n.page_hashes),
+                    host_indices=torch.cat([n.host_kv for n in todo]),
                 )
+                with_state = [n for n in todo if n.host_state is not None]
                 state = PoolTransfer(
                     pool_name=PoolName.MAMBA,
-                    keys=(node.page_hashes[-1],),
-                    host_indices=torch.tensor([node.host_state], dtype=torch.int64),
+                    keys=tuple(n.page_hashes[-1] for n in with_state),
+                    host_indices=torch.tensor([n.host_state for n in with_state], dtype=torch.int64),
                 )
-                results = await self.backend.batch_set_v2([kv, state])
+                # KV first, the states last: a state in storage always has its KV.
+                kv_ok = all((await self.backend.batch_set_v2([kv]))[0])
+                state_ok = kv_ok and all((await self.backend.batch_set_v2([state]))[0])
             except Exception as e:  # a backend failure is a skipped backup, never a crash
                 self.counts["backup_failed"] += 1
                 log.warning("backup to storage failed: %s", e)
                 return
             finally:
                 self.tree.unlock_host(node)
-            kv_ok = all(results[0])
-            state_ok = kv_ok and all(results[1])
-            if kv_ok:
-                for n in path:
-                    self.tree.mark_archived(n, kv=True, state=(n is node and state_ok))
-            self.counts["backup_ok" if state_ok else "backup_failed"] += 1
+            if state_ok:
+                for n in todo:
+                    if n.alive:
+                        self.tree.mark_archived(n)
+                self.counts["backup_ok"] += 1
+            else:
+                self.counts["backup_failed"] += 1
 
     # ---- prefetch ----------------------------------------------------------------------
     async def prefetch(self, tokens: Any, match: Any, *, salt: str = "") -> PrefetchResult:
@@ -137,7 +136,7 @@ class StorageTier:
         page = self.tree.spec.page_size
         keys = list(match.page_hashes)
         start_page = match.num_tokens // page
-        if len(keys) <= start_page:
+        if len(keys) <= start_page or self.controller.pools[PoolName.MAMBA][1] is None:
             return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
         try:
             exists = await self.backend.batch_exists_v2(
@@ -165,32 +164,28 @@ class StorageTier:
         _, host_kv_pool = ctrl.pools[PoolName.KV]
         _, host_state_pool = ctrl.pools[PoolName.MAMBA]
         node = match.last_node
+        host_kv = host_slot = None
         self.tree.lock(node)
         self.tree.lock_host(node)
-        host_kv = host_slot = None
         inserted = False
         try:
-            host_kv = ctrl._alloc(host_kv_pool, n - start_page, device=False, kv=True)
-            host_slot = ctrl._alloc(host_state_pool, 1, device=False, kv=False)
-            if host_kv is None or host_slot is None:
+            # Every page of the prefix is read (pages the tree already holds come back as
+            # duplicates and are freed by insert_host): host-only nodes need all their pages.
+            alloc = self.tree.alloc_host(n, 1)
+            if alloc is None:
                 self.counts["prefetch_no_room"] += 1
                 return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
+            host_kv, host_slot = alloc.kv_indices, alloc.state_slots
             results = await self.backend.batch_get_v2(
                 [
-                    PoolTransfer(pool_name=PoolName.KV, keys=tuple(keys[start_page:n]), host_indices=host_kv),
+                    PoolTransfer(pool_name=PoolName.KV, keys=tuple(keys[:n]), host_indices=host_kv),
                     PoolTransfer(pool_name=PoolName.MAMBA, keys=(keys[n - 1],), host_indices=host_slot),
                 ]
             )
             if not (all(results[0]) and all(results[1])):
                 self.counts["prefetch_incomplete"] += 1
                 return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
-            self.tree.insert_host(
-                tokens[: n * page],
-                host_kv,
-                start_page=start_page,
-                host_state={n * page: int(host_slot[0])},
-                salt=salt,
-            )
+            self.tree.insert_host(tokens[: n * page], host_kv, host_states={n * page: int(host_slot[0])}, salt=salt)
             inserted = True
             self.counts["prefetch_hit"] += 1
             self.counts["prefetch_pages"] += n - start_page

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import uvloop
 
 from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
@@ -258,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
         storage_uri = args.storage or Path(tmp).as_uri()
         for mode in modes:
             print(f"mode {mode}" + (f" (storage {storage_uri})" if mode == "kv+mamba+storage" else ""))
-            res = asyncio.run(
+            res = uvloop.run(
                 run_mode(
                     mode,
                     model=model,
@@ -267,8 +268,7 @@ def run(args: argparse.Namespace) -> int:
                     budgets=budgets,
                     storage_uri=storage_uri,
                     progress=_progress_printer(args.clients * args.rounds),
-                ),
-                loop_factory=_loop_factory(),
+                )
             )
             summaries[mode] = res.summary()
     _print_tables(summaries)
@@ -280,8 +280,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.plot}")
     return 0
 
-
-def _loop_factory() -> Any:
-    import uvloop
-
-    return uvloop.new_event_loop

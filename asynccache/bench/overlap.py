@@ -182,7 +182,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     import uvloop
 
-    res = asyncio.run(_run(args), loop_factory=uvloop.new_event_loop)
+    res = uvloop.run(_run(args))
     print(
         f"overlap on {res['device']}: {res['spec']}, {res['prefix_tokens']}-token prefix, {res['num_layers']} layers, "
         f"load {res['per_layer_load_ms']:.3f} ms/layer, compute ≈{res['per_layer_compute_target_ms']:.3f} ms/layer"

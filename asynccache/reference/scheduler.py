@@ -191,11 +191,18 @@ class Scheduler:
 
     # ---- the loop ----------------------------------------------------------------------
     async def _loop(self) -> None:
-        while True:
-            if not self._waiting and not self._running:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-            await self._step()
+        try:
+            while True:
+                if not self._waiting and not self._running:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                await self._step()
+        except Exception as e:
+            # Fail every request rather than leave callers waiting on a dead loop.
+            for req in self._waiting + self._running:
+                if not req.future.done():
+                    req.future.set_exception(e)
+            raise
 
     async def _step(self) -> None:
         self.num_steps += 1
@@ -261,20 +268,18 @@ class Scheduler:
         # Pages for every position this request will compute: [num_cached, total_len - 1).
         last_pos = req.total_len - 1
         num_pages_total = -(-last_pos // page)
-        own = ctrl._alloc(self.cache.device_kv, num_pages_total - num_cached // page, device=True, kv=True)
         snap_positions = self._snapshot_positions(req, num_cached)
-        slots = ctrl._alloc(self.cache.device_mamba, 1 + len(snap_positions), device=True, kv=False)
+        alloc = tree.alloc_device(num_pages_total - num_cached // page, 1 + len(snap_positions))
         op = None
-        if own is not None and slots is not None and match is not None and match.needs_load:
+        if alloc is not None and match is not None and match.needs_load:
             op = ctrl.load(match)
-        if own is None or slots is None or (match is not None and match.needs_load and op is None):
-            if own is not None and own.numel():
-                self.cache.device_kv.free(own)
-            if slots is not None and slots.numel():
-                self.cache.device_mamba.free(slots)
+        if alloc is None or (match is not None and match.needs_load and op is None):
+            if alloc is not None:
+                ctrl._free(alloc.kv_indices, alloc.state_slots, device=True)
             if match is not None:
                 tree.unlock(match.last_node)
             return False
+        own, slots = alloc.kv_indices, alloc.state_slots
         if match is not None and num_cached:
             node = match.last_node
             prefix_pages = _path_device_pages(node)  # every page of the prefix, on device after the load
