@@ -265,8 +265,11 @@ class HybridCacheController:
         """Queue a device → host backup of ``nodes``; ``None`` when the host has no room."""
         loop = asyncio.get_running_loop()
         num_pages, num_states = self.tree.backup_pages_needed(nodes)
+        # Pin the nodes on both tiers while making room: host eviction must neither delete them
+        # nor drop the host copies of their ancestors (host copies stay contiguous).
         for node in nodes:
             self.tree.lock(node)
+            self.tree.lock_host(node)
         alloc = None
         try:
             alloc = self.tree.alloc_host(num_pages, num_states)
@@ -281,6 +284,7 @@ class HybridCacheController:
         finally:
             for node in nodes:
                 self.tree.unlock(node)
+                self.tree.unlock_host(node)
         op = CacheOperation(
             OpKind.WRITE,
             (

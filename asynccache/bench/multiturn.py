@@ -106,7 +106,7 @@ def _default_budgets(args: argparse.Namespace, spec: HybridSpec) -> dict[str, in
     working_pages = args.max_parallel * (pages_per_conv + 1)
     return {
         "device_kv_pages": args.device_kv_pages or working_pages + 3 * pages_per_conv,
-        "device_state_slots": args.device_state_slots or 4 * args.max_parallel + max(1, args.clients // 4),
+        "device_state_slots": args.device_state_slots or 4 * args.max_parallel + max(1, args.clients // 2),
         "host_kv_bytes": args.host_kv_bytes or 2 * args.clients * pages_per_conv * spec.kv_page_bytes,
         "host_state_bytes": args.host_state_bytes or 4 * args.clients * args.rounds * spec.state_bytes,
     }

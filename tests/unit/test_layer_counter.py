@@ -1,0 +1,58 @@
+"""LayerTransferCounter: per-layer events, global sparse ids, pipeline stages, failure."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from asynccache.errors import TransferError
+from asynccache.layer_counter import LayerTransferCounter
+
+
+async def test_wait_blocks_until_the_layer_is_enqueued() -> None:
+    counter = LayerTransferCounter([0, 3, 7])  # sparse global ids (MLP-only layers skipped)
+    waiter = asyncio.ensure_future(counter.wait(3))
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    counter.mark_enqueued(0)
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    counter.mark_enqueued(3)
+    await asyncio.wait_for(waiter, timeout=1)
+
+
+async def test_untracked_layers_and_completed_counter_return_at_once() -> None:
+    counter = LayerTransferCounter([2])
+    await asyncio.wait_for(counter.wait(5), timeout=1)  # another stage's layer / nothing to load
+    done = LayerTransferCounter.completed()
+    for lid in range(10):
+        await asyncio.wait_for(done.wait(lid), timeout=1)
+
+
+async def test_pipeline_stage_waits_only_for_its_own_layers() -> None:
+    counter = LayerTransferCounter(range(8))
+    stage1 = counter.for_layers(range(4, 8))
+    assert stage1.layer_ids == (4, 5, 6, 7)
+    # Stage 1 never waits on stage 0's layers, even when they are not loaded yet.
+    await asyncio.wait_for(stage1.wait(1), timeout=1)
+    waiter = asyncio.ensure_future(stage1.wait(4))
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    counter.mark_enqueued(4)  # marked through the full counter, seen by the stage view
+    await asyncio.wait_for(waiter, timeout=1)
+
+
+async def test_fail_releases_waiters_with_transfer_error() -> None:
+    counter = LayerTransferCounter([0, 1])
+    waiter = asyncio.ensure_future(counter.wait(1))
+    await asyncio.sleep(0)
+    counter.fail(RuntimeError("boom"))
+    with pytest.raises(TransferError):
+        await waiter
+
+
+def test_marking_an_unknown_layer_raises() -> None:
+    counter = LayerTransferCounter([0])
+    with pytest.raises(KeyError):
+        counter.mark_enqueued(9)
