@@ -1,15 +1,26 @@
-"""Page / state-slot copy kernels between device and host pools.
+"""Page / state-slot copies between device and host pools.
 
 ``copy_items`` copies a list of (source index → destination index) items between two pools for
 a range of layers, whatever their layouts (layer_first / page_first) and devices. On CUDA it
-launches one Triton kernel per call (``kernels.triton_copy``; pinned host memory addressed
-directly by the GPU, at most ``max_ctas`` CTAs, default ``DEFAULT_MAX_CTAS``); on CPU tensors it
-runs the torch-indexing path. ``kernels.plan`` holds the launch arithmetic and the measured
-per-direction tunings; ``kernels.testing`` the copy conformance helpers the tests share;
-``python -m kernels.tune`` re-measures the tunings on a GPU.
+chooses per call (``method=``, default ``"auto"``: ``kernels.api.select_method``) between one
+Triton kernel launch (``kernels.triton_copy``; pinned host memory addressed directly by the GPU,
+at most ``max_ctas`` CTAs, default ``DEFAULT_MAX_CTAS``) and CUDA memcpys on the copy engines
+(``kernels.dma_copy`` over ``kernels.cudart``; no SMs, for items of at least
+``DMA_MIN_RUN_BYTES``); on CPU tensors it runs the torch-indexing path. ``kernels.plan`` holds
+the launch arithmetic, the measured per-direction tunings and the DMA threshold;
+``kernels.testing`` the copy conformance helpers the tests share; ``python -m kernels.tune``
+re-measures the tunings (``--dma``: the DMA engines and threshold) on a GPU.
 """
 
-from kernels.api import PoolBufferLike, copy_items, validate_copy
-from kernels.plan import DEFAULT_MAX_CTAS
+from kernels.api import COPY_METHODS, PoolBufferLike, copy_items, select_method, validate_copy
+from kernels.plan import DEFAULT_MAX_CTAS, DMA_MIN_RUN_BYTES
 
-__all__ = ["DEFAULT_MAX_CTAS", "PoolBufferLike", "copy_items", "validate_copy"]
+__all__ = [
+    "COPY_METHODS",
+    "DEFAULT_MAX_CTAS",
+    "DMA_MIN_RUN_BYTES",
+    "PoolBufferLike",
+    "copy_items",
+    "select_method",
+    "validate_copy",
+]

@@ -1,8 +1,13 @@
-"""Launcher: validation and dispatch of item copies (CPU torch path / CUDA Triton path).
+"""Launcher: validation and dispatch of item copies (CPU torch path / CUDA Triton or DMA path).
 
 A pool buffer is anything with ``buffer`` (uint8 tensor or ``None`` in accounting mode),
 ``num_layers``, ``num_items``, ``item_bytes``, ``layer_stride_bytes`` and ``item_stride_bytes``:
 item ``(layer, index)`` lives at byte ``layer·layer_stride + index·item_stride`` of the buffer.
+
+Primitives: ``copy_items`` (the entry point), ``select_method`` (Triton kernel or copy engines
+for a CUDA copy), and the checks both CUDA paths share: ``validate_copy`` (geometry, indices,
+buffers), ``check_device_buffers`` (devices, pinning), ``check_overlap`` (in-pool copies),
+``resolve_max_ctas``.
 """
 
 from __future__ import annotations
@@ -12,8 +17,23 @@ from typing import Protocol
 import torch
 
 from asynccache.errors import TransferError
+from kernels.plan import DEFAULT_MAX_CTAS, DMA_MIN_RUN_BYTES, dma_run_bytes
 
-__all__ = ["PoolBufferLike", "copy_items", "validate_copy", "strided_view"]
+__all__ = [
+    "COPY_METHODS",
+    "PoolBufferLike",
+    "check_device_buffers",
+    "check_overlap",
+    "copy_direction",
+    "copy_items",
+    "resolve_max_ctas",
+    "select_method",
+    "strided_view",
+    "validate_copy",
+]
+
+#: Values of ``copy_items(method=...)``: ``"auto"`` (the default) picks per call.
+COPY_METHODS: tuple[str, ...] = ("auto", "triton", "dma")
 
 
 class PoolBufferLike(Protocol):
@@ -84,6 +104,80 @@ def validate_copy(
             raise TransferError(f"{name} strides address past the end of its buffer")
 
 
+def copy_direction(src: torch.Tensor, dst: torch.Tensor) -> str:
+    """``"h2d"``, ``"d2h"``, ``"d2d"`` or ``"h2h"`` for two buffers."""
+    s = "d" if src.device.type == "cuda" else "h"
+    d = "d" if dst.device.type == "cuda" else "h"
+    return f"{s}2{d}"
+
+
+def check_device_buffers(src: torch.Tensor, dst: torch.Tensor, *, allow_host_only: bool = False) -> str:
+    """Device rules of a CUDA copy (one GPU, host memory pinned); returns the direction.
+
+    ``allow_host_only`` admits two host buffers (Triton's interpreter in tests)."""
+    direction = copy_direction(src, dst)
+    if direction == "h2h":
+        if allow_host_only:
+            return direction
+        raise TransferError("a CUDA copy needs a CUDA buffer on one side (CPU copies go through copy_items)")
+    if src.device.type == dst.device.type == "cuda" and src.device != dst.device:
+        raise TransferError(f"buffers on different GPUs: {src.device} and {dst.device}")
+    for name, buf in (("src", src), ("dst", dst)):
+        if buf.device.type == "cpu" and not buf.is_pinned():
+            raise TransferError(
+                f"{name} buffer is pageable host memory, which the GPU cannot address: allocate the host pool pinned"
+            )
+        if buf.device.type not in ("cpu", "cuda"):
+            raise TransferError(f"{name} buffer on unsupported device {buf.device}")
+    return direction
+
+
+def check_overlap(
+    src: PoolBufferLike, dst: PoolBufferLike, src_indices: torch.Tensor, dst_indices: torch.Tensor
+) -> None:
+    """A copy inside one pool must not read an item it also writes (copies run in any order)."""
+    assert src.buffer is not None and dst.buffer is not None
+    if src.buffer.untyped_storage().data_ptr() != dst.buffer.untyped_storage().data_ptr():
+        return
+    if src.layer_stride_bytes != dst.layer_stride_bytes or src.item_stride_bytes != dst.item_stride_bytes:
+        raise TransferError("src and dst share a buffer with different geometries")
+    if bool(torch.isin(src_indices, dst_indices).any()):
+        raise TransferError("src and dst are the same pool and the index lists overlap")
+
+
+def resolve_max_ctas(max_ctas: int | None) -> int:
+    """The CTA cap of a Triton launch (``None`` → ``DEFAULT_MAX_CTAS``); raises on a bad value."""
+    cap = DEFAULT_MAX_CTAS if max_ctas is None else max_ctas
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+        raise TransferError(f"max_ctas must be a positive int, got {max_ctas!r}")
+    return cap
+
+
+def select_method(
+    src: PoolBufferLike, dst: PoolBufferLike, *, method: str | None = None, layer_begin: int = 0, layer_end: int | None = None
+) -> str:
+    """``"triton"`` or ``"dma"`` for a CUDA copy; raises :class:`TransferError` for an unknown method.
+
+    ``"triton"`` / ``"dma"`` are taken as given. ``None`` / ``"auto"``: the copy engines when one
+    contiguous run of the copy (``kernels.plan.dma_run_bytes``: an item, or an item's layers
+    where both pools keep them adjacent) is at least ``kernels.plan.DMA_MIN_RUN_BYTES``, the
+    Triton kernel otherwise. Pure: depends on the pools' geometry only, never on the indices.
+    """
+    chosen = "auto" if method is None else method
+    if chosen not in COPY_METHODS:
+        raise TransferError(f"unknown copy method {method!r}; known: {list(COPY_METHODS)}")
+    if chosen != "auto":
+        return chosen
+    layer_end = src.num_layers if layer_end is None else layer_end
+    run = dma_run_bytes(
+        item_bytes=src.item_bytes,
+        src_layer_stride_bytes=src.layer_stride_bytes,
+        dst_layer_stride_bytes=dst.layer_stride_bytes,
+        num_layers=layer_end - layer_begin,
+    )
+    return "dma" if run >= DMA_MIN_RUN_BYTES else "triton"
+
+
 def copy_items(
     src: PoolBufferLike,
     dst: PoolBufferLike,
@@ -94,21 +188,40 @@ def copy_items(
     layer_end: int | None = None,
     max_ctas: int | None = None,
     stream: torch.cuda.Stream | None = None,
+    method: str | None = None,
 ) -> int:
     """Copy items ``src[l, src_indices[i]] → dst[l, dst_indices[i]]`` for ``l`` in the layer range.
 
-    One call is one launch on CUDA (on ``stream``, default the current stream; at most
-    ``max_ctas`` CTAs, default ``kernels.plan.DEFAULT_MAX_CTAS``); on CPU it is synchronous
-    torch indexing and ``max_ctas``/``stream`` are ignored. Returns the number of bytes copied (counted also in accounting mode, where
-    nothing is copied). Layer positions are *local* to the pools (0 … num_layers-1).
+    On CUDA the copy is enqueued on ``stream`` (default: the current stream) and returns at
+    once, by one of two paths (``method``: ``"auto"``/``None``, ``"triton"``, ``"dma"``;
+    :func:`select_method`):
+
+    - ``"triton"``: one kernel launch of at most ``max_ctas`` CTAs (default
+      ``kernels.plan.DEFAULT_MAX_CTAS``) reading/writing pinned host memory directly;
+    - ``"dma"``: CUDA memcpys on the copy engines (``kernels.dma_copy``), no SMs, adjacent items
+      merged; ``max_ctas`` is checked but unused.
+
+    On CPU it is synchronous torch indexing: ``max_ctas`` and ``stream`` are ignored, ``method``
+    is checked and does not change it. Returns the number of bytes copied (counted also in accounting mode,
+    where nothing is copied). Layer positions are *local* to the pools (0 … num_layers-1).
+    Everything is validated before anything is enqueued (:class:`TransferError`); destination
+    indices must be distinct.
     """
     layer_end = src.num_layers if layer_end is None else layer_end
     if _on_cuda(src) or _on_cuda(dst):
-        # The launcher validates (the same checks plus device, pinning and overlap rules).
-        from kernels.triton_copy import launch_copy
+        chosen = select_method(src, dst, method=method, layer_begin=layer_begin, layer_end=layer_end)
+        resolve_max_ctas(max_ctas)
+        if chosen == "dma":
+            from kernels.dma_copy import launch_dma
 
-        launch_copy(src, dst, src_indices, dst_indices, layer_begin, layer_end, max_ctas=max_ctas, stream=stream)
+            launch_dma(src, dst, src_indices, dst_indices, layer_begin, layer_end, stream=stream)
+        else:
+            # The launcher validates (the same checks plus device, pinning and overlap rules).
+            from kernels.triton_copy import launch_copy
+
+            launch_copy(src, dst, src_indices, dst_indices, layer_begin, layer_end, max_ctas=max_ctas, stream=stream)
         return src_indices.numel() * (layer_end - layer_begin) * src.item_bytes
+    select_method(src, dst, method=method, layer_begin=layer_begin, layer_end=layer_end)
     validate_copy(src, dst, src_indices, dst_indices, layer_begin, layer_end)
     nbytes = src_indices.numel() * (layer_end - layer_begin) * src.item_bytes
     if nbytes == 0 or src.buffer is None:

@@ -8,6 +8,8 @@ Primitives:
 - ``word_bytes_for(...)`` — the widest access (16, 8, 4, 2 or 1 bytes) that divides the item size,
   every stride and both base addresses.
 - ``plan_copy(...) -> CopyPlan`` — everything the launcher passes to the kernel.
+- ``DMA_MIN_RUN_BYTES``, ``dma_run_bytes(...)`` — when ``copy_items``' automatic choice sends a
+  copy to the copy engines (``kernels.dma_copy``) instead of the kernel; ``DMA_BATCH_MAX_COPIES``.
 
 How the work is cut. A copy moves ``num_layers × num_pairs`` items of ``item_words`` words. Each
 item is cut into ``num_chunks`` chunks of ``chunk_words`` (a power of two); one *task* is one
@@ -38,6 +40,9 @@ __all__ = [
     "DEFAULT_MAX_CTAS",
     "DEFAULT_TUNING",
     "INT32_TASK_LIMIT",
+    "DMA_MIN_RUN_BYTES",
+    "DMA_BATCH_MAX_COPIES",
+    "dma_run_bytes",
     "word_bytes_for",
     "choose_chunk_words",
     "plan_copy",
@@ -47,6 +52,18 @@ __all__ = [
 #: On the H200, 8 CTAs reach the ceiling of SM-issued PCIe traffic for 4 KiB…2 MiB items (H2D
 #: 0.92, D2H 0.94–0.95 of the DMA engine); 4 CTAs lose 4 KiB pages (docs/benchmarks.md).
 DEFAULT_MAX_CTAS = 8
+
+#: ``copy_items(method="auto")`` copies with the DMA engines when one contiguous run of bytes
+#: (an item, or an item's layers where both pools keep them adjacent) is at least this long, and
+#: with the Triton kernel otherwise. The copy engines use no SMs (a concurrent GEMM keeps its
+#: speed: +0.6 % / +1.2 % beside H2D / D2H KV-page copies, against +17 % / +158 % beside the
+#: 8-CTA kernel) and reach the link from 64 KiB (0.99–1.01 on the H200); each copy costs them a
+#: fixed setup, so 4–16 KiB items go faster through the kernel (0.03–0.45 vs 0.93–0.94), and
+#: 32 KiB varied between machines (docs/benchmarks.md, Transfer).
+DMA_MIN_RUN_BYTES = 65536
+
+#: Copies per ``cudaMemcpyBatchAsync`` call (longer lists are issued in several calls).
+DMA_BATCH_MAX_COPIES = 16384
 
 #: Task numbers below this are decomposed with int32 division (addresses are int64 regardless).
 INT32_TASK_LIMIT = 2**31
@@ -217,3 +234,12 @@ def plan_copy(
         dst_item_stride=dst_item_stride_bytes // elem,
         tuning=tuning,
     )
+
+
+def dma_run_bytes(*, item_bytes: int, src_layer_stride_bytes: int, dst_layer_stride_bytes: int, num_layers: int) -> int:
+    """Bytes of one contiguous run of a copy on both sides, whatever the indices: an item, or the
+    ``num_layers`` consecutive layers of an item when both pools store them back to back
+    (``page_first`` on both sides)."""
+    if num_layers > 1 and src_layer_stride_bytes == dst_layer_stride_bytes == item_bytes:
+        return item_bytes * num_layers
+    return item_bytes

@@ -37,8 +37,15 @@ import triton
 import triton.language as tl
 
 from asynccache.errors import TransferError
-from kernels.api import PoolBufferLike, validate_copy
-from kernels.plan import DEFAULT_MAX_CTAS, DEFAULT_TUNING, CopyPlan, CopyTuning, plan_copy
+from kernels.api import (
+    PoolBufferLike,
+    check_device_buffers,
+    check_overlap,
+    copy_direction,
+    resolve_max_ctas,
+    validate_copy,
+)
+from kernels.plan import DEFAULT_TUNING, CopyPlan, CopyTuning, plan_copy
 
 __all__ = ["CopyLaunch", "launch_copy", "plan_launch", "copy_direction", "interpreting"]
 
@@ -167,43 +174,10 @@ def _copy_items_kernel(
             tl.store(dst_ptr + (dst_row[:, None] + cols[None, :]), data, mask=mask)
 
 
-def copy_direction(src: torch.Tensor, dst: torch.Tensor) -> str:
-    """``"h2d"``, ``"d2h"``, ``"d2d"`` (or ``"h2h"`` under the interpreter) for two buffers."""
-    s = "d" if src.device.type == "cuda" else "h"
-    d = "d" if dst.device.type == "cuda" else "h"
-    return f"{s}2{d}"
-
-
 def _check_buffers(src: torch.Tensor, dst: torch.Tensor) -> str:
-    """Device rules of a launch; returns the direction."""
-    direction = copy_direction(src, dst)
-    if direction == "h2h":
-        if interpreting():
-            return direction
-        raise TransferError("launch_copy needs a CUDA buffer on one side (CPU copies go through copy_items)")
-    if src.device.type == dst.device.type == "cuda" and src.device != dst.device:
-        raise TransferError(f"buffers on different GPUs: {src.device} and {dst.device}")
-    for name, buf in (("src", src), ("dst", dst)):
-        if buf.device.type == "cpu" and not buf.is_pinned():
-            raise TransferError(
-                f"{name} buffer is pageable host memory, which the GPU cannot address: allocate the host pool pinned"
-            )
-        if buf.device.type not in ("cpu", "cuda"):
-            raise TransferError(f"{name} buffer on unsupported device {buf.device}")
-    return direction
-
-
-def _check_overlap(
-    src: PoolBufferLike, dst: PoolBufferLike, src_indices: torch.Tensor, dst_indices: torch.Tensor
-) -> None:
-    """A copy inside one pool must not read an item it also writes (CTAs run in any order)."""
-    assert src.buffer is not None and dst.buffer is not None
-    if src.buffer.untyped_storage().data_ptr() != dst.buffer.untyped_storage().data_ptr():
-        return
-    if src.layer_stride_bytes != dst.layer_stride_bytes or src.item_stride_bytes != dst.item_stride_bytes:
-        raise TransferError("src and dst share a buffer with different geometries")
-    if bool(torch.isin(src_indices, dst_indices).any()):
-        raise TransferError("src and dst are the same pool and the index lists overlap")
+    """Device rules of a launch (``kernels.api.check_device_buffers``); returns the direction.
+    Two host buffers are accepted under the interpreter only."""
+    return check_device_buffers(src, dst, allow_host_only=interpreting())
 
 
 def _stage_indices(
@@ -240,12 +214,10 @@ def plan_launch(
     if src.buffer is None or dst.buffer is None:
         raise TransferError("launch_copy needs materialized pools (accounting mode goes through copy_items)")
     direction = _check_buffers(src.buffer, dst.buffer)
-    cap = DEFAULT_MAX_CTAS if max_ctas is None else max_ctas
-    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
-        raise TransferError(f"max_ctas must be a positive int, got {max_ctas!r}")
+    cap = resolve_max_ctas(max_ctas)
     if src_indices.numel() == 0 or layer_end == layer_begin:
         return None
-    _check_overlap(src, dst, src_indices, dst_indices)
+    check_overlap(src, dst, src_indices, dst_indices)
     plan = plan_copy(
         item_bytes=src.item_bytes,
         src_layer_stride_bytes=src.layer_stride_bytes,

@@ -10,6 +10,14 @@ CTAs is ≤ 3 %; if none is, it takes the least intrusive candidate within 0.02 
 ``--bench`` then runs ``asynccache bench transfer`` with the picked tunings as defaults. Results
 go to ``DIR/tune.json`` (and ``DIR/bench.json``). The figures that end up in ``kernels.plan``'s
 ``DEFAULT_TUNING`` come from here.
+
+``python -m kernels.tune --dma --out DIR`` instead compares the DMA path's engines
+(``kernels.dma_copy``: one batch call with and without the overlap-with-compute hint, one memcpy
+per item, one 2-D memcpy per item over all layers) with the kernel at 8 CTAs for each item size
+and direction, checks whether the batch call accepts the legacy default stream, measures the
+GEMM slowdown beside batch copies of 64 KiB and state-sized items, and prints the smallest item size
+from which the batch engine is at least as fast as the kernel in both directions (the
+``kernels.plan.DMA_MIN_RUN_BYTES`` candidate). Results go to ``DIR/dma.json``.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from asynccache.bench import transfer
 from asynccache.spec import HybridSpec
 from kernels import plan as plan_module
 from kernels.plan import CopyTuning
+from asynccache.pools.base import ItemPool
 from kernels.triton_copy import launch_copy
 
 CANDIDATES: tuple[CopyTuning, ...] = tuple(
@@ -57,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--total-mib", type=int, default=256)
     parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--bench", action="store_true", help="run the transfer bench with the picked tunings")
+    parser.add_argument("--dma", action="store_true", help="compare the DMA engines with the kernel instead")
     parser.add_argument(
         "--write-defaults", action="store_true", help="write the picked tunings into kernels/plan.py's DEFAULT_TUNING"
     )
@@ -67,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     device = torch.device("cuda", torch.cuda.current_device())
     spec = HybridSpec.preset(args.preset)
+    if args.dma:
+        return tune_dma(args, device, spec)
     sizes = (4096, spec.kv_item_bytes, spec.state_item_bytes)
     print(f"# {torch.cuda.get_device_name(device)}, torch {torch.__version__}, triton {_triton_version()}", flush=True)
 
@@ -170,6 +182,143 @@ def main(argv: list[str] | None = None) -> int:
         transfer.add_arguments(bench_parser)
         return transfer.run(bench_parser.parse_args(["--json", os.path.join(args.out, "bench.json")]))
     return 0
+
+
+def tune_dma(args: argparse.Namespace, device: torch.device, spec: HybridSpec) -> int:
+    """The ``--dma`` sweep (module docstring); writes ``DIR/dma.json``."""
+    from kernels.cudart import cuda_runtime
+    from kernels.dma_copy import batch_check, launch_dma, plan_segments
+
+    rt = cuda_runtime()
+    assert device.index is not None
+    info = {**rt.describe(), "batch_check": batch_check(device.index)}
+    print(f"# {torch.cuda.get_device_name(device)}, torch {torch.__version__}; runtime {info}", flush=True)
+    info["legacy_stream"] = _legacy_stream_probe(device)
+    print(f"batch call on the legacy default stream: {info['legacy_stream']}", flush=True)
+
+    def batch_fn(src: ItemPool, dst: ItemPool, si: torch.Tensor, di: torch.Tensor, prefer: bool) -> object:
+        seg = plan_segments(
+            item_bytes=src.item_bytes, src_layer_stride_bytes=src.layer_stride_bytes,
+            src_item_stride_bytes=src.item_stride_bytes, dst_layer_stride_bytes=dst.layer_stride_bytes,
+            dst_item_stride_bytes=dst.item_stride_bytes, src_indices=si, dst_indices=di, layer_begin=0, layer_end=1,
+        )  # fmt: skip
+        assert src.buffer is not None and dst.buffer is not None
+        s, d = seg.src_offsets + src.buffer.data_ptr(), seg.dst_offsets + dst.buffer.data_ptr()
+        stream = torch.cuda.current_stream(device).cuda_stream
+        return lambda: rt.memcpy_batch_async(
+            d.data_ptr(), s.data_ptr(), seg.sizes.data_ptr(), seg.num_copies, stream, prefer_overlap=prefer
+        )
+
+    sizes = (4096, 16384, 32768, 65536, spec.kv_item_bytes, 262144, spec.state_item_bytes)
+    rows: list[dict[str, object]] = []
+    side = torch.cuda.Stream(device=device)
+    for size in sizes:
+        pair = transfer.make_pool_pair(size, args.total_mib * transfer.MiB // size, device, seed=size % 89)
+        for direction in ("h2d", "d2h"):
+            src, dst, si, di = pair.ends(direction)
+            base = transfer.contiguous_seconds(pair, direction, pair.num_bytes, reps=args.reps)
+            row: dict[str, object] = {"direction": direction, "item_bytes": size, "num_items": si.numel()}
+            row["triton8"] = base / transfer.time_median_s(
+                lambda: launch_copy(src, dst, si, di, max_ctas=8), reps=args.reps, device=device
+            )
+            with torch.cuda.stream(side):  # the batch call needs a stream other than the legacy one
+                for name, prefer in (("batch", True), ("batch_noflag", False)):
+                    fn = batch_fn(src, dst, si, di, prefer)
+                    row[name] = base / transfer.time_median_s(fn, reps=args.reps, device=device)  # type: ignore[arg-type]
+                    transfer.check_copy(pair, direction)
+            row["loop"] = base / transfer.time_median_s(
+                lambda: launch_dma(src, dst, si, di, engine="loop"), reps=args.reps, device=device
+            )
+            transfer.check_copy(pair, direction)
+            rows.append(row)
+            print(
+                f"{direction} {size:>8} B: triton@8 {row['triton8']:.3f}  batch {row['batch']:.3f}  "
+                f"batch(no hint) {row['batch_noflag']:.3f}  loop {row['loop']:.3f}  (ratio to contiguous)",
+                flush=True,
+            )
+        del pair
+    info["multi_layer"] = _multi_layer_engines(device, spec, args.reps)
+    gemm: list[dict[str, object]] = []
+    # Items the automatic choice sends to the copy engines. (Below ~32 KiB a batch is bound by
+    # the host's submission, so the copy cannot be made to run beside the matmuls.)
+    for size in (65536, spec.state_item_bytes):
+        pair = transfer.make_pool_pair(size, 128 * transfer.MiB // size, device, seed=5)
+        for direction in ("h2d", "d2h"):
+            src, dst, si, di = pair.ends(direction)
+            secs = transfer.time_median_s(lambda: launch_dma(src, dst, si, di), reps=3, device=device)
+            try:
+                slow = transfer.gemm_slowdown(src, dst, si, di, ctas=8, n=8192, copy_seconds=secs, method="dma")
+            except RuntimeError as e:  # the copy could not be made to outlast the matmuls
+                print(f"gemm beside a DMA {direction} copy of {size}-byte items: {e}", flush=True)
+                slow = float("inf")
+            gemm.append({"direction": direction, "item_bytes": size, "slowdown": slow})
+            print(f"gemm beside a DMA {direction} copy of {size}-byte items: {slow * 100:+.1f} %", flush=True)
+        del pair
+    threshold = None
+    for size in sorted(sizes, reverse=True):
+        wins = [r for r in rows if r["item_bytes"] == size and float(r["batch"]) >= float(r["triton8"])]  # type: ignore[arg-type]
+        if len(wins) < 2:
+            break
+        threshold = size
+    print(f"smallest item size from which batch DMA >= triton@8 in both directions: {threshold}", flush=True)
+    with open(os.path.join(args.out, "dma.json"), "w") as f:
+        json.dump({"runtime": info, "rows": rows, "gemm": gemm, "threshold": threshold}, f, indent=1)
+    return 0
+
+
+def _legacy_stream_probe(device: torch.device) -> str:
+    """Whether ``cudaMemcpyBatchAsync`` accepts the legacy default stream (a CUDA error name if not)."""
+    from asynccache.errors import TransferError
+    from kernels.cudart import cuda_runtime
+
+    rt = cuda_runtime()
+    if not rt.has_batch:
+        return "no batch call"
+    host = torch.ones(64, dtype=torch.uint8).pin_memory()
+    dev = torch.zeros(64, dtype=torch.uint8, device=device)
+    ptrs = torch.tensor([host.data_ptr(), dev.data_ptr(), 64], dtype=torch.int64)
+    try:
+        rt.memcpy_batch_async(ptrs[1:2].data_ptr(), ptrs[0:1].data_ptr(), ptrs[2:3].data_ptr(), 1, 0)
+    except TransferError as e:
+        return f"rejected: {e}"
+    finally:
+        torch.cuda.synchronize(device)
+    return "accepted" if bool((dev == 1).all()) else "accepted, wrong bytes"
+
+
+def _multi_layer_engines(device: torch.device, spec: HybridSpec, reps: int) -> list[dict[str, object]]:
+    """A backup of KV pages over 8 layers, device ``layer_first`` → host ``page_first`` (and back):
+    the batch engine, one 2-D memcpy per page, one memcpy per (layer, page), as ratios of the
+    contiguous copy of the same bytes."""
+    from asynccache.pools.base import PoolLayout
+    from kernels.dma_copy import launch_dma
+
+    size, layers, items = spec.kv_item_bytes, 8, 256
+    dev = ItemPool(name="t_dev", layer_ids=tuple(range(layers)), num_items=2 * items, item_bytes=size,
+                   layout=PoolLayout.LAYER_FIRST, device=device)  # fmt: skip
+    host = ItemPool(name="t_host", layer_ids=tuple(range(layers)), num_items=2 * items, item_bytes=size,
+                    layout=PoolLayout.PAGE_FIRST, pin=True)  # fmt: skip
+    gen = torch.Generator().manual_seed(2)
+    hi, di = torch.randperm(2 * items, generator=gen)[:items], torch.randperm(2 * items, generator=gen)[:items]
+    assert dev.buffer is not None and host.buffer is not None
+    nbytes = items * layers * size
+    flat_h, flat_d = host.buffer.view(-1)[:nbytes], dev.buffer.view(-1)[:nbytes]
+    out: list[dict[str, object]] = []
+    side = torch.cuda.Stream(device=device)
+    for direction, (src, dst, s_idx, d_idx) in (("d2h", (dev, host, di, hi)), ("h2d", (host, dev, hi, di))):
+        a, b = (flat_d, flat_h) if direction == "d2h" else (flat_h, flat_d)
+        base = transfer.time_median_s(lambda: b.copy_(a, non_blocking=True), reps=reps, device=device)
+        row: dict[str, object] = {"direction": direction, "item_bytes": size, "layers": layers, "items": items}
+        with torch.cuda.stream(side):
+            for engine in ("batch", "2d", "loop"):
+                secs = transfer.time_median_s(
+                    lambda engine=engine: launch_dma(src, dst, s_idx, d_idx, engine=engine), reps=reps, device=device
+                )
+                row[engine] = base / secs
+        out.append(row)
+        print(f"all-layer {direction} of {items} pages × {layers} layers: "
+              + ", ".join(f"{e} {row[e]:.3f}" for e in ("batch", "2d", "loop")), flush=True)  # fmt: skip
+    return out
 
 
 def write_defaults(picks: dict[str, CopyTuning]) -> None:

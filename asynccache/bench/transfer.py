@@ -1,30 +1,39 @@
 """``asynccache bench transfer``: scattered item copies against a contiguous pinned memcpy.
 
-What it measures (on CUDA):
+What it measures (on CUDA), for each copy method of ``copy_items`` (``--methods``: the Triton
+kernel, ``"triton"``, and the copy engines, ``"dma"``, in the same run):
 
 - **Scattered copies**, H2D (pinned host pool → device pool) and D2H, for item sizes from 4 KiB
-  to 2 MiB plus the KV page and Mamba state item of a real spec (``--preset``), each at several
-  CTA caps (``--ctas``; ``0`` = uncapped): GB/s and the ratio to a contiguous pinned
-  ``cudaMemcpyAsync`` of the same number of bytes, measured in the same run. Items are gathered
-  from random indices of a pool twice as large and scattered to random indices.
-- **GEMM slowdown**: bf16 ``N³`` matmuls on one stream, alone and next to one long copy on
-  another stream capped at 4, 8 and 16 CTAs (both directions; ``gemm_slowdown`` is the worse
-  direction at 8 CTAs), plus the matmul kernel's grid, registers and shared memory.
+  to 2 MiB plus the KV page and Mamba state item of a real spec (``--preset``), the kernel at
+  several CTA caps (``--ctas``; ``0`` = uncapped), the DMA path once (no CTAs): GB/s and the
+  ratio to a contiguous pinned ``cudaMemcpyAsync`` of the same number of bytes, measured in the
+  same run. Items are gathered from random indices of a pool twice as large and scattered to
+  random indices; each (size, direction, method) is checked bit for bit.
+- **GEMM slowdown**: bf16 ``N³`` matmuls on one stream, alone and next to one long copy of KV
+  pages on another stream: the kernel capped at 4, 8 and 16 CTAs, and the DMA path (both
+  directions; ``gemm_slowdown`` is the kernel's worse direction at 8 CTAs,
+  ``gemm_slowdown_dma`` the DMA path's worse direction), plus the matmul kernel's grid,
+  registers and shared memory.
 - **Per-layer load** of the Mamba states of ``--states`` requests and ``--tokens`` tokens of KV
-  (the spec's geometry): one launch per layer over all layers in order, as the controller does
-  before a forward pass; total GB/s and the ratio to the contiguous H2D bandwidth.
+  (the spec's geometry): one ``copy_items`` call per layer over all layers in order, as the
+  controller does before a forward pass — the kernel at each cap, the DMA path, and the
+  automatic choice (``method="auto"``, kernel cap 8); total GB/s, the ratio to the contiguous
+  H2D bandwidth, and the host time the calls take to enqueue every layer.
 
 On CPU the same command measures ``copy_items``' torch-indexing path (host → host; ``ctas`` is
-reported as 0) against a contiguous ``copy_`` and says so; no GEMM. ``--json PATH`` writes::
+reported as 0, ``method`` as ``"torch"``) against a contiguous ``copy_`` and says so; no GEMM.
+``--json PATH`` writes::
 
     {"device": "cuda"|"cpu",
-     "results": [{"direction", "item_bytes", "num_items", "ctas", "gbps", "ratio"}, ...],
+     "results": [{"method", "direction", "item_bytes", "num_items", "ctas", "gbps", "ratio"}, ...],
      "gemm_slowdown": float | null,
+     "gemm_slowdown_dma": float | null,
      "contiguous_gbps": {"h2d": float, "d2h": float},
-     "per_layer_load": [{"ctas", "bytes", "gbps", "ratio", "launches"}, ...],
-     "gemm": [{"direction", "ctas", "slowdown", "gemm_kernel"}, ...]}
+     "per_layer_load": [{"method", "ctas", "bytes", "gbps", "ratio", "launches", "issue_ms"}, ...],
+     "gemm": [{"method", "direction", "ctas", "slowdown", "gemm_kernel"}, ...],
+     "dma_runtime": {"path", "runtime_version", "driver_version", "batch_signature", "batch_check"} | null}
 
-``ctas`` is the grid actually launched (for an uncapped run, one CTA per tile).
+``ctas`` is the grid actually launched (for an uncapped run, one CTA per tile; 0 for DMA).
 """
 
 from __future__ import annotations
@@ -71,6 +80,7 @@ UNCAPPED = 2**31 - 1
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TransferResult:
+    method: str  # "triton" | "dma" on CUDA, "torch" on CPU
     direction: str
     item_bytes: int
     num_items: int
@@ -174,9 +184,14 @@ def contiguous_seconds(pair: PoolPair, direction: str, num_bytes: int, *, reps: 
     return time_median_s(lambda: dst.copy_(src, non_blocking=non_blocking), reps=reps, device=dev.device)
 
 
-def scattered_seconds(pair: PoolPair, direction: str, ctas: int, *, reps: int) -> float:
+def scattered_seconds(pair: PoolPair, direction: str, ctas: int, *, reps: int, method: str = "triton") -> float:
+    """Median seconds of one scattered ``copy_items`` of the pair (``method`` as there; CPU: torch)."""
     src, dst, si, di = pair.ends(direction)
-    return time_median_s(lambda: copy_items(src, dst, si, di, max_ctas=ctas), reps=reps, device=pair.device.device)
+    return time_median_s(
+        lambda: copy_items(src, dst, si, di, max_ctas=ctas, method=None if method == "torch" else method),
+        reps=reps,
+        device=pair.device.device,
+    )
 
 
 def check_copy(pair: PoolPair, direction: str) -> None:
@@ -190,9 +205,9 @@ def check_copy(pair: PoolPair, direction: str) -> None:
         raise RuntimeError(f"{direction} scattered copy of {src.item_bytes}-byte items is wrong")
 
 
-def grid_for(pair: PoolPair, direction: str, ctas: int) -> int:
-    """The grid a CUDA launch of this copy uses (0 on CPU, where there is no grid)."""
-    if pair.device.device.type != "cuda":
+def grid_for(pair: PoolPair, direction: str, ctas: int, method: str = "triton") -> int:
+    """The grid a CUDA launch of this copy uses (0 on CPU and for DMA, where there is no grid)."""
+    if pair.device.device.type != "cuda" or method == "dma":
         return 0
     from kernels.triton_copy import plan_launch
 
@@ -213,14 +228,17 @@ def gemm_slowdown(
     copy_seconds: float,
     tuning: object | None = None,
     rounds: int = 3,
+    method: str = "triton",
 ) -> float:
-    """Relative slowdown of ``n³`` bf16 matmuls next to one long copy capped at ``ctas`` CTAs.
+    """Relative slowdown of ``n³`` bf16 matmuls next to one long copy (the Triton kernel capped
+    at ``ctas`` CTAs, or with ``method="dma"`` the copy engines).
 
-    The copy is a single launch (the index lists repeated) enqueued on another stream before the
-    matmuls and sized to outlast them threefold, so its CTAs stay resident the whole time, as
-    during a long load-back; that it did outlast them is checked with events (the copy is made
-    longer and the round repeated otherwise). Returns ``t_concurrent / t_alone − 1`` (medians).
+    The copy is a single call (the index lists repeated) enqueued on another stream before the
+    matmuls and sized to outlast them threefold, so it runs the whole time, as during a long
+    load-back; that it did outlast them is checked with events (the copy is made longer and the
+    round repeated otherwise). Returns ``t_concurrent / t_alone − 1`` (medians).
     """
+    from kernels.dma_copy import launch_dma
     from kernels.triton_copy import launch_copy
 
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -253,10 +271,13 @@ def gemm_slowdown(
         copy_start, copy_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(copy_stream):
             copy_start.record()
-            launch_copy(
-                src, dst, src_indices.repeat(repeat), dst_indices.repeat(repeat),
-                max_ctas=ctas, stream=copy_stream, tuning=tuning,  # type: ignore[arg-type]
-            )  # fmt: skip
+            if method == "dma":
+                launch_dma(src, dst, src_indices.repeat(repeat), dst_indices.repeat(repeat), stream=copy_stream)
+            else:
+                launch_copy(
+                    src, dst, src_indices.repeat(repeat), dst_indices.repeat(repeat),
+                    max_ctas=ctas, stream=copy_stream, tuning=tuning,  # type: ignore[arg-type]
+                )  # fmt: skip
             copy_end.record()
         s, e = gemms(k)
         torch.cuda.synchronize()
@@ -304,7 +325,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated item sizes in bytes, or 'kv' / 'state' for the preset's items "
         "(default: 4 KiB…2 MiB plus kv and state on CUDA; a few on CPU)",
     )
-    parser.add_argument("--ctas", default="4,8,16,0", help="comma-separated CTA caps; 0 = uncapped")
+    parser.add_argument("--ctas", default="4,8,16,0", help="comma-separated CTA caps of the kernel; 0 = uncapped")
+    parser.add_argument(
+        "--methods", default="triton,dma", help="copy methods to measure on CUDA: triton, dma (comma-separated)"
+    )
     parser.add_argument("--total-mib", type=float, default=None, help="bytes per copy (default 256 CUDA, 8 CPU)")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (median; default 5 CUDA, 3 CPU)")
     parser.add_argument("--preset", default="qwen3-next-80b", help="HybridSpec preset for kv/state items")
@@ -340,6 +364,25 @@ def _sizes(text: str | None, spec: HybridSpec, cuda: bool) -> list[int]:
     return out
 
 
+def _methods(text: str) -> list[str]:
+    out = [tok.strip().lower() for tok in text.split(",") if tok.strip()]
+    bad = [m for m in out if m not in ("triton", "dma")]
+    if bad or not out:
+        raise ConfigError(f"--methods: {bad or text!r} not among triton, dma")
+    return out
+
+
+def _dma_runtime(device: torch.device) -> dict[str, object] | None:
+    """The CUDA runtime the DMA path binds and whether its batch call passed the self-check."""
+    if device.type != "cuda":
+        return None
+    from kernels.cudart import cuda_runtime
+    from kernels.dma_copy import batch_check
+
+    assert device.index is not None
+    return {**cuda_runtime().describe(), "batch_check": batch_check(device.index)}
+
+
 def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -350,17 +393,22 @@ def run(args: argparse.Namespace) -> int:
     spec = HybridSpec.preset(args.preset)
     sizes = _sizes(args.sizes, spec, cuda)
     caps = [int(c) for c in str(args.ctas).split(",")] if cuda else [0]
+    methods = _methods(args.methods) if cuda else ["torch"]
+    # (method, CTA cap) per measurement: the kernel at every cap, the DMA path once.
+    runs = [("triton" if cuda else "torch", cap) for cap in caps if "triton" in methods or not cuda]
+    runs += [("dma", 0)] if "dma" in methods else []
     total_bytes = int((args.total_mib if args.total_mib is not None else (256 if cuda else 8)) * MiB)
     reps = args.reps if args.reps is not None else (5 if cuda else 3)
+    dma_runtime = _dma_runtime(device) if "dma" in methods else None
     if cuda:
         name = torch.cuda.get_device_name(device)
-        print(f"# transfer on {name}: Triton kernels, pinned host memory addressed directly by the GPU")
+        print(f"# transfer on {name}: {', '.join(methods)} (pinned host memory); CUDA runtime {dma_runtime}")
     else:
         print("# transfer on CPU: no CUDA device, measuring copy_items' torch-indexing path (host → host)")
 
     results: list[TransferResult] = []
     contiguous: dict[str, list[float]] = {"h2d": [], "d2h": []}
-    steps = len(sizes) * 2 * len(caps)
+    steps = len(sizes) * 2 * len(runs)
     step = 0
     for item_bytes in sizes:
         num_items = max(1, total_bytes // item_bytes)
@@ -368,19 +416,21 @@ def run(args: argparse.Namespace) -> int:
         for direction in ("h2d", "d2h"):
             base_s = contiguous_seconds(pair, direction, pair.num_bytes, reps=reps)
             contiguous[direction].append(pair.num_bytes / base_s / 1e9)
-            for i, cap in enumerate(caps):
+            checked: set[str] = set()
+            for method, cap in runs:
                 step += 1
                 ctas = UNCAPPED if cap == 0 else cap
-                secs = scattered_seconds(pair, direction, ctas, reps=reps)
-                if i == 0:
+                secs = scattered_seconds(pair, direction, ctas, reps=reps, method=method)
+                if method not in checked:
                     check_copy(pair, direction)
+                    checked.add(method)
                 res = TransferResult(
-                    direction=direction, item_bytes=item_bytes, num_items=num_items,
-                    ctas=grid_for(pair, direction, ctas), gbps=pair.num_bytes / secs / 1e9, ratio=base_s / secs,
+                    method=method, direction=direction, item_bytes=item_bytes, num_items=num_items,
+                    ctas=grid_for(pair, direction, ctas, method), gbps=pair.num_bytes / secs / 1e9, ratio=base_s / secs,
                 )  # fmt: skip
                 results.append(res)
                 _progress(
-                    f"[{step}/{steps}] {direction} {item_bytes} B × {num_items}, ctas {res.ctas}: "
+                    f"[{step}/{steps}] {method} {direction} {item_bytes} B × {num_items}, ctas {res.ctas}: "
                     f"{res.gbps:.1f} GB/s ({res.ratio:.2f} of contiguous)"
                 )
         del pair
@@ -388,19 +438,22 @@ def run(args: argparse.Namespace) -> int:
 
     gemm_rows: list[dict[str, object]] = []
     if cuda and not args.no_gemm:
-        gemm_rows = _gemm_rows(device, spec, args.gemm_n, reps)
+        gemm_rows = _gemm_rows(device, spec, args.gemm_n, reps, methods)
     scenario_rows: list[dict[str, object]] = []
     if not args.no_scenario:
-        scenario_rows = _scenario(spec, device, caps, link["h2d"], args, reps)
+        scenario_rows = _scenario(spec, device, runs, link["h2d"], args, reps)
 
-    gemm_8 = [float(r["slowdown"]) for r in gemm_rows if r["ctas"] == 8]  # type: ignore[arg-type]
+    gemm_8 = [float(r["slowdown"]) for r in gemm_rows if r["method"] == "triton" and r["ctas"] == 8]  # type: ignore[arg-type]
+    gemm_dma = [float(r["slowdown"]) for r in gemm_rows if r["method"] == "dma"]  # type: ignore[arg-type]
     report = {
         "device": device.type,
         "results": [asdict(r) for r in results],
         "gemm_slowdown": max(gemm_8) if gemm_8 else None,
+        "gemm_slowdown_dma": max(gemm_dma) if gemm_dma else None,
         "contiguous_gbps": link,
         "per_layer_load": scenario_rows,
         "gemm": gemm_rows,
+        "dma_runtime": dma_runtime,
     }
     _print_tables(report, cuda)
     if args.json_path:
@@ -409,29 +462,43 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _gemm_rows(device: torch.device, spec: HybridSpec, n: int, reps: int) -> list[dict[str, object]]:
-    """Slowdown of the GEMM beside a long copy of KV pages at caps 4, 8, 16 (both directions)."""
+def _gemm_rows(
+    device: torch.device, spec: HybridSpec, n: int, reps: int, methods: list[str]
+) -> list[dict[str, object]]:
+    """Slowdown of the GEMM beside a long copy of KV pages: the kernel at caps 4, 8, 16, the DMA
+    path (both directions)."""
     try:
         footprint = gemm_kernel_footprint(n)
     except (RuntimeError, OSError, ValueError) as e:  # the profiler is optional here
         footprint = {"error": f"{type(e).__name__}: {e}"}
     _progress(f"gemm {n}³ bf16 kernel: {footprint}")
     pair = make_pool_pair(spec.kv_item_bytes, 256 * MiB // spec.kv_item_bytes, device, seed=7)
+    runs = [("triton", cap) for cap in (4, 8, 16)] if "triton" in methods else []
+    runs += [("dma", 0)] if "dma" in methods else []
     rows: list[dict[str, object]] = []
     for direction in ("h2d", "d2h"):
         src, dst, si, di = pair.ends(direction)
-        for cap in (4, 8, 16):
-            secs = scattered_seconds(pair, direction, cap, reps=reps)
-            slow = gemm_slowdown(src, dst, si, di, ctas=cap, n=n, copy_seconds=secs)
-            rows.append({"direction": direction, "ctas": cap, "slowdown": slow, "gemm_kernel": footprint})
-            _progress(f"gemm {n}³ bf16 beside a {cap}-CTA {direction} copy: {slow * 100:+.1f} %")
+        for method, cap in runs:
+            secs = scattered_seconds(pair, direction, cap or UNCAPPED, reps=reps, method=method)
+            slow = gemm_slowdown(src, dst, si, di, ctas=cap or UNCAPPED, n=n, copy_seconds=secs, method=method)
+            rows.append(
+                {"method": method, "direction": direction, "ctas": cap, "slowdown": slow, "gemm_kernel": footprint}
+            )
+            what = f"{cap}-CTA" if method == "triton" else "DMA"
+            _progress(f"gemm {n}³ bf16 beside a {what} {direction} copy: {slow * 100:+.1f} %")
     return rows
 
 
 def _scenario(
-    spec: HybridSpec, device: torch.device, caps: list[int], link_gbps: float, args: argparse.Namespace, reps: int
+    spec: HybridSpec,
+    device: torch.device,
+    runs: list[tuple[str, int]],
+    link_gbps: float,
+    args: argparse.Namespace,
+    reps: int,
 ) -> list[dict[str, object]]:
-    """Per-layer H2D load of ``states`` Mamba states and ``tokens`` tokens of KV, all layers."""
+    """Per-layer H2D load of ``states`` Mamba states and ``tokens`` tokens of KV, all layers:
+    each (method, cap) of ``runs``, then (on CUDA) the automatic choice at cap 8."""
     cuda = device.type == "cuda"
     num_states = args.states if args.states is not None else (64 if cuda else 1)
     num_pages = (args.tokens if args.tokens is not None else (32768 if cuda else 512)) // spec.page_size
@@ -448,10 +515,12 @@ def _scenario(
     total = num_pages * spec.kv_page_bytes + num_states * spec.state_bytes
     _progress(f"per-layer load: {num_states} states + {num_pages * spec.page_size} tokens of KV = {total / 1e9:.2f} GB")
     rows: list[dict[str, object]] = []
-    for cap in caps:
+    if cuda:
+        runs = [*runs, ("auto", 8)]
+    for method, cap in runs:
         ctas = UNCAPPED if cap == 0 else cap
 
-        def load_all_layers(ctas: int = ctas) -> None:
+        def load_all_layers(ctas: int = ctas, method: str = method) -> None:
             for layer_id in range(spec.num_layers):
                 if layer_id in spec.attention_layer_ids:
                     src, dst, (si, di) = host_kv, dev_kv, kv_idx
@@ -460,14 +529,38 @@ def _scenario(
                 else:
                     continue
                 li = src.layer_index(layer_id)
-                copy_items(src, dst, si, di, layer_begin=li, layer_end=li + 1, max_ctas=ctas)
+                copy_items(
+                    src, dst, si, di, layer_begin=li, layer_end=li + 1, max_ctas=ctas,
+                    method=None if method == "torch" else method,
+                )  # fmt: skip
 
         secs = time_median_s(load_all_layers, reps=min(reps, 3) if cuda else 1, device=device)
+        t0 = time.perf_counter()
+        load_all_layers()  # host time to enqueue every layer (what the caller's thread spends)
+        issue_ms = (time.perf_counter() - t0) * 1e3
+        if cuda:
+            torch.cuda.synchronize(device)
         gbps = total / secs / 1e9
         launches = len(spec.attention_layer_ids) + len(spec.mamba_layer_ids)
-        rows.append({"ctas": cap, "bytes": total, "gbps": gbps, "ratio": gbps / link_gbps, "launches": launches})
-        _progress(f"per-layer load, cap {cap or 'none'}: {gbps:.1f} GB/s ({gbps / link_gbps:.2f} of link)")
+        rows.append(
+            {
+                "method": method, "ctas": cap, "bytes": total, "gbps": gbps, "ratio": gbps / link_gbps,
+                "launches": launches, "issue_ms": issue_ms,
+            }
+        )  # fmt: skip
+        _progress(
+            f"per-layer load, {_label(method, cap)}: {gbps:.1f} GB/s ({gbps / link_gbps:.2f} of link), "
+            f"{issue_ms:.1f} ms to enqueue"
+        )
     return rows
+
+
+def _label(method: str, cap: int) -> str:
+    if method == "dma":
+        return "dma"
+    if method == "torch":
+        return "torch"
+    return f"{method} cap {cap or 'none'}"
 
 
 def _print_tables(report: dict[str, object], cuda: bool) -> None:
@@ -475,21 +568,21 @@ def _print_tables(report: dict[str, object], cuda: bool) -> None:
     assert isinstance(link, dict)
     what = "pinned memcpy" if cuda else "copy_ (CPU)"
     print(f"contiguous {what}: h2d {link['h2d']:.1f} GB/s, d2h {link['d2h']:.1f} GB/s")
-    print(f"{'direction':<9} {'item_bytes':>10} {'items':>7} {'ctas':>6} {'GB/s':>7} {'ratio':>6}")
+    print(f"{'method':<7} {'direction':<9} {'item_bytes':>10} {'items':>7} {'ctas':>6} {'GB/s':>7} {'ratio':>6}")
     for r in report["results"]:  # type: ignore[attr-defined]
         print(
-            f"{r['direction']:<9} {r['item_bytes']:>10} {r['num_items']:>7} {r['ctas']:>6} "
-            f"{r['gbps']:>7.1f} {r['ratio']:>6.2f}"
+            f"{r['method']:<7} {r['direction']:<9} {r['item_bytes']:>10} {r['num_items']:>7} {r['ctas']:>6} "
+            f"{r['gbps']:>7.1f} {r['ratio']:>6.3f}"
         )
     gemm_rows = report["gemm"]
     assert isinstance(gemm_rows, list)
     if gemm_rows:
         print(f"gemm kernel: {gemm_rows[0]['gemm_kernel']}")
     for g in gemm_rows:
-        print(f"gemm slowdown beside {g['ctas']}-CTA {g['direction']} copy: {g['slowdown'] * 100:+.1f} %")
+        what = f"{g['ctas']}-CTA" if g["method"] == "triton" else "DMA"
+        print(f"gemm slowdown beside {what} {g['direction']} copy: {g['slowdown'] * 100:+.1f} %")
     for s in report["per_layer_load"]:  # type: ignore[attr-defined]
-        cap = s["ctas"] or "uncapped"
         print(
-            f"per-layer load ({s['launches']} launches, {s['bytes'] / 1e9:.2f} GB, cap {cap}): "
-            f"{s['gbps']:.1f} GB/s = {s['ratio']:.2f} of contiguous H2D"
+            f"per-layer load ({s['launches']} calls, {s['bytes'] / 1e9:.2f} GB, {_label(s['method'], s['ctas'])}): "
+            f"{s['gbps']:.1f} GB/s = {s['ratio']:.3f} of contiguous H2D; {s['issue_ms']:.1f} ms to enqueue"
         )

@@ -27,21 +27,29 @@ def test_cpu_run_writes_the_documented_json(tmp_path: Path, capsys: pytest.Captu
     assert transfer.run(args) == 0
     report = json.loads(out.read_text())
     assert report["device"] == "cpu"
-    assert report["gemm_slowdown"] is None
+    assert report["gemm_slowdown"] is None and report["gemm_slowdown_dma"] is None
+    assert report["dma_runtime"] is None
     rows = report["results"]
     assert {(r["direction"], r["item_bytes"]) for r in rows} == {
         (d, b) for d in ("h2d", "d2h") for b in (4096, 131072, 4100)
     }
     for r in rows:
-        assert set(r) == {"direction", "item_bytes", "num_items", "ctas", "gbps", "ratio"}
+        assert set(r) == {"method", "direction", "item_bytes", "num_items", "ctas", "gbps", "ratio"}
+        assert r["method"] == "torch"
         assert r["num_items"] == (1 << 20) // r["item_bytes"]
         assert r["ctas"] == 0
         assert r["gbps"] > 0 and r["ratio"] > 0
     (load,) = report["per_layer_load"]
-    assert load["launches"] == 48 and load["gbps"] > 0
+    assert load["launches"] == 48 and load["gbps"] > 0 and load["method"] == "torch" and load["issue_ms"] > 0
     printed = capsys.readouterr().out
     assert "torch-indexing path" in printed
     assert "per-layer load" in printed
+
+
+def test_unknown_method_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="--methods"):
+        transfer._methods("triton,cuda")
+    assert transfer._methods("dma, triton") == ["dma", "triton"]
 
 
 def test_unknown_named_size_is_rejected() -> None:

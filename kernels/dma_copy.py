@@ -1,0 +1,301 @@
+"""Item copies on the GPU's copy engines (DMA): CUDA runtime memcpys, no SMs.
+
+Primitives:
+
+- ``plan_segments(...) -> CopySegments`` — the byte ranges of a copy with adjacent items merged
+  (host-side arithmetic on the CPU index tensors).
+- ``launch_dma(src, dst, src_indices, dst_indices, layer_begin, layer_end, *, stream=, engine=)
+  -> DmaLaunch | None`` — validate, plan, enqueue.
+- ``batch_check(device_index) -> str`` — ``"ok"`` when ``cudaMemcpyBatchAsync`` is present and
+  passed its self-check on that GPU, else the reason (checked once per device).
+- ``DMA_ENGINES`` — ``"auto"``, ``"batch"``, ``"2d"``, ``"loop"``.
+
+Engines (how the memcpys are issued; all on the caller's stream, in stream order):
+
+- ``batch``: ``cudaMemcpyBatchAsync``, every segment of the copy in one call (chunks of
+  ``kernels.plan.DMA_BATCH_MAX_COPIES``). The legacy default stream, which that call rejects,
+  is bridged through a side stream joined with events both ways.
+- ``2d``: one ``cudaMemcpy2DAsync`` per item pair covering all layers of the range (rows =
+  layers, pitches = the two layer strides): ``num_pairs`` calls. For mixed layouts, where an
+  item's layers are contiguous on one side only.
+- ``loop``: one ``cudaMemcpyAsync`` per segment (about a microsecond of host time each).
+- ``auto``: ``batch`` where it passed its self-check, else ``2d`` when that needs fewer calls
+  than ``loop`` (and both pitches fit in 31 bits), else ``loop``.
+
+Merging. The copy's ``(layer, pair)`` items are listed in the order that makes neighbours
+adjacent in memory — pair-major when both pools keep an item's layers back to back
+(``page_first``: ``layer_stride == item_bytes``), layer-major otherwise — and a run of items
+whose source *and* destination addresses each follow on is one segment::
+
+    src indices  7  8  9  3        layer_first → layer_first, one layer
+    dst indices  0  1  2  9        segments: [7..9] → [0..2] (3 items), [3] → [9]
+
+Host memory must be pinned (as for the Triton path), so every memcpy is asynchronous; the
+index tensors are read during the call only and may change right after it.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from asynccache.errors import TransferError
+from kernels.api import PoolBufferLike, check_device_buffers, check_overlap, validate_copy
+from kernels.cudart import CudaRuntime, cuda_runtime
+from kernels.plan import DMA_BATCH_MAX_COPIES
+
+__all__ = ["CopySegments", "DmaLaunch", "DMA_ENGINES", "MAX_2D_PITCH", "batch_check", "launch_dma", "plan_segments"]
+
+DMA_ENGINES: tuple[str, ...] = ("auto", "batch", "2d", "loop")
+#: Largest row pitch the ``2d`` engine passes to ``cudaMemcpy2DAsync`` (the device limit).
+MAX_2D_PITCH = 2**31 - 1
+_LEGACY_STREAMS = (0, 1)  # cudaStreamLegacy: the null stream and its explicit handle
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CopySegments:
+    """Contiguous byte ranges of one copy: ``dst[dst_offsets[k] : +sizes[k]] = src[src_offsets[k] : +sizes[k]]``.
+
+    int64 CPU tensors, offsets in bytes from the start of each pool's buffer."""
+
+    src_offsets: torch.Tensor
+    dst_offsets: torch.Tensor
+    sizes: torch.Tensor
+
+    @property
+    def num_copies(self) -> int:
+        return self.sizes.numel()
+
+    @property
+    def num_bytes(self) -> int:
+        return int(self.sizes.sum())
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DmaLaunch:
+    """What was enqueued: direction, engine, memcpy segments, runtime calls, bytes."""
+
+    direction: str
+    engine: str
+    num_copies: int
+    num_calls: int
+    num_bytes: int
+
+
+def plan_segments(
+    *,
+    item_bytes: int,
+    src_layer_stride_bytes: int,
+    src_item_stride_bytes: int,
+    dst_layer_stride_bytes: int,
+    dst_item_stride_bytes: int,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    layer_begin: int,
+    layer_end: int,
+) -> CopySegments:
+    """Segments of ``src[l, src_indices[i]] → dst[l, dst_indices[i]]``, adjacent items merged.
+
+    Pure host arithmetic (vectorized; int64 throughout). Every copied byte is in exactly one
+    segment; a segment never spans a gap on either side.
+    """
+    layers = torch.arange(layer_begin, layer_end, dtype=torch.int64)
+    si = src_indices.to(torch.int64)
+    di = dst_indices.to(torch.int64)
+    if src_layer_stride_bytes == dst_layer_stride_bytes == item_bytes:  # an item's layers are adjacent
+        src = si[:, None] * src_item_stride_bytes + layers[None, :] * src_layer_stride_bytes
+        dst = di[:, None] * dst_item_stride_bytes + layers[None, :] * dst_layer_stride_bytes
+    else:
+        src = layers[:, None] * src_layer_stride_bytes + si[None, :] * src_item_stride_bytes
+        dst = layers[:, None] * dst_layer_stride_bytes + di[None, :] * dst_item_stride_bytes
+    src, dst = src.reshape(-1), dst.reshape(-1)
+    n = src.numel()
+    if n == 0:
+        empty = torch.empty(0, dtype=torch.int64)
+        return CopySegments(src_offsets=empty, dst_offsets=empty, sizes=empty)
+    starts = torch.ones(n, dtype=torch.bool)
+    starts[1:] = (src[1:] != src[:-1] + item_bytes) | (dst[1:] != dst[:-1] + item_bytes)
+    first = starts.nonzero().squeeze(1)
+    ends = torch.cat((first[1:], torch.tensor([n], dtype=torch.int64)))
+    return CopySegments(
+        src_offsets=src[first].contiguous(),
+        dst_offsets=dst[first].contiguous(),
+        sizes=((ends - first) * item_bytes).contiguous(),
+    )
+
+
+@functools.cache
+def batch_check(device_index: int) -> str:
+    """``"ok"`` if ``cudaMemcpyBatchAsync`` copies correctly on this GPU, else why not.
+
+    Runs once per device (then cached): three copies of odd sizes host → device into reversed
+    slots and back, on a private stream, synchronised and compared byte for byte. A runtime
+    error is reported, not raised, so the DMA path falls back to another engine.
+    """
+    try:
+        rt = cuda_runtime()
+    except TransferError as e:
+        return str(e)
+    if not rt.has_batch:
+        return f"cudaMemcpyBatchAsync not available (runtime {rt.runtime_version}, {rt.path})"
+    sizes = torch.tensor([1, 4097, 65552], dtype=torch.int64)
+    offsets = torch.cat((torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)[:-1]))
+    total = int(sizes.sum())
+    gen = torch.Generator().manual_seed(11)
+    host = torch.randint(0, 256, (total,), dtype=torch.uint8, generator=gen).pin_memory()
+    back = torch.zeros(total, dtype=torch.uint8).pin_memory()
+    device = torch.device("cuda", device_index)
+    with torch.cuda.device(device):
+        dev = torch.zeros(total + 4096, dtype=torch.uint8, device=device)
+        dev_offsets = torch.tensor([4096 + 65552 + 4097, 4096 + 65552, 4096], dtype=torch.int64)  # reversed order
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        try:
+            _issue_batch(rt, host.data_ptr() + offsets, dev.data_ptr() + dev_offsets, sizes, stream.cuda_stream)
+            _issue_batch(rt, dev.data_ptr() + dev_offsets, back.data_ptr() + offsets, sizes, stream.cuda_stream)
+        except TransferError as e:
+            return str(e)
+        finally:
+            stream.synchronize()  # the buffers must outlive whatever was enqueued
+    if not torch.equal(back, host):
+        return "cudaMemcpyBatchAsync self-check: the copied bytes differ"
+    return "ok"
+
+
+def _issue_batch(rt: CudaRuntime, src_ptrs: torch.Tensor, dst_ptrs: torch.Tensor, sizes: torch.Tensor, stream: int) -> int:
+    """``cudaMemcpyBatchAsync`` over int64 pointer/size tensors, in chunks; returns the calls made."""
+    calls = 0
+    for begin in range(0, sizes.numel(), DMA_BATCH_MAX_COPIES):
+        end = min(begin + DMA_BATCH_MAX_COPIES, sizes.numel())
+        s, d, z = src_ptrs[begin:end].contiguous(), dst_ptrs[begin:end].contiguous(), sizes[begin:end].contiguous()
+        rt.memcpy_batch_async(d.data_ptr(), s.data_ptr(), z.data_ptr(), end - begin, stream)
+        calls += 1
+    return calls
+
+
+@functools.cache
+def _side_stream(device_index: int) -> torch.cuda.Stream:
+    """A stream for batch copies asked of the legacy default stream (one per device)."""
+    return torch.cuda.Stream(device=torch.device("cuda", device_index))
+
+
+def launch_dma(
+    src: PoolBufferLike,
+    dst: PoolBufferLike,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    layer_begin: int = 0,
+    layer_end: int | None = None,
+    *,
+    stream: torch.cuda.Stream | None = None,
+    engine: str = "auto",
+) -> DmaLaunch | None:
+    """Enqueue ``src[l, src_indices[i]] → dst[l, dst_indices[i]]`` for ``l`` in the layer range
+    as memcpys on ``stream`` (default: the current stream of the CUDA buffer's device).
+
+    Checks everything before enqueueing (``kernels.api``: geometry, indices, pinned host memory,
+    one GPU, in-pool overlap; the stream's type and device; the engine) and raises
+    :class:`TransferError`, also for a failing runtime call (named CUDA error). Returns ``None``
+    when there is nothing to copy. Asynchronous: the caller orders later work on the stream.
+    The first ``batch`` use on a device runs :func:`batch_check` (one stream synchronisation).
+    """
+    layer_end = src.num_layers if layer_end is None else layer_end
+    validate_copy(src, dst, src_indices, dst_indices, layer_begin, layer_end)
+    if src.buffer is None or dst.buffer is None:
+        raise TransferError("launch_dma needs materialized pools (accounting mode goes through copy_items)")
+    direction = check_device_buffers(src.buffer, dst.buffer)
+    if engine not in DMA_ENGINES:
+        raise TransferError(f"unknown DMA engine {engine!r}; known: {list(DMA_ENGINES)}")
+    device = dst.buffer.device if dst.buffer.device.type == "cuda" else src.buffer.device
+    if stream is not None:
+        if not isinstance(stream, torch.cuda.Stream):
+            raise TransferError(f"stream must be a torch.cuda.Stream, got {type(stream).__name__}")
+        if stream.device != device:
+            raise TransferError(f"stream on {stream.device}, buffers on {device}")
+    if src_indices.numel() == 0 or layer_end == layer_begin:
+        return None
+    check_overlap(src, dst, src_indices, dst_indices)
+    segments = plan_segments(
+        item_bytes=src.item_bytes,
+        src_layer_stride_bytes=src.layer_stride_bytes,
+        src_item_stride_bytes=src.item_stride_bytes,
+        dst_layer_stride_bytes=dst.layer_stride_bytes,
+        dst_item_stride_bytes=dst.item_stride_bytes,
+        src_indices=src_indices,
+        dst_indices=dst_indices,
+        layer_begin=layer_begin,
+        layer_end=layer_end,
+    )
+    num_layers = layer_end - layer_begin
+    fits_2d = max(src.layer_stride_bytes, dst.layer_stride_bytes, src.item_bytes) <= MAX_2D_PITCH
+    assert device.index is not None
+    chosen = engine
+    if engine == "auto":
+        if batch_check(device.index) == "ok":
+            chosen = "batch"
+        elif num_layers > 1 and fits_2d and src_indices.numel() < segments.num_copies:
+            chosen = "2d"
+        else:
+            chosen = "loop"
+    elif engine == "2d" and not fits_2d:
+        raise TransferError(f"layer strides past {MAX_2D_PITCH} bytes do not fit cudaMemcpy2DAsync's pitch")
+    elif engine == "batch" and (why := batch_check(device.index)) != "ok":
+        raise TransferError(f"the batch engine is unusable on {device}: {why}")
+
+    rt = cuda_runtime()
+    with torch.cuda.device(device):
+        caller = torch.cuda.current_stream(device) if stream is None else stream
+        issue_on = caller
+        if chosen == "batch" and caller.cuda_stream in _LEGACY_STREAMS:
+            issue_on = _side_stream(device.index)
+            issue_on.wait_stream(caller)
+        handle = issue_on.cuda_stream
+        src_base, dst_base = src.buffer.data_ptr(), dst.buffer.data_ptr()
+        if chosen == "batch":
+            calls = _issue_batch(
+                rt, segments.src_offsets + src_base, segments.dst_offsets + dst_base, segments.sizes, handle
+            )
+        elif chosen == "2d":
+            calls = _issue_2d(rt, src, dst, src_indices, dst_indices, layer_begin, num_layers, handle)
+        else:
+            calls = segments.num_copies
+            for s, d, n in zip(
+                (segments.src_offsets + src_base).tolist(),
+                (segments.dst_offsets + dst_base).tolist(),
+                segments.sizes.tolist(),
+                strict=True,
+            ):
+                rt.memcpy_async(d, s, n, handle)
+        if issue_on is not caller:
+            caller.wait_stream(issue_on)
+    return DmaLaunch(
+        direction=direction, engine=chosen, num_copies=segments.num_copies, num_calls=calls, num_bytes=segments.num_bytes
+    )
+
+
+def _issue_2d(
+    rt: CudaRuntime,
+    src: PoolBufferLike,
+    dst: PoolBufferLike,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    layer_begin: int,
+    num_layers: int,
+    stream: int,
+) -> int:
+    """One ``cudaMemcpy2DAsync`` per item pair: rows are the layers of the range."""
+    assert src.buffer is not None and dst.buffer is not None
+    width = src.item_bytes
+    # A single row still needs pitch >= width; the pitch of one row is never used.
+    src_pitch = src.layer_stride_bytes if num_layers > 1 else width
+    dst_pitch = dst.layer_stride_bytes if num_layers > 1 else width
+    src_base = src.buffer.data_ptr() + layer_begin * src.layer_stride_bytes
+    dst_base = dst.buffer.data_ptr() + layer_begin * dst.layer_stride_bytes
+    for s, d in zip(src_indices.tolist(), dst_indices.tolist(), strict=True):
+        rt.memcpy_2d_async(
+            dst_base + d * dst.item_stride_bytes, dst_pitch, src_base + s * src.item_stride_bytes, src_pitch,
+            width, num_layers, stream,
+        )  # fmt: skip
+    return src_indices.numel()

@@ -1,0 +1,181 @@
+"""The DMA path's host side: segment planning (merging), the per-call method choice, the runtime binding.
+
+No GPU: segments are applied to CPU buffers byte range by byte range and compared with the
+torch-indexing reference; the runtime binding is checked where a CUDA runtime library loads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asynccache.errors import TransferError
+from asynccache.pools.base import ItemPool, PoolLayout
+from kernels import copy_items
+from kernels.api import COPY_METHODS, select_method
+from kernels.dma_copy import launch_dma, plan_segments
+from kernels.plan import DMA_MIN_RUN_BYTES, dma_run_bytes
+from kernels.testing import LAYOUT_PAIRS, CopyCase, assert_copied, index_pairs, make_item_pool, snapshot
+
+
+def _segments(src: ItemPool, dst: ItemPool, si: torch.Tensor, di: torch.Tensor, lb: int, le: int):  # noqa: ANN202
+    return plan_segments(
+        item_bytes=src.item_bytes,
+        src_layer_stride_bytes=src.layer_stride_bytes,
+        src_item_stride_bytes=src.item_stride_bytes,
+        dst_layer_stride_bytes=dst.layer_stride_bytes,
+        dst_item_stride_bytes=dst.item_stride_bytes,
+        src_indices=si,
+        dst_indices=di,
+        layer_begin=lb,
+        layer_end=le,
+    )
+
+
+def _apply(src: ItemPool, dst: ItemPool, si: torch.Tensor, di: torch.Tensor, lb: int, le: int) -> int:
+    """Copy through the planned segments on CPU buffers; returns the number of segments."""
+    seg = _segments(src, dst, si, di, lb, le)
+    assert src.buffer is not None and dst.buffer is not None
+    s, d = src.buffer.view(-1), dst.buffer.view(-1)
+    for so, do, n in zip(seg.src_offsets.tolist(), seg.dst_offsets.tolist(), seg.sizes.tolist(), strict=True):
+        d[do : do + n] = s[so : so + n]
+    assert seg.num_bytes == si.numel() * (le - lb) * src.item_bytes
+    return seg.num_copies
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    layouts=st.sampled_from(LAYOUT_PAIRS),
+    item_bytes=st.sampled_from([1, 3, 16, 48, 4097]),
+    num_layers=st.integers(1, 4),
+    data=st.data(),
+)
+def test_segments_copy_exactly_the_mapped_items(
+    layouts: tuple[PoolLayout, PoolLayout], item_bytes: int, num_layers: int, data: st.DataObject
+) -> None:
+    case = CopyCase(item_bytes, torch.uint8)
+    src = make_item_pool(num_layers=num_layers, num_items=9, case=case, layout=layouts[0], seed=1)
+    dst = make_item_pool(num_layers=num_layers, num_items=11, case=case, layout=layouts[1], seed=2)
+    count = data.draw(st.integers(0, 9))
+    si = torch.tensor(data.draw(st.permutations(range(9)))[:count], dtype=torch.int64)
+    di = torch.tensor(data.draw(st.permutations(range(11)))[:count], dtype=torch.int64)
+    lb = data.draw(st.integers(0, num_layers))
+    le = data.draw(st.integers(lb, num_layers))
+    src_before, dst_before = snapshot(src), snapshot(dst)
+    _apply(src, dst, si, di, lb, le)
+    assert_copied(
+        src=src, dst=dst, src_before=src_before, dst_before=dst_before,
+        src_indices=si, dst_indices=di, layer_begin=lb, layer_end=le,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("layouts", "layer_range", "want"),
+    [
+        ((PoolLayout.LAYER_FIRST, PoolLayout.LAYER_FIRST), (0, 3), 3 * 3),  # 3 runs per layer
+        ((PoolLayout.LAYER_FIRST, PoolLayout.LAYER_FIRST), (1, 2), 3),
+        ((PoolLayout.PAGE_FIRST, PoolLayout.PAGE_FIRST), (0, 3), 3),  # runs cover all layers
+        ((PoolLayout.PAGE_FIRST, PoolLayout.PAGE_FIRST), (0, 2), 7),  # one item's layers, no more
+        ((PoolLayout.PAGE_FIRST, PoolLayout.LAYER_FIRST), (0, 3), 21),  # nothing is adjacent on both sides
+        ((PoolLayout.LAYER_FIRST, PoolLayout.PAGE_FIRST), (0, 3), 21),
+    ],
+)
+def test_adjacent_items_merge(layouts: tuple[PoolLayout, PoolLayout], layer_range: tuple[int, int], want: int) -> None:
+    case = CopyCase(48, torch.float32)
+    src = make_item_pool(num_layers=3, num_items=16, case=case, layout=layouts[0], seed=1)
+    dst = make_item_pool(num_layers=3, num_items=16, case=case, layout=layouts[1], seed=2)
+    si, di = torch.tensor([3, 4, 5, 6, 11, 0, 1]), torch.tensor([8, 9, 10, 11, 2, 14, 15])
+    src_before, dst_before = snapshot(src), snapshot(dst)
+    assert _apply(src, dst, si, di, *layer_range) == want
+    assert_copied(
+        src=src, dst=dst, src_before=src_before, dst_before=dst_before,
+        src_indices=si, dst_indices=di, layer_begin=layer_range[0], layer_end=layer_range[1],
+    )  # fmt: skip
+
+
+def test_whole_pool_in_order_is_one_segment() -> None:
+    case = CopyCase(16, torch.uint8)
+    src = make_item_pool(num_layers=2, num_items=5, case=case, layout=PoolLayout.LAYER_FIRST)
+    dst = make_item_pool(num_layers=2, num_items=5, case=case, layout=PoolLayout.LAYER_FIRST)
+    seg = _segments(src, dst, torch.arange(5), torch.arange(5), 0, 2)
+    assert seg.num_copies == 1 and seg.sizes.tolist() == [2 * 5 * 16]
+
+
+def test_offsets_are_int64_past_4_gib() -> None:
+    seg = plan_segments(
+        item_bytes=1 << 20, src_layer_stride_bytes=4608 << 20, src_item_stride_bytes=1 << 20,
+        dst_layer_stride_bytes=1 << 20, dst_item_stride_bytes=2 << 20,
+        src_indices=torch.tensor([4607]), dst_indices=torch.tensor([1]), layer_begin=1, layer_end=2,
+    )  # fmt: skip
+    assert seg.src_offsets.dtype == torch.int64
+    assert seg.src_offsets.tolist() == [(4608 + 4607) << 20]
+    assert seg.dst_offsets.tolist() == [(1 + 2) << 20]
+
+
+# ---- the method choice ----------------------------------------------------------------------------
+
+
+def _pair(item_bytes: int, layouts: tuple[PoolLayout, PoolLayout], num_layers: int = 4) -> tuple[ItemPool, ItemPool]:
+    def make(layout: PoolLayout) -> ItemPool:
+        return ItemPool(name="p", layer_ids=tuple(range(num_layers)), num_items=2, item_bytes=item_bytes,
+                        layout=layout, materialize=False)  # fmt: skip
+
+    return make(layouts[0]), make(layouts[1])
+
+
+@pytest.mark.parametrize("layouts", LAYOUT_PAIRS, ids=lambda p: f"{p[0].value}->{p[1].value}")
+def test_auto_sends_large_items_to_the_copy_engines(layouts: tuple[PoolLayout, PoolLayout]) -> None:
+    big, small = DMA_MIN_RUN_BYTES, DMA_MIN_RUN_BYTES - 16
+    assert select_method(*_pair(big, layouts)) == "dma"
+    assert select_method(*_pair(big, layouts), method="auto", layer_begin=2, layer_end=3) == "dma"
+    assert select_method(*_pair(small, layouts), layer_begin=1, layer_end=2) == "triton"
+    for method in ("triton", "dma"):  # an explicit choice is taken as given
+        assert select_method(*_pair(small, layouts), method=method) == method
+        assert select_method(*_pair(big, layouts), method=method) == method
+
+
+def test_auto_counts_an_items_adjacent_layers_as_one_run() -> None:
+    """page_first on both sides: an item's layers are one contiguous run of the copy."""
+    item = DMA_MIN_RUN_BYTES // 4
+    both_page_first = (PoolLayout.PAGE_FIRST, PoolLayout.PAGE_FIRST)
+    assert select_method(*_pair(item, both_page_first, num_layers=4)) == "dma"
+    assert select_method(*_pair(item, both_page_first, num_layers=4), layer_begin=0, layer_end=3) == "triton"
+    assert select_method(*_pair(item, (PoolLayout.PAGE_FIRST, PoolLayout.LAYER_FIRST), num_layers=4)) == "triton"
+    assert dma_run_bytes(item_bytes=8, src_layer_stride_bytes=8, dst_layer_stride_bytes=8, num_layers=5) == 40
+    assert dma_run_bytes(item_bytes=8, src_layer_stride_bytes=8, dst_layer_stride_bytes=16, num_layers=5) == 8
+    assert dma_run_bytes(item_bytes=8, src_layer_stride_bytes=8, dst_layer_stride_bytes=8, num_layers=1) == 8
+
+
+def test_unknown_method_is_rejected_on_every_path() -> None:
+    assert COPY_METHODS == ("auto", "triton", "dma")
+    src, dst = _pair(16, LAYOUT_PAIRS[0])
+    with pytest.raises(TransferError, match="unknown copy method"):
+        select_method(src, dst, method="cuda")
+    with pytest.raises(TransferError, match="unknown copy method"):
+        copy_items(src, dst, torch.tensor([0]), torch.tensor([1]), method="fast")
+
+
+@pytest.mark.parametrize("method", [None, "auto", "triton", "dma"])
+def test_cpu_pools_copy_through_torch_whatever_the_method(method: str | None) -> None:
+    case = CopyCase(DMA_MIN_RUN_BYTES, torch.uint8)
+    src = make_item_pool(num_layers=2, num_items=3, case=case, layout=PoolLayout.PAGE_FIRST, seed=1)
+    dst = make_item_pool(num_layers=2, num_items=4, case=case, layout=PoolLayout.LAYER_FIRST, seed=2)
+    si, di = index_pairs("scattered", src_items=3, dst_items=4, seed=3)
+    src_before, dst_before = snapshot(src), snapshot(dst)
+    assert copy_items(src, dst, si, di, method=method) == si.numel() * 2 * case.item_bytes
+    assert_copied(
+        src=src, dst=dst, src_before=src_before, dst_before=dst_before,
+        src_indices=si, dst_indices=di, layer_begin=0, layer_end=2,
+    )  # fmt: skip
+
+
+def test_launch_dma_rejects_host_only_copies_before_touching_the_runtime() -> None:
+    case = CopyCase(16, torch.uint8)
+    src = make_item_pool(num_layers=1, num_items=2, case=case, layout=PoolLayout.LAYER_FIRST)
+    dst = make_item_pool(num_layers=1, num_items=2, case=case, layout=PoolLayout.LAYER_FIRST)
+    with pytest.raises(TransferError, match="CUDA buffer"):
+        launch_dma(src, dst, torch.tensor([0]), torch.tensor([1]))
+    with pytest.raises(TransferError, match="index count"):
+        launch_dma(src, dst, torch.tensor([0]), torch.tensor([1, 0]))
