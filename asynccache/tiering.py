@@ -5,8 +5,8 @@
   state, the KV pages of its path not yet archived are written, then the host states of those
   nodes (KV first, states last), so a stored state always has its KV and archived KV always has
   a state companion at or below it. Nodes are marked archived only when both succeeded. Backups run in the controller's TaskGroup, at most
-  ``config.max_backups_in_flight`` at once; beyond that they are skipped and counted, never
-  queued without bound. Host copies stay locked while their bytes are read.
+  ``config.max_backups_in_flight`` at once; the queue behind them is bounded too (past it a
+  backup is skipped and counted). Host copies stay locked while their bytes are read.
 - **Prefetch** of a miss past the host tier: ``batch_exists_v2`` with KV ``ALL_PAGES`` and the
   state ``TRAILING_PAGES`` clips the hit to the deepest page whose state is stored; KV pages and
   then the state are read straight into fresh host slots, which become host-only tree nodes
@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 __all__ = ["StorageTier", "PrefetchResult"]
 
 log = logging.getLogger(__name__)
+
+#: Backups waiting for one of the ``max_backups_in_flight`` places; past this they are skipped
+#: (and counted) rather than queued without bound.
+_MAX_PENDING_BACKUPS = 4096
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,7 +81,7 @@ class StorageTier:
         for node in plan.nodes:
             if node.host_state is None or node.archived:
                 continue
-            if len(self._in_flight) >= self.controller.config.max_backups_in_flight:
+            if len(self._in_flight) >= _MAX_PENDING_BACKUPS:
                 self.counts["backup_skipped_busy"] += 1
                 continue
             task = self._tg.create_task(self._archive(node), name="asynccache-backup")

@@ -32,6 +32,7 @@ from asynccache.cache import HybridCache
 from asynccache.errors import CapacityError
 from asynccache.layer_counter import LayerTransferCounter
 from asynccache.reference.model import ForwardBatch, HybridModel, SequenceInput
+from asynccache.tree import Tier
 
 __all__ = ["Scheduler", "RequestResult", "SchedulerConfig"]
 
@@ -287,8 +288,11 @@ class Scheduler:
             req.seed_slot = node.device_state
             assert req.seed_slot is not None
             req.kv_pages = torch.cat([prefix_pages, own])
-            by_tier["host"] = match.num_host_tokens - by_tier["storage"]
-            by_tier["device"] = num_cached - match.num_host_tokens
+            # A hit that needed any host load (KV pages, or only the boundary state) counts on
+            # the host tier; what the prefetch brought counts on storage.
+            loaded = num_cached if match.state_tier is Tier.HOST else match.num_host_tokens
+            by_tier["host"] = max(0, loaded - by_tier["storage"])
+            by_tier["device"] = num_cached - by_tier["host"] - by_tier["storage"]
             req.locked_node = node
         else:
             if match is not None:
