@@ -198,6 +198,9 @@ class Scheduler:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                 await self._step()
+                # A step may complete without suspending (CPU copies, nothing to wait for): yield
+                # so submitters, cancellations and background copies run between steps.
+                await asyncio.sleep(0)
         except Exception as e:
             # Fail every request rather than leave callers waiting on a dead loop.
             for req in self._waiting + self._running:
