@@ -245,7 +245,7 @@ class HybridCacheController:
                         self._stats.bytes_moved("h2d", name, nbytes)
                         self._stats.count(f"h2d_launches_{name.value}")
                     if stream is not None:
-                        last_event = torch.cuda.Event(blocking=True)
+                        last_event = torch.cuda.Event(blocking=True, enable_timing=True)
                         last_event.record(stream)
                 counter.mark_enqueued(lid, last_event)
                 await asyncio.sleep(0)

@@ -30,9 +30,18 @@ def spec() -> HybridSpec:
     return HybridSpec.preset("tiny", page_size=PAGE)
 
 
-@pytest.fixture(scope="module")
-def model(spec: HybridSpec) -> HybridModel:
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def model(spec: HybridSpec, request: pytest.FixtureRequest) -> HybridModel:
+    """fp32 on CPU, bf16 on CUDA."""
+    if request.param == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA GPU")
+        return HybridModel(spec, device="cuda", dtype=torch.bfloat16, seed=3)
     return HybridModel(spec, seed=3)
+
+
+def device_of(model: HybridModel) -> str:
+    return next(model.parameters()).device.type
 
 
 def make_config(spec: HybridSpec, storage_uri: str | None = None) -> HybridCacheConfig:
@@ -55,17 +64,18 @@ def prefix_bytes(cache: HybridCache, tokens: list[int]) -> bytes:
     """Device bytes of a device-resident prefix: every layer's KV pages and the boundary state."""
     m = cache.tree.match_prefix(tokens)
     assert not m.needs_load and m.num_tokens == len(tokens)
-    kv = torch.stack([cache.device_kv.layer_items(lid)[m.device_kv_indices] for lid in cache.spec.attention_layer_ids])
+    pages = m.device_kv_indices.to(cache.device_kv.device)
+    kv = torch.stack([cache.device_kv.layer_items(lid)[pages] for lid in cache.spec.attention_layer_ids])
     slot = m.last_node.device_state
     st = torch.stack([cache.device_mamba.layer_items(lid)[slot] for lid in cache.spec.mamba_layer_ids])
-    return kv.numpy().tobytes() + st.numpy().tobytes()
+    return kv.cpu().numpy().tobytes() + st.cpu().numpy().tobytes()
 
 
 async def cold_same_segmentation(model: HybridModel, spec: HybridSpec, out1: list[int], p2: list[int], a: int) -> torch.Tensor:
     """Replay the segmentation the cached path used, with no cache: request 1's prefill (split at
     its snapshots) and decode steps, then request 2's prefill from the state at ``a``."""
-    kv = DeviceKVPool(spec, 64)
-    st = DeviceMambaPool(spec, 8)
+    kv = DeviceKVPool(spec, 64, device=device_of(model))
+    st = DeviceMambaPool(spec, 8, device=device_of(model))
     pages = torch.arange(32, dtype=torch.int64)
     computed1 = len(P1) + OUT - 1
     snaps1 = snapshot_positions(spec, len(P1), computed1, 0)
@@ -98,7 +108,7 @@ async def cold_same_segmentation(model: HybridModel, spec: HybridSpec, out1: lis
 async def serve_two_turns(
     model: HybridModel, spec: HybridSpec, tier: str, storage_uri: str | None, *, corrupt: Any = None
 ) -> dict[str, Any]:
-    async with HybridCache(spec, make_config(spec, storage_uri)) as cache, Scheduler(
+    async with HybridCache(spec, make_config(spec, storage_uri), device=device_of(model)) as cache, Scheduler(
         model, cache, SchedulerConfig(chunk_size=4096)
     ) as sched:
         r1 = await sched.generate(P1, OUT)
@@ -123,7 +133,7 @@ async def serve_two_turns(
 
 
 async def cold_unsegmented(model: HybridModel, spec: HybridSpec, p2: list[int]) -> list[int]:
-    async with HybridCache(spec, make_config(spec)) as cache, Scheduler(
+    async with HybridCache(spec, make_config(spec), device=device_of(model)) as cache, Scheduler(
         model, cache, SchedulerConfig(chunk_size=4096, use_cache=False)
     ) as sched:
         return (await sched.generate(p2, OUT)).output_ids
@@ -147,7 +157,7 @@ async def test_restored_prefix_is_exact(
     assert res["restored"] == res["saved"]
     # (b) logits equal bit for bit a cold run with the same segmentation
     ref = await cold_same_segmentation(model, spec, res["r1"].output_ids, res["p2"], a)
-    assert torch.equal(r2.first_logits, ref)
+    assert torch.equal(r2.first_logits, ref.float().cpu())
     # (c) the greedy output equals a cold unsegmented run
     assert r2.output_ids == await cold_unsegmented(model, spec, res["p2"])
 
