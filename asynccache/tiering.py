@@ -8,7 +8,9 @@
   ``config.max_backups_in_flight`` at once; the queue behind them is bounded too (past it a
   backup is skipped and counted). Host copies stay locked while their bytes are read.
 - **Prefetch** of a miss past the host tier: ``batch_exists_v2`` with KV ``ALL_PAGES`` and the
-  state ``TRAILING_PAGES`` clips the hit to the deepest page whose state is stored; KV pages and
+  state ``TRAILING_PAGES`` clips the hit to the deepest page whose state is stored; with a
+  :class:`RestoreCost` the tier restores only the part of the prefix that pays (a shallower
+  stored state when reading is slower than recomputing the tokens in between); KV pages and
   then the state are read straight into fresh host slots, which become host-only tree nodes
   (``tree.insert_host``) that the next match loads back. A failure, timeout or corrupt object is
   a miss: everything allocated is freed, nothing is inserted.
@@ -29,13 +31,22 @@ from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer, StorageBac
 if TYPE_CHECKING:
     from asynccache.controller import HybridCacheController
 
-__all__ = ["StorageTier", "PrefetchResult"]
+__all__ = ["StorageTier", "PrefetchResult", "RestoreCost"]
 
 log = logging.getLogger(__name__)
 
 #: Backups waiting for one of the ``max_backups_in_flight`` places; past this they are skipped
 #: (and counted) rather than queued without bound.
 _MAX_PENDING_BACKUPS = 4096
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RestoreCost:
+    """What restoring from storage costs against recomputing: the storage tier's read bandwidth
+    and the engine's prefill rate (both measured by the caller, e.g. in a warm-up)."""
+
+    read_bytes_per_s: float
+    prefill_tokens_per_s: float
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,6 +76,8 @@ class StorageTier:
         self._sem = asyncio.Semaphore(controller.config.max_backups_in_flight)
         self._in_flight: set[asyncio.Task[None]] = set()
         self.counts: Counter[str] = Counter()
+        #: Cost model for choosing how much of a stored prefix to restore (``None``: all of it).
+        self.cost: RestoreCost | None = None
 
     async def register(self) -> None:
         for name, (_, host) in self.controller.pools.items():
@@ -143,22 +156,58 @@ class StorageTier:
         if len(keys) <= start_page or self.controller.pools[PoolName.MAMBA][1] is None:
             return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
         try:
-            exists = await self.backend.batch_exists_v2(
-                keys,
-                [
-                    PoolTransfer(pool_name=PoolName.KV, hit_policy=PoolHitPolicy.ALL_PAGES),
-                    PoolTransfer(pool_name=PoolName.MAMBA, hit_policy=PoolHitPolicy.TRAILING_PAGES),
-                ],
-            )
+            n = await self._deepest_stored(keys)
+            if n > start_page and self.cost is not None:
+                n = await self._split_that_pays(keys, start_page, n, num_tokens=len(tokens))
         except Exception as e:
             self.counts["prefetch_failed"] += 1
             log.warning("storage lookup failed: %s", e)
             return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
-        n = exists.num_hit_pages
         if n <= start_page:
             self.counts["prefetch_miss"] += 1
             return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
         return await self._fetch(tokens, match, keys, start_page, n, salt=salt)
+
+    async def _deepest_stored(self, keys: list[str]) -> int:
+        """Pages of the longest stored prefix of ``keys`` whose last page has a stored state."""
+        if not keys:
+            return 0
+        exists = await self.backend.batch_exists_v2(
+            keys,
+            [
+                PoolTransfer(pool_name=PoolName.KV, hit_policy=PoolHitPolicy.ALL_PAGES),
+                PoolTransfer(pool_name=PoolName.MAMBA, hit_policy=PoolHitPolicy.TRAILING_PAGES),
+            ],
+        )
+        return exists.num_hit_pages
+
+    async def _split_that_pays(self, keys: list[str], start_page: int, n: int, *, num_tokens: int) -> int:
+        """Restore only the part of the prefix that pays.
+
+        Reading ``p`` pages costs ``(p·kv_page_bytes + state_bytes) / read_bw`` and leaves
+        ``num_tokens − p·page_size`` tokens to compute at the measured prefill rate; the read
+        completes before the compute starts (the prefetch lands on host first). Candidate split
+        points are the stored states at or below a few cut points; ``start_page`` (use what the
+        upper tiers already hold, i.e. recompute) is always a candidate, so restoring is never
+        chosen when it is estimated slower than recomputing.
+        """
+        assert self.cost is not None
+        spec = self.tree.spec
+        page = spec.page_size
+
+        def cost(p: int) -> float:
+            read = 0.0 if p <= start_page else (p * spec.kv_page_bytes + spec.state_bytes) / self.cost.read_bytes_per_s
+            return read + (num_tokens - p * page) / self.cost.prefill_tokens_per_s
+
+        candidates = {start_page, n}
+        for frac in (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875):
+            cut = start_page + int((n - start_page) * frac)
+            if cut > start_page:
+                candidates.add(await self._deepest_stored(keys[:cut]))
+        best = min((p for p in candidates if p == start_page or p > start_page), key=lambda p: (cost(p), -p))
+        if best < n:
+            self.counts["prefetch_split"] += 1
+        return best
 
     async def _fetch(
         self, tokens: Any, match: Any, keys: list[str], start_page: int, n: int, *, salt: str

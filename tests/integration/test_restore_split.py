@@ -1,0 +1,89 @@
+"""Restoring from storage only the part of a prefix that pays (cost model of the storage tier)."""
+
+from __future__ import annotations
+
+import pytest
+
+from asynccache.cache import HybridCache
+from asynccache.config import HybridCacheConfig
+from asynccache.policy import EveryPageAdmission
+from asynccache.spec import HybridSpec
+from asynccache.tiering import RestoreCost
+
+PAGE = 4
+NUM_PAGES = 32
+TOKENS = [(9 * t + 2) % 250 + 1 for t in range(NUM_PAGES * PAGE)]
+GRID = 8  # a stored state every 8 pages
+
+
+async def stored_prefix_cache(spec: HybridSpec) -> HybridCache:
+    cfg = HybridCacheConfig(
+        device_kv_pages=128,
+        device_state_slots=16,
+        host_kv_bytes=128 * spec.kv_page_bytes,
+        host_state_bytes=16 * spec.state_bytes,
+        storage_uri="memory://split_test",
+    )
+    cache = HybridCache(spec, cfg, admission=EveryPageAdmission())
+    await cache.__aenter__()
+    positions = list(range(GRID * PAGE, NUM_PAGES * PAGE + 1, GRID * PAGE))
+    alloc = cache.tree.alloc_device(NUM_PAGES, len(positions))
+    assert alloc is not None
+    res = cache.tree.insert(TOKENS, alloc.kv_indices, states=dict(zip(positions, alloc.state_slots.tolist(), strict=True)))
+    op = cache.controller.write(res.backup_nodes)
+    assert op is not None
+    cache.controller.start_writing()
+    await op
+    assert cache.controller.tiering is not None
+    await cache.controller.tiering.drain()
+    cache.flush_device()
+    cache.flush_host()
+    assert cache.tree.match_prefix(TOKENS).num_tokens == 0
+    return cache
+
+
+@pytest.mark.parametrize(
+    ("read_bytes_per_s", "expected_pages"),
+    [
+        (1e15, NUM_PAGES),  # reading is free: restore everything stored
+        (1e-3, 0),  # reading is hopeless: recompute (never slower than cold)
+    ],
+)
+async def test_split_point_follows_the_cost_model(read_bytes_per_s: float, expected_pages: int) -> None:
+    spec = HybridSpec.preset("tiny", page_size=PAGE)
+    cache = await stored_prefix_cache(spec)
+    try:
+        tier = cache.controller.tiering
+        assert tier is not None
+        tier.cost = RestoreCost(read_bytes_per_s=read_bytes_per_s, prefill_tokens_per_s=1000.0)
+        match = cache.tree.match_prefix(TOKENS)
+        res = await tier.prefetch(TOKENS, match)
+        assert res.num_pages_fetched == expected_pages
+        assert cache.tree.match_prefix(TOKENS).num_tokens == expected_pages * PAGE
+        cache.tree.check_integrity()
+    finally:
+        await cache.aclose()
+
+
+async def test_the_state_read_is_part_of_the_cost() -> None:
+    spec = HybridSpec.preset("tiny", page_size=PAGE)
+    cache = await stored_prefix_cache(spec)
+    try:
+        tier = cache.controller.tiering
+        assert tier is not None
+        read_page_s = spec.kv_page_bytes / 1e6
+        state_pages = spec.state_bytes / spec.kv_page_bytes  # the state costs this many page reads
+        assert 2 < state_pages < 0.3 * NUM_PAGES
+        # Computing a page costs 1.5 page reads: restoring all 32 pages + the state pays.
+        tier.cost = RestoreCost(read_bytes_per_s=1e6, prefill_tokens_per_s=PAGE / (1.5 * read_page_s))
+        res = await tier.prefetch(TOKENS, cache.tree.match_prefix(TOKENS))
+        assert res.num_pages_fetched == NUM_PAGES
+        # Computing a page costs 1.05 page reads: the extra state read makes restoring lose.
+        cache.flush_device()
+        cache.flush_host()
+        tier.cost = RestoreCost(read_bytes_per_s=1e6, prefill_tokens_per_s=PAGE / (1.05 * read_page_s))
+        res = await tier.prefetch(TOKENS, cache.tree.match_prefix(TOKENS))
+        assert res.num_pages_fetched == 0
+        assert tier.counts["prefetch_split"] >= 1
+    finally:
+        await cache.aclose()
