@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, str] = {
     "overlap": "forward with layer-by-layer load-back vs prefix on device vs load-all-first",
     "storage": "page-object write/read through a backend vs the raw path of the same URI",
     "multiturn": "multi-turn conversations: hit rate and TTFT per round for each offload mode",
+    "prefix": "TTFT of a long cached prefix served from device, host and local disk vs cold prefill",
     "trace": "replay a Mooncake-format trace through the cache under admission/eviction policies",
 }
 

@@ -166,6 +166,9 @@ class Scheduler:
         """
         if len(prompt) < 1 or max_new_tokens < 1:
             raise ValueError("a request needs at least one prompt token and one new token")
+        vocab = self.spec.vocab_size
+        if vocab and any(not 0 <= int(t) < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         if self._task is None:
             raise RuntimeError("use the scheduler as `async with Scheduler(...)`")
         fut: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()

@@ -1,0 +1,201 @@
+"""``asynccache bench prefix``: TTFT of a request whose long prefix is cached on each tier.
+
+One request = a ``--prefix-tokens`` prefix + ``--new-tokens`` fresh tokens, served through the
+reference scheduler. Measured in one run, median of ``--repeats``:
+
+- ``cold``: nothing cached (a fresh prefix each repeat);
+- ``device``: the prefix (KV + state) is on the device;
+- ``host``: demoted to pinned host memory, loaded back layer by layer;
+- ``disk``: only in local-disk storage (device and host flushed); prefetched to host, then
+  loaded — once restoring everything, once with the storage tier's cost model (restore only
+  the part that pays, ``RestoreCost`` from the measured read bandwidth and prefill rate).
+
+The same run measures the raw sequential read bandwidth of the stored objects (plain file
+reads) and reports the physical optimum for the disk case:
+``min over a of max(bytes(a) / raw_read_bw, cold_compute(L − a))``.
+``--json PATH`` writes every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import uvloop
+
+from asynccache.cache import HybridCache
+from asynccache.config import HybridCacheConfig
+from asynccache.reference.model import HybridModel
+from asynccache.reference.scheduler import Scheduler, SchedulerConfig
+from asynccache.spec import HybridSpec
+from asynccache.tiering import RestoreCost
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="hybrid-3b", help="model preset (default hybrid-3b)")
+    p.add_argument("--prefix-tokens", type=int, default=32768)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--storage-dir", default=None, help="local directory for the disk tier (default: temp)")
+    p.add_argument("--json", dest="json_path", default=None)
+
+
+def _drop_page_cache(root: Path) -> None:
+    """Ask the kernel to forget the stored objects' pages (best effort; a no-op where unsupported)."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _raw_read_bytes_per_s(root: Path) -> tuple[float, int]:
+    """Sequential plain reads of every stored object (after dropping them from the page cache)."""
+    _drop_page_cache(root)
+    files = [p for p in root.rglob("*") if p.is_file()]
+    buf = bytearray(8 << 20)
+    total = 0
+    t0 = time.perf_counter()
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total += n
+    return total / (time.perf_counter() - t0), total
+
+
+async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    spec = HybridSpec.preset(args.preset, page_size=args.page_size)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = HybridModel(spec, device=args.device, dtype=dtype, seed=0)
+    rng = np.random.default_rng(0)
+    vocab = spec.vocab_size
+
+    def tokens(n: int) -> list[int]:
+        return rng.integers(1, vocab, size=n).tolist()
+
+    L = args.prefix_tokens + args.new_tokens
+    pages = -(-L // spec.page_size) + 2
+    tmp = tempfile.TemporaryDirectory(prefix="asynccache-prefix-")
+    root = Path(args.storage_dir or tmp.name)
+    cfg = HybridCacheConfig(
+        device_kv_pages=3 * pages,
+        device_state_slots=16,
+        host_kv_bytes=3 * pages * spec.kv_page_bytes,
+        host_state_bytes=8 * spec.state_bytes,
+        storage_uri=root.as_uri(),
+        prefetch_policy="wait_complete",
+    )
+    out: dict[str, Any] = {"device": args.device, "preset": args.preset, "prefix_tokens": args.prefix_tokens,
+                           "new_tokens": args.new_tokens}
+    times: dict[str, list[float]] = {k: [] for k in ("cold", "device", "host", "disk_all", "disk_split")}
+    cached: dict[str, list[int]] = {k: [] for k in times}
+    async with HybridCache(spec, cfg, device=args.device) as cache, Scheduler(
+        model, cache, SchedulerConfig(max_running=1, chunk_size=L, max_batch_tokens=L)
+    ) as sched:
+        ctrl = cache.controller
+        tier = ctrl.tiering
+        assert tier is not None
+
+        async def serve(prompt: list[int], key: str) -> None:
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            r = await sched.generate(prompt, 1)
+            times[key].append(r.ttft_s * 1e3)
+            cached[key].append(r.cached_tokens)
+
+        async def settle() -> None:
+            await ctrl.wait_idle()
+            await tier.drain()
+
+        # Warm-up (compilation, allocator) on a throwaway prompt.
+        await serve(tokens(L), "cold")
+        times["cold"].clear()
+        cached["cold"].clear()
+        for _ in range(args.repeats):
+            await serve(tokens(L), "cold")
+        prefill_tps = L / (statistics.median(times["cold"]) / 1e3)
+        prefix = tokens(args.prefix_tokens)
+        await serve(prefix + tokens(args.new_tokens), "device")  # populates device, host, disk
+        times["device"].clear()
+        cached["device"].clear()
+        await settle()
+        for _ in range(args.repeats):
+            await serve(prefix + tokens(args.new_tokens), "device")
+            await settle()
+        for _ in range(args.repeats):
+            cache.flush_device()
+            await serve(prefix + tokens(args.new_tokens), "host")
+            await settle()
+        raw_bps, stored_bytes = _raw_read_bytes_per_s(root)
+        for key, cost in (("disk_all", None), ("disk_split", RestoreCost(read_bytes_per_s=raw_bps,
+                                                                          prefill_tokens_per_s=prefill_tps))):
+            tier.cost = cost
+            for _ in range(args.repeats):
+                cache.flush_device()
+                cache.flush_host()
+                _drop_page_cache(root)
+                await serve(prefix + tokens(args.new_tokens), key)
+                await settle()
+        tier.cost = None
+    tmp.cleanup()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    per_token_bytes = spec.kv_bytes_per_token
+    # Physical optimum for the disk tier: overlap reading the first a tokens with computing the rest.
+    grid = range(0, args.prefix_tokens + 1, spec.page_size)
+    optimum_s = min(
+        max((a * per_token_bytes + (spec.state_bytes if a else 0)) / raw_bps, (L - a) / prefill_tps) for a in grid
+    )
+    out.update(
+        {
+            "ttft_ms": med,
+            "cached_tokens": {k: int(statistics.median(v)) for k, v in cached.items()},
+            "prefill_tokens_per_s": prefill_tps,
+            "raw_disk_read_gbps": raw_bps / 1e9,
+            "stored_bytes": stored_bytes,
+            "prefix_bytes": args.prefix_tokens * per_token_bytes + spec.state_bytes,
+            "disk_optimum_ms": optimum_s * 1e3,
+            "host_over_device": med["host"] / med["device"],
+            "disk_split_over_cold": med["disk_split"] / med["cold"],
+            "disk_split_over_optimum": med["disk_split"] / (optimum_s * 1e3),
+        }
+    )
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    res = uvloop.run(_run(args))
+    print(
+        f"prefix TTFT on {res['device']}: {res['preset']}, {res['prefix_tokens']}-token prefix "
+        f"({res['prefix_bytes'] / 1e9:.2f} GB) + {res['new_tokens']} new tokens; cold prefill "
+        f"{res['prefill_tokens_per_s']:.0f} tok/s; raw disk read {res['raw_disk_read_gbps']:.2f} GB/s"
+    )
+    print(f"{'served from':<28}{'TTFT (ms)':>11}{'cached':>9}")
+    names = {
+        "cold": "cold prefill",
+        "device": "device",
+        "host": "host (layer-by-layer load)",
+        "disk_all": "local disk, restore all",
+        "disk_split": "local disk, cost model",
+    }
+    for key, name in names.items():
+        print(f"{name:<28}{res['ttft_ms'][key]:>11.1f}{res['cached_tokens'][key]:>9}")
+    print(f"{'disk physical optimum':<28}{res['disk_optimum_ms']:>11.1f}")
+    print(
+        f"host/device {res['host_over_device']:.3f}; disk (cost model)/cold {res['disk_split_over_cold']:.3f}; "
+        f"disk (cost model)/optimum {res['disk_split_over_optimum']:.3f}"
+    )
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(res, indent=2))
+    return 0
