@@ -240,6 +240,7 @@ class HybridCacheController:
                             layer_begin=li,
                             layer_end=li + 1,
                             max_ctas=self.config.max_ctas,
+                            method=self.config.copy_method,
                             stream=stream,
                         )
                         self._stats.bytes_moved("h2d", name, nbytes)
@@ -327,7 +328,13 @@ class HybridCacheController:
                     dev, host = self.pools[name]
                     assert host is not None
                     nbytes = self.copy(
-                        dev, host, m.device_indices, m.host_indices, max_ctas=self.config.max_ctas, stream=stream
+                        dev,
+                        host,
+                        m.device_indices,
+                        m.host_indices,
+                        max_ctas=self.config.max_ctas,
+                        stream=stream,
+                        method=self.config.copy_method,
                     )
                     self._stats.bytes_moved("d2h", name, nbytes)
                     self._stats.count(f"d2h_launches_{name.value}")

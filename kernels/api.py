@@ -34,6 +34,8 @@ __all__ = [
 
 #: Values of ``copy_items(method=...)``: ``"auto"`` (the default) picks per call.
 COPY_METHODS: tuple[str, ...] = ("auto", "triton", "dma")
+#: Copy-engine variants selectable as ``method="dma:ENGINE"`` (see ``kernels.dma_copy``).
+DMA_ENGINES: tuple[str, ...] = ("auto", "batch", "2d", "loop")
 
 
 class PoolBufferLike(Protocol):
@@ -164,6 +166,8 @@ def select_method(
     Triton kernel otherwise. Pure: depends on the pools' geometry only, never on the indices.
     """
     chosen = "auto" if method is None else method
+    if chosen.startswith("dma:") and chosen[4:] in DMA_ENGINES:
+        return "dma"
     if chosen not in COPY_METHODS:
         raise TransferError(f"unknown copy method {method!r}; known: {list(COPY_METHODS)}")
     if chosen != "auto":
@@ -193,8 +197,8 @@ def copy_items(
     """Copy items ``src[l, src_indices[i]] → dst[l, dst_indices[i]]`` for ``l`` in the layer range.
 
     On CUDA the copy is enqueued on ``stream`` (default: the current stream) and returns at
-    once, by one of two paths (``method``: ``"auto"``/``None``, ``"triton"``, ``"dma"``;
-    :func:`select_method`):
+    once, by one of two paths (``method``: ``"auto"``/``None``, ``"triton"``, ``"dma"``, or
+    ``"dma:ENGINE"`` with ENGINE one of ``batch``, ``2d``, ``loop``; :func:`select_method`):
 
     - ``"triton"``: one kernel launch of at most ``max_ctas`` CTAs (default
       ``kernels.plan.DEFAULT_MAX_CTAS``) reading/writing pinned host memory directly;
@@ -214,7 +218,8 @@ def copy_items(
         if chosen == "dma":
             from kernels.dma_copy import launch_dma
 
-            launch_dma(src, dst, src_indices, dst_indices, layer_begin, layer_end, stream=stream)
+            engine = method[4:] if method and method.startswith("dma:") else "auto"
+            launch_dma(src, dst, src_indices, dst_indices, layer_begin, layer_end, stream=stream, engine=engine)
         else:
             # The launcher validates (the same checks plus device, pinning and overlap rules).
             from kernels.triton_copy import launch_copy

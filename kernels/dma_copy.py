@@ -42,13 +42,12 @@ from dataclasses import dataclass
 import torch
 
 from asynccache.errors import TransferError
-from kernels.api import PoolBufferLike, check_device_buffers, check_overlap, validate_copy
+from kernels.api import DMA_ENGINES, PoolBufferLike, check_device_buffers, check_overlap, validate_copy
 from kernels.cudart import CudaRuntime, cuda_runtime
 from kernels.plan import DMA_BATCH_MAX_COPIES
 
 __all__ = ["CopySegments", "DmaLaunch", "DMA_ENGINES", "MAX_2D_PITCH", "batch_check", "launch_dma", "plan_segments"]
 
-DMA_ENGINES: tuple[str, ...] = ("auto", "batch", "2d", "loop")
 #: Largest row pitch the ``2d`` engine passes to ``cudaMemcpy2DAsync`` (the device limit).
 MAX_2D_PITCH = 2**31 - 1
 _LEGACY_STREAMS = (0, 1)  # cudaStreamLegacy: the null stream and its explicit handle

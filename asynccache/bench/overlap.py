@@ -39,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed repetitions per variant (median reported)")
     p.add_argument("--max-ctas", type=int, default=8, help="CTA cap of the copy kernels")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--copy-method", default="auto", help="auto | triton | dma | dma:batch | dma:2d | dma:loop")
     p.add_argument("--json", dest="json_path", default=None)
 
 
@@ -69,6 +70,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         host_state_bytes=4 * spec.state_bytes,
         write_policy="write_through",
         max_ctas=args.max_ctas,
+        copy_method=args.copy_method,
     )
     layer_ids = spec.cached_layer_ids
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

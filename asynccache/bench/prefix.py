@@ -46,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--copy-method", default="auto", help="auto | triton | dma | dma:batch | dma:2d | dma:loop")
     p.add_argument("--storage-dir", default=None, help="local directory for the disk tier (default: temp)")
     p.add_argument("--json", dest="json_path", default=None)
 
@@ -96,6 +97,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         host_state_bytes=8 * spec.state_bytes,
         storage_uri=root.as_uri(),
         prefetch_policy="wait_complete",
+        copy_method=args.copy_method,
     )
     out: dict[str, Any] = {"device": args.device, "preset": args.preset, "prefix_tokens": args.prefix_tokens,
                            "new_tokens": args.new_tokens}

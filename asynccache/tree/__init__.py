@@ -1,0 +1,57 @@
+"""The hybrid radix tree (synchronous; never awaits).
+
+- :class:`HybridRadixTree` — match / insert / evict / lock / load and backup protocols.
+- :class:`TreeNode`, :class:`Tier`, :class:`Resource` — nodes and where their data lives.
+- :class:`LRUList`, :class:`HostLRUList` — the four intrusive LRU lists.
+- Results: :class:`MatchResult`, :class:`InsertResult`, :class:`EvictResult`,
+  :class:`LoadPlan`, :class:`BackupPlan`, :class:`Allocation`, :class:`ReleasedIndices`,
+  :class:`TreeStats`.
+- :class:`TreeError` — protocol misuse. :func:`check_integrity` — every invariant.
+- :class:`SyncTransfer` — synchronous stand-in for the controller's copies (CPU tests, trace
+  replay in accounting mode).
+"""
+
+from asynccache.tree.core import POOL_NAMES, WriteBackFn
+from asynccache.tree.errors import TreeError
+from asynccache.tree.hashing import PageHashes, TokenIds, encode_tokens, seed_hash
+from asynccache.tree.integrity import check_integrity
+from asynccache.tree.lru import HostLRUList, LRUList
+from asynccache.tree.node import Resource, Tier, TreeNode
+from asynccache.tree.results import (
+    Allocation,
+    BackupPlan,
+    EvictResult,
+    InsertResult,
+    LoadPlan,
+    MatchResult,
+    ReleasedIndices,
+    TreeStats,
+)
+from asynccache.tree.sync_io import SyncTransfer
+from asynccache.tree.tree import HybridRadixTree
+
+__all__ = [
+    "HybridRadixTree",
+    "TreeNode",
+    "Tier",
+    "Resource",
+    "LRUList",
+    "HostLRUList",
+    "MatchResult",
+    "InsertResult",
+    "EvictResult",
+    "LoadPlan",
+    "BackupPlan",
+    "Allocation",
+    "ReleasedIndices",
+    "TreeStats",
+    "TreeError",
+    "check_integrity",
+    "SyncTransfer",
+    "PageHashes",
+    "TokenIds",
+    "encode_tokens",
+    "seed_hash",
+    "WriteBackFn",
+    "POOL_NAMES",
+]

@@ -1,0 +1,293 @@
+"""Eviction of the hybrid radix tree, and allocation that evicts to make room.
+
+Device eviction, per victim (offered by the eviction policy, least valuable first):
+
+- **demote** — the host already holds everything the device holds (``backed up``): free the
+  device copy, the node stays on the host.
+- **write back** — under ``write_back`` a node that is not backed up (and still worth keeping:
+  it has a state or children) is handed, with its ancestors that lack a host copy, to the
+  ``write_back(nodes) -> bool`` callback. The controller implements it by allocating host slots
+  and calling ``begin_backup``; the backup pins the nodes, so they are *not* freed in this call
+  (``EvictResult.num_pending_*``). Once ``finish_backup`` has run they are backed up and the next
+  eviction demotes them. A synchronous callback that finishes the backup before returning lets
+  the same call demote them. A node whose backup could not be started is dropped.
+- **drop** — otherwise (write-through modes, no host tier, dead weight): free the device copy.
+  A state lost this way leaves a tombstone (KV kept, no state) at an interior node; a childless
+  node without any state is deleted, and the deletion cascades up through stateless parents.
+
+A KV victim must be a leaf of the device tier (no child holds device KV) so device KV stays
+prefix-closed; states have no such constraint. Locked nodes and nodes with an in-flight copy
+are never evicted. Host eviction is the same without write-back: host copies are dropped
+leaf-first, so they stay a contiguous prefix from the root; a node left with no KV at all is
+deleted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from asynccache.errors import ConfigError
+from asynccache.pools.base import ItemPool
+from asynccache.tree.core import TreeCore, WriteBackFn
+from asynccache.tree.node import Tier, TreeNode
+from asynccache.tree.results import Allocation, EvictResult
+
+__all__ = ["EvictionMixin"]
+
+
+class EvictionMixin(TreeCore):
+    """``evict_device``, ``evict_host``, ``alloc_device``, ``alloc_host``."""
+
+    # ---- device ------------------------------------------------------------------------------
+    def evict_device(
+        self, num_kv_pages: int = 0, num_states: int = 0, *, write_back: WriteBackFn | None = None
+    ) -> EvictResult:
+        """Free at least ``num_kv_pages`` device pages and ``num_states`` device state slots if
+        possible (see the module docstring for how). Mutates the tree and frees indices to the
+        device pools.
+
+        Under the ``write_back`` policy, victims without a complete host copy go to the
+        ``write_back`` callback (``write_back`` overrides ``tree.write_back`` for this call),
+        which allocates host slots and calls ``begin_backup``. Their device copies are freed only
+        once the backup has finished: if it is still in flight when the callback returns, they
+        are reported as ``num_pending_*`` and the next eviction after ``finish_backup`` demotes
+        them; if it could not start, they are dropped.
+        """
+        if num_kv_pages < 0 or num_states < 0:
+            raise ConfigError(f"cannot evict a negative amount ({num_kv_pages} pages, {num_states} states)")
+        callback = write_back if write_back is not None else self.write_back
+        if not (self.write_policy.writes_back_on_evict and self.host_kv is not None):
+            callback = None
+        elif callback is None:
+            raise ConfigError("the write_back policy needs a write_back callback to evict device data")
+        pages0, states0 = self._device_pages, self._device_states
+        lost0, deleted0 = self._lost_states, self._deleted_nodes
+        pending_pages = pending_states = written = 0
+        if num_kv_pages:
+            pending_pages, pending_states, written = self._evict_device_kv(num_kv_pages, callback)
+        need_states = num_states - (states0 - self._device_states) - pending_states
+        if need_states > 0:
+            more_states, more_written = self._evict_device_states(need_states, callback)
+            pending_states += more_states
+            written += more_written
+        return EvictResult(
+            tier=Tier.DEVICE,
+            num_kv_pages=pages0 - self._device_pages,
+            num_states=states0 - self._device_states,
+            num_pending_kv_pages=pending_pages,
+            num_pending_states=pending_states,
+            num_written_back_nodes=written,
+            num_lost_states=self._lost_states - lost0,
+            num_deleted_nodes=self._deleted_nodes - deleted0,
+        )
+
+    def _device_kv_evictable(self, node: TreeNode) -> bool:
+        return (
+            node.device_kv is not None
+            and node.device_lock == 0
+            and node.loading == 0
+            and node.num_device_children == 0
+            # Without a host copy the node is deleted, which a host pin forbids.
+            and (node.host_kv is not None or node.host_lock == 0)
+        )
+
+    def _evict_device_kv(self, need: int, callback: WriteBackFn | None) -> tuple[int, int, int]:
+        pages0 = self._device_pages
+        victims: list[TreeNode] = []
+        pending = 0
+        for node in self.eviction.candidates(self.device_kv_lru, now=self.clock()):
+            if pages0 - self._device_pages + pending >= need:
+                break
+            if not self._device_kv_evictable(node):
+                continue
+            if self._backed_up(node):
+                self._demote_device(node)
+            elif callback is not None and (node.has_state or node.children):
+                victims.append(node)
+                pending += node.num_pages
+            else:
+                self._drop_device(node)
+        if not victims:
+            return 0, 0, 0
+        written = self._call_write_back(victims, callback)  # type: ignore[arg-type]
+        pending_pages = pending_states = 0
+        for node in victims:
+            if not node.alive or node.device_kv is None:
+                continue
+            if self._device_kv_evictable(node):
+                if self._backed_up(node):
+                    self._demote_device(node)
+                else:
+                    self._drop_device(node)
+            else:
+                pending_pages += node.num_pages
+                pending_states += int(node.device_state is not None)
+        return pending_pages, pending_states, written
+
+    def _evict_device_states(self, need: int, callback: WriteBackFn | None) -> tuple[int, int]:
+        states0 = self._device_states
+        victims: list[TreeNode] = []
+        for node in self.eviction.candidates(self.device_state_lru, now=self.clock()):
+            if states0 - self._device_states + len(victims) >= need:
+                break
+            if node.device_state is None or node.device_lock or node.loading:
+                continue
+            if node.host_state is not None:
+                self._free_device_state(node)
+            elif callback is not None and self.host_mamba is not None:
+                victims.append(node)
+            else:
+                self._drop_device_state(node)
+        if not victims:
+            return 0, 0
+        written = self._call_write_back(victims, callback)  # type: ignore[arg-type]
+        pending = 0
+        for node in victims:
+            if not node.alive or node.device_state is None:
+                continue
+            if node.device_lock == 0 and node.loading == 0:
+                if node.host_state is not None:
+                    self._free_device_state(node)
+                else:
+                    self._drop_device_state(node)
+            else:
+                pending += 1
+        return pending, written
+
+    def _call_write_back(self, victims: list[TreeNode], callback: WriteBackFn) -> int:
+        nodes = self._with_ancestors(victims)
+        callback(nodes)
+        return len(nodes)
+
+    def _demote_device(self, node: TreeNode) -> None:
+        """Free the device copy of a backed-up node (its state too)."""
+        if node.device_state is not None:
+            if node.host_state is None:  # no host state pool: the state cannot follow
+                self._lost_states += 1
+            self._free_device_state(node)
+        self._free_device_kv(node)
+        self._cascade(node)
+
+    def _drop_device(self, node: TreeNode) -> None:
+        """Free the device copy of a node that is not (fully) backed up."""
+        if node.device_state is not None:
+            if node.host_state is None:
+                self._lost_states += 1
+            self._free_device_state(node)
+        self._free_device_kv(node)
+        if node.host_kv is None:
+            # No KV left on any tier: the node goes (it is a leaf: children would need its KV).
+            parent = node.parent
+            assert parent is not None
+            self._delete(node)
+            self._cascade(parent)
+        else:
+            self._cascade(node)
+
+    def _drop_device_state(self, node: TreeNode) -> None:
+        self._lost_states += 1
+        self._free_device_state(node)
+        self._cascade(node)
+
+    # ---- host --------------------------------------------------------------------------------
+    def evict_host(self, num_kv_pages: int = 0, num_states: int = 0, *, archived_only: bool = False) -> EvictResult:
+        """Free at least ``num_kv_pages`` host pages and ``num_states`` host state slots if
+        possible. A host-only node that loses its copy is deleted (with the cascade above it); a
+        node also on the device just loses its host copy. ``archived_only`` restricts eviction
+        to nodes marked archived (their bytes are in storage). Mutates the tree and frees
+        indices to the host pools (and to the device pools when the cascade deletes nodes).
+        """
+        if num_kv_pages < 0 or num_states < 0:
+            raise ConfigError(f"cannot evict a negative amount ({num_kv_pages} pages, {num_states} states)")
+        pages0, states0 = self._host_pages, self._host_states
+        lost0, deleted0 = self._lost_states, self._deleted_nodes
+        if self.host_kv is not None:
+            if num_kv_pages:
+                self._evict_host_kv(num_kv_pages, archived_only)
+            need_states = num_states - (states0 - self._host_states)
+            if need_states > 0 and self.host_mamba is not None:
+                self._evict_host_states(need_states, archived_only)
+        return EvictResult(
+            tier=Tier.HOST,
+            num_kv_pages=pages0 - self._host_pages,
+            num_states=states0 - self._host_states,
+            num_lost_states=self._lost_states - lost0,
+            num_deleted_nodes=self._deleted_nodes - deleted0,
+        )
+
+    def _evict_host_kv(self, need: int, archived_only: bool) -> None:
+        pages0 = self._host_pages
+        for node in self.eviction.candidates(self.host_kv_lru, now=self.clock()):
+            if pages0 - self._host_pages >= need:
+                break
+            if node.host_kv is None or node.host_lock or node.num_host_children:
+                continue
+            if archived_only and not node.archived:
+                continue
+            if node.device_kv is None:
+                if node.device_lock or node.loading:
+                    continue
+                parent = node.parent
+                assert parent is not None and not node.children
+                self._delete(node)
+                self._cascade(parent)
+            else:
+                if node.host_state is not None:
+                    if node.device_state is None:
+                        self._lost_states += 1
+                    self._free_host_state(node)
+                self._free_host_kv(node)
+                self._cascade(node)
+
+    def _evict_host_states(self, need: int, archived_only: bool) -> None:
+        states0 = self._host_states
+        for node in self.eviction.candidates(self.host_state_lru, now=self.clock()):
+            if states0 - self._host_states >= need:
+                break
+            if node.host_state is None or node.host_lock:
+                continue
+            if archived_only and not node.archived:
+                continue
+            if node.device_state is None:
+                self._lost_states += 1
+            self._free_host_state(node)
+            self._cascade(node)
+
+    # ---- allocation --------------------------------------------------------------------------
+    def alloc_device(self, num_kv_pages: int = 0, num_states: int = 0) -> Allocation | None:
+        """``num_kv_pages`` device pages and ``num_states`` device state slots, evicting through
+        the tree for what the pools lack; ``None`` when there is still no room (nothing is
+        taken then; what eviction freed stays free). The caller owns the indices."""
+        return self._alloc(self.device_kv, self.device_mamba, num_kv_pages, num_states, self.evict_device)
+
+    def alloc_host(self, num_kv_pages: int = 0, num_states: int = 0) -> Allocation | None:
+        """Like :meth:`alloc_device` for the host pools (``None`` without a host tier)."""
+        if self.host_kv is None or (num_states and self.host_mamba is None):
+            return None
+        return self._alloc(self.host_kv, self.host_mamba, num_kv_pages, num_states, self.evict_host)
+
+    @staticmethod
+    def _alloc(
+        kv_pool: ItemPool,
+        state_pool: ItemPool | None,
+        num_kv_pages: int,
+        num_states: int,
+        evict: Callable[..., EvictResult],
+    ) -> Allocation | None:
+        if num_kv_pages < 0 or num_states < 0:
+            raise ConfigError(f"cannot allocate a negative amount ({num_kv_pages} pages, {num_states} states)")
+        short_kv = num_kv_pages - kv_pool.num_free
+        short_states = num_states - state_pool.num_free if state_pool is not None else 0
+        if short_kv > 0 or short_states > 0:
+            evict(num_kv_pages=max(short_kv, 0), num_states=max(short_states, 0))
+        kv = kv_pool.alloc(num_kv_pages)
+        if kv is None:
+            return None
+        if not num_states:
+            return Allocation(kv_indices=kv)
+        assert state_pool is not None
+        slots = state_pool.alloc(num_states)
+        if slots is None:
+            kv_pool.free(kv)
+            return None
+        return Allocation(kv_indices=kv, state_slots=slots)

@@ -1,0 +1,435 @@
+"""The hybrid radix tree (HiMamba radix cache): match and insert.
+
+For a hybrid model a cached prefix is usable only up to the deepest point where the recurrent
+state is available; KV beyond it is dead weight. The tree knows, for every cached prefix, where
+its KV pages and its states live (device, host), what may be evicted, and how much the next
+request can reuse. It is plain synchronous code: it never awaits and never copies bytes — the
+controller moves the bytes and reports back through the load / backup protocol.
+
+Operations (this module; eviction in ``evict``, copies in ``transfer``, bookkeeping in ``core``):
+
+- :meth:`HybridRadixTree.match_prefix` — walk page-aligned keys, cut back to the deepest state.
+- :meth:`HybridRadixTree.insert` — device pages and states of a finished (or prefilled) request.
+- :meth:`HybridRadixTree.insert_host` — host-only nodes for data prefetched from storage.
+- :meth:`HybridRadixTree.state_positions` — where the scheduler should snapshot states.
+
+Keys: one page is ``page_size`` token ids as int64 bytes; a node's children are keyed by the
+bytes of their first page, and a node's whole key is compared with one ``memcmp``, so a match
+costs O(nodes on the path), not O(tokens) Python steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from asynccache.errors import ConfigError
+from asynccache.policy.base import AdmissionContext, AdmissionPolicy, EvictionPolicy
+from asynccache.policy.write import WriteMode, WritePolicy
+from asynccache.pools.base import ItemPool
+from asynccache.spec import HybridSpec
+from asynccache.tree.core import WriteBackFn
+from asynccache.tree.evict import EvictionMixin
+from asynccache.tree.hashing import PageHashes, TokenIds, encode_tokens
+from asynccache.tree.node import Tier, TreeNode
+from asynccache.tree.results import InsertResult, MatchResult
+from asynccache.tree.transfer import TransferMixin
+
+__all__ = ["HybridRadixTree"]
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class HybridRadixTree(EvictionMixin, TransferMixin):
+    """Radix tree over page-aligned token ids with per-tier KV and recurrent-state bookkeeping.
+
+    ``device_kv`` / ``device_mamba``: device pools (pages, state slots). ``host_kv`` /
+    ``host_mamba``: host pools, or ``None`` for no host tier (``host_mamba`` needs ``host_kv``).
+    Pools may be in accounting mode (``materialize=False``). ``admission`` (default
+    :class:`~asynccache.policy.EndsAdmission`), ``eviction`` (default
+    :class:`~asynccache.policy.LRUEviction`), ``write_policy`` (default ``write_through``).
+    ``model_id`` names the hash namespace (default: the spec's namespace id). ``write_back``:
+    the callback device eviction uses under ``write_back`` (see :meth:`evict_device`).
+    ``clock``: the time source of ``last_access`` (default ``time.monotonic``; trace replay
+    passes its simulated clock).
+
+    Call from one thread (the event loop's); no method awaits or blocks.
+    """
+
+    def __init__(
+        self,
+        spec: HybridSpec,
+        *,
+        device_kv: ItemPool,
+        device_mamba: ItemPool,
+        host_kv: ItemPool | None = None,
+        host_mamba: ItemPool | None = None,
+        admission: AdmissionPolicy | None = None,
+        eviction: EvictionPolicy | None = None,
+        write_policy: WritePolicy | WriteMode | str | None = None,
+        model_id: str | None = None,
+        write_back: WriteBackFn | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        super().__init__(
+            spec,
+            device_kv=device_kv,
+            device_mamba=device_mamba,
+            host_kv=host_kv,
+            host_mamba=host_mamba,
+            admission=admission,
+            eviction=eviction,
+            write_policy=write_policy,
+            model_id=model_id,
+            write_back=write_back,
+            clock=clock,
+        )
+
+    # ---- admission -------------------------------------------------------------------------
+    def state_positions(
+        self, prompt_len: int, *, total_len: int | None = None, match: MatchResult | None = None
+    ) -> set[int]:
+        """Where the scheduler should snapshot states for a request (the admission policy's
+        answer with this tree's page size)."""
+        return self.admission.state_positions(prompt_len, page_size=self.page_size, total_len=total_len, match=match)
+
+    # ---- walking -----------------------------------------------------------------------------
+    def _common_pages(self, key: bytes, buf: bytes, pos: int, end: int) -> int:
+        """Whole pages shared by ``key`` and ``buf[pos:end]`` (both int64 token bytes)."""
+        n = min(len(key), end - pos) // 8
+        a = np.frombuffer(key, dtype="<i8", count=n)
+        b = np.frombuffer(buf, dtype="<i8", count=n, offset=pos)
+        neq = a != b
+        i = int(neq.argmax()) if n else 0
+        first = i if n and neq[i] else n
+        return first // self.page_size
+
+    def _walk(self, root: TreeNode, buf: bytes, num_pages: int) -> tuple[list[TreeNode], int]:
+        """Nodes fully contained in the prompt, top-down, and the pages matched on any tier
+        (including a partially matched last node). Mutates nothing."""
+        page_bytes = self.page_bytes
+        end = num_pages * page_bytes
+        path: list[TreeNode] = []
+        pos = 0
+        node = root
+        while pos < end:
+            child = node.children.get(buf[pos : pos + page_bytes])
+            if child is None:
+                break
+            key = child.key
+            if buf.startswith(key, pos):
+                path.append(child)
+                pos += len(key)
+                node = child
+                continue
+            return path, pos // page_bytes + self._common_pages(key, buf, pos, end)
+        return path, pos // page_bytes
+
+    # ---- match -------------------------------------------------------------------------------
+    def match_prefix(self, tokens: TokenIds, *, salt: str = "") -> MatchResult:
+        """The reusable prefix of ``tokens`` (see :class:`MatchResult`).
+
+        Only full pages count; the scheduler passes ``tokens[:-1]`` so at least one token is
+        computed. Mutates LRU positions, ``hit_count`` and ``last_access`` of the nodes of the
+        usable prefix (nothing else); never splits nodes.
+        """
+        buf, num_pages = encode_tokens(tokens, self.page_size)
+        return self._match(buf, num_pages, salt, touch=True)
+
+    def _match(self, buf: bytes, num_pages: int, salt: str, *, touch: bool) -> MatchResult:
+        root = self._roots.get(salt)
+        if root is None:
+            root = self._root_for(salt, create=False)
+            hashes = PageHashes(buf, num_pages, self.page_size, root.seed_hash)
+            return MatchResult(num_tokens=0, last_node=root, page_hashes=hashes, salt=salt)
+        path, matched_pages = self._walk(root, buf, num_pages)
+        cut = len(path)
+        while cut and path[cut - 1].device_state is None and path[cut - 1].host_state is None:
+            cut -= 1
+        usable = path[:cut]
+        last = usable[-1] if cut else root
+        on_device = 0
+        while on_device < cut and usable[on_device].device_kv is not None:
+            on_device += 1
+        if on_device == 0:
+            device_kv = _EMPTY
+        elif on_device == 1:
+            device_kv = usable[0].device_kv  # type: ignore[assignment]
+        else:
+            device_kv = torch.cat([n.device_kv for n in usable[:on_device]])  # type: ignore[misc]
+        num_device_tokens = usable[on_device - 1].end_tokens if on_device else 0
+        num_tokens = last.end_tokens
+        if last.device_state is not None:
+            state_tier: Tier | None = Tier.DEVICE
+        elif last.host_state is not None:
+            state_tier = Tier.HOST
+        else:
+            state_tier = None
+        load_nodes = tuple(usable[on_device:])
+        if state_tier is Tier.HOST and not load_nodes:
+            load_nodes = (last,)
+        pending = False
+        for n in usable:
+            if n.loading:
+                pending = True
+                break
+        backup_nodes: tuple[TreeNode, ...] = ()
+        if touch and cut:
+            now = self.clock()
+            dkv, dst, hkv, hst = self.device_kv_lru, self.device_state_lru, self.host_kv_lru, self.host_state_lru
+            # Deepest first, so ancestors end up more recent than their descendants.
+            for n in reversed(usable):
+                n.hit_count += 1
+                n.last_access = now
+                if n.device_kv is not None:
+                    dkv.touch(n)
+                if n.device_state is not None:
+                    dst.touch(n)
+                if n.host_kv is not None:
+                    hkv.touch(n)
+                if n.host_state is not None:
+                    hst.touch(n)
+            backup_nodes = self._backup_candidates(usable, on_hit=True)
+        return MatchResult(
+            num_tokens=num_tokens,
+            last_node=last,
+            device_kv_indices=device_kv,
+            num_device_tokens=num_device_tokens,
+            num_host_tokens=num_tokens - num_device_tokens,
+            state_tier=state_tier,
+            needs_load=bool(load_nodes),
+            load_nodes=load_nodes,
+            pending_load=pending,
+            num_matched_tokens=matched_pages * self.page_size,
+            backup_nodes=backup_nodes,
+            page_hashes=PageHashes(buf, num_pages, self.page_size, root.seed_hash),
+            salt=salt,
+        )
+
+    # ---- insert ------------------------------------------------------------------------------
+    def _insert_path(
+        self,
+        root: TreeNode,
+        buf: bytes,
+        num_pages: int,
+        indices: torch.Tensor,
+        cuts: Sequence[int],
+        tier: Tier,
+        offset: int = 0,
+    ) -> tuple[list[TreeNode], int, list[torch.Tensor]]:
+        """Create / split nodes so ``buf`` is a path with a node boundary at every page in
+        ``cuts``; attach ``indices`` (pages ``[offset, num_pages)``) on ``tier`` to the nodes
+        that lack that tier. Pages before ``offset`` must already be held on ``tier`` (checked by
+        the caller; ``offset`` must be in ``cuts``). Returns the path, the number of pages
+        attached and the duplicate index slices (for the caller to free)."""
+        page_bytes = self.page_bytes
+        device = tier is Tier.DEVICE
+        path: list[TreeNode] = []
+        dups: list[torch.Tensor] = []
+        new_pages = 0
+        pos = 0
+        node = root
+        ci = 0
+        while pos < num_pages:
+            while ci < len(cuts) and cuts[ci] <= pos:
+                ci += 1
+            stop = cuts[ci] if ci < len(cuts) else num_pages
+            b = pos * page_bytes
+            child = node.children.get(buf[b : b + page_bytes])
+            if child is None:
+                assert pos >= offset, "pages before the offset must be in the tree"
+                child = self._new_child(node, buf[b : stop * page_bytes], pos)
+                if device:
+                    self._set_device_kv(child, indices[pos - offset : stop - offset])
+                else:
+                    self._set_host_kv(child, indices[pos - offset : stop - offset])
+                new_pages += stop - pos
+            else:
+                if buf.startswith(child.key, b):
+                    k = child.num_pages
+                else:
+                    k = self._common_pages(child.key, buf, b, num_pages * page_bytes)
+                k = min(k, stop - pos)
+                if k < child.num_pages:
+                    child = self._split(child, k)
+                held = child.device_kv if device else child.host_kv
+                if pos < offset:
+                    assert held is not None, "pages before the offset must be held on the tier"
+                    path.append(child)
+                    node = child
+                    pos = child.end_page
+                    continue
+                seg = indices[pos - offset : pos - offset + k]
+                if held is None:
+                    # Not on this tier (e.g. evicted from the device): take the new pages.
+                    if device:
+                        self._set_device_kv(child, seg)
+                    else:
+                        self._set_host_kv(child, seg)
+                    new_pages += k
+                else:
+                    # Already cached: free the caller's copy, except indices equal to the node's
+                    # own (a request passing back the pages of its match).
+                    dups.append(seg[seg != held])
+            path.append(child)
+            node = child
+            pos = child.end_page
+        return path, new_pages, dups
+
+    def insert(
+        self,
+        tokens: TokenIds,
+        kv_indices: torch.Tensor | Sequence[int],
+        *,
+        states: Mapping[int, int] | None = None,
+        salt: str = "",
+        prompt_len: int | None = None,
+    ) -> InsertResult:
+        """Cache the device KV pages (one per full page of ``tokens``) and the device state
+        slots ``states`` (``{page-aligned token position: slot}``) of a request.
+
+        Ownership of every index passed moves to the tree: pages and states it keeps become node
+        data; pages already cached on the device (duplicates), states already present and states
+        the admission policy refuses are freed. A caller may pass the tree's own indices for the
+        matched prefix (``match.device_kv_indices`` followed by its new pages): an index equal to
+        the one the node holds is left alone. Nodes are split so each kept state sits at a node
+        end. Nodes that only had a host copy get the new device pages. Mutates the tree, the LRU
+        lists (the path becomes most recent) and the device pools (frees). On ``ConfigError``
+        nothing changed and the caller still owns everything.
+        """
+        buf, num_pages = encode_tokens(tokens, self.page_size)
+        kv = self._check_indices(kv_indices, num_pages, "kv_indices")
+        offered = self._check_states(states, num_pages, "states")
+        if prompt_len is not None and prompt_len < 0:
+            raise ConfigError(f"prompt_len must be >= 0, got {prompt_len}")
+        root = self._root_for(salt, create=True)
+        if num_pages == 0:
+            return InsertResult(last_node=root)
+        kept = offered
+        if offered:
+            _, cached_pages = self._walk(root, buf, num_pages)
+            ctx = AdmissionContext(
+                page_size=self.page_size,
+                num_tokens=num_pages * self.page_size,
+                num_cached_tokens=cached_pages * self.page_size,
+                prompt_len=prompt_len,
+                tier=Tier.DEVICE,
+                salt=salt,
+            )
+            keep = self.admission.keep_states([p * self.page_size for p in sorted(offered)], ctx)
+            kept = {p: s for p, s in offered.items() if p * self.page_size in keep}
+        path, new_pages, dups = self._insert_path(root, buf, num_pages, kv, sorted(kept), Tier.DEVICE)
+        free_slots = [s for p, s in offered.items() if p not in kept]
+        new_states = 0
+        if kept:
+            by_end = {n.end_page: n for n in path}
+            for p, slot in kept.items():
+                node = by_end[p]
+                if node.device_state is None:
+                    self._set_device_state(node, slot)
+                    new_states += 1
+                else:
+                    free_slots.append(slot)
+        num_dups = self._free_all(self.device_kv, dups)
+        if free_slots:
+            self.device_mamba.free(torch.tensor(free_slots, dtype=torch.int64))
+        self._touch_path(path)
+        return InsertResult(
+            last_node=path[-1],
+            num_new_pages=new_pages,
+            num_duplicate_pages=num_dups,
+            num_new_states=new_states,
+            num_freed_states=len(free_slots),
+            backup_nodes=self._backup_candidates(path, on_hit=False),
+        )
+
+    def insert_host(
+        self,
+        tokens: TokenIds,
+        host_kv_indices: torch.Tensor | Sequence[int],
+        *,
+        host_states: Mapping[int, int] | None = None,
+        start_page: int = 0,
+        salt: str = "",
+    ) -> InsertResult:
+        """Cache host pages (one per full page of ``tokens``) and host state slots
+        (``host_states={page-aligned position: slot}``), e.g. data prefetched from storage.
+
+        Ownership passes to the tree as in :meth:`insert`: nodes that lack a host copy get these
+        pages (new nodes are host-only), duplicates are freed to the host pools. Every offered
+        state is kept where the node has no host state yet. With ``start_page > 0``,
+        ``host_kv_indices`` cover pages ``[start_page, len(tokens) // page_size)`` only and the
+        pages before must already have host copies (keep them locked with ``lock_host``);
+        otherwise ``ConfigError`` and nothing changes.
+        """
+        if self.host_kv is None:
+            raise ConfigError("insert_host needs a host KV pool")
+        buf, num_pages = encode_tokens(tokens, self.page_size)
+        if not 0 <= start_page <= num_pages:
+            raise ConfigError(f"start_page={start_page} outside 0..{num_pages}")
+        kv = self._check_indices(host_kv_indices, num_pages - start_page, "host_kv_indices")
+        offered = self._check_states(host_states, num_pages, "host_states")
+        if offered and self.host_mamba is None:
+            raise ConfigError("host_states given but the tree has no host state pool")
+        if any(p <= start_page for p in offered):
+            raise ConfigError("host_states positions must lie past start_page")
+        root = self._root_for(salt, create=start_page == 0)
+        if start_page and not self._held_on_host(root, buf, start_page):
+            raise ConfigError(f"the first {start_page} pages are not all on the host")
+        if num_pages == 0:
+            return InsertResult(last_node=root)
+        cuts = sorted({*offered, start_page} - {0})
+        path, new_pages, dups = self._insert_path(root, buf, num_pages, kv, cuts, Tier.HOST, start_page)
+        free_slots: list[int] = []
+        new_states = 0
+        if offered:
+            by_end = {n.end_page: n for n in path}
+            for p, slot in offered.items():
+                node = by_end[p]
+                if node.host_state is None:
+                    self._set_host_state(node, slot)
+                    new_states += 1
+                else:
+                    free_slots.append(slot)
+        num_dups = self._free_all(self.host_kv, dups)
+        if free_slots:
+            assert self.host_mamba is not None
+            self.host_mamba.free(torch.tensor(free_slots, dtype=torch.int64))
+        self._touch_path(path)
+        return InsertResult(
+            last_node=path[-1],
+            num_new_pages=new_pages,
+            num_duplicate_pages=num_dups,
+            num_new_states=new_states,
+            num_freed_states=len(free_slots),
+        )
+
+    def _held_on_host(self, root: TreeNode, buf: bytes, num_pages: int) -> bool:
+        """Whether the tree holds host copies of the first ``num_pages`` pages of ``buf``."""
+        path, matched = self._walk(root, buf[: num_pages * self.page_bytes], num_pages)
+        if matched < num_pages or any(n.host_kv is None for n in path):
+            return False
+        end = path[-1] if path else root
+        if end.end_page < num_pages:  # the boundary falls inside the next node
+            partial = end.children[buf[end.end_page * self.page_bytes : (end.end_page + 1) * self.page_bytes]]
+            return partial.host_kv is not None
+        return True
+
+    def _touch_path(self, path: Sequence[TreeNode]) -> None:
+        # Deepest first, so every ancestor ends up more recent than its descendants and an LRU
+        # scan meets leaves before the nodes above them.
+        now = self.clock()
+        for n in reversed(path):
+            n.last_access = now
+            self._touch(n)
+
+    @staticmethod
+    def _free_all(pool: ItemPool, chunks: Iterable[torch.Tensor]) -> int:
+        chunks = [c for c in chunks if c.numel()]
+        if not chunks:
+            return 0
+        indices = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+        pool.free(indices)
+        return int(indices.numel())
