@@ -189,9 +189,8 @@ class HybridCacheController:
     def start_loading(self) -> LayerTransferCounter:
         """Issue every queued load (merged per pool, one launch per layer) for this step.
 
-        Returns the step's counter at once; a background task enqueues the layers in order and
-        sets the counter layer by layer, yielding to the loop between layers so the forward can
-        launch layer ``i`` while layer ``i+1`` is being enqueued.
+        Returns the step's counter at once; a background task enqueues the layers in order from
+        a worker thread, running ahead of the forward, and sets the counter layer by layer.
         """
         tg = self._require_started()
         ops = [op for op in self._load_queue if op.state is OpState.QUEUED]
@@ -218,14 +217,26 @@ class HybridCacheController:
         layer_ids: Sequence[int],
         counter: LayerTransferCounter,
     ) -> None:
+        """Enqueue the step's loads layer by layer from a worker thread.
+
+        Issuing a layer's copies costs host time (planning, driver calls that release the GIL);
+        doing it on the loop thread in lock-step with the forward would leave the GPU idle
+        between layers. The worker runs ahead of the forward, enqueuing every layer back to back
+        on the load stream, and marks each layer on the loop as soon as it is enqueued. The
+        worker is never abandoned: a cancelled caller still waits for it, so no copy is enqueued
+        into memory that a failure path has already freed.
+        """
+        loop = asyncio.get_running_loop()
         stream = self._load_stream
         if stream is not None:
             # Freshly allocated device pages may still be read by earlier compute.
             stream.wait_stream(torch.cuda.current_stream(self.device))
-        last_event: torch.cuda.Event | None = None
-        try:
-            for lid in layer_ids:
-                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        issued: list[tuple[PoolName, int]] = []
+        last: list[torch.cuda.Event | None] = [None]
+
+        def issue() -> None:
+            with torch.cuda.device(self.device) if stream is not None else contextlib.nullcontext():
+                for lid in layer_ids:
                     for name, m in merged.items():
                         dev, host = self.pools[name]
                         if lid not in dev._layer_index:
@@ -243,23 +254,35 @@ class HybridCacheController:
                             method=self.config.copy_method,
                             stream=stream,
                         )
-                        self._stats.bytes_moved("h2d", name, nbytes)
-                        self._stats.count(f"h2d_launches_{name.value}")
+                        issued.append((name, nbytes))
                     if stream is not None:
-                        last_event = torch.cuda.Event(blocking=True, enable_timing=True)
-                        last_event.record(stream)
-                counter.mark_enqueued(lid, last_event)
-                await asyncio.sleep(0)
-        except BaseException as e:
-            counter.fail(e)
-            self._finish_ops(ops, merged, last_event, self._load_completion, error=e)
-            if isinstance(e, Exception):
-                log.warning("load of %d operation(s) failed: %s", len(ops), e)
+                        ev = torch.cuda.Event(blocking=True, enable_timing=True)
+                        ev.record(stream)
+                        last[0] = ev
+                    loop.call_soon_threadsafe(counter.mark_enqueued, lid, last[0])
+
+        worker = loop.run_in_executor(None, issue)
+        error: BaseException | None = None
+        try:
+            await asyncio.shield(worker)
+        except asyncio.CancelledError as e:
+            error = e
+            with contextlib.suppress(Exception):
+                await worker  # let the worker finish enqueuing before anything is released
+        except Exception as e:
+            error = e
+        for name, nbytes in issued:
+            self._stats.bytes_moved("h2d", name, nbytes)
+            self._stats.count(f"h2d_launches_{name.value}")
+        if error is not None:
+            counter.fail(error)
+            self._finish_ops(ops, merged, last[0], self._load_completion, error=error)
+            if isinstance(error, Exception):
+                log.warning("load of %d operation(s) failed: %s", len(ops), error)
                 return
-            raise
-        for op in ops:
-            self._stats.count("load_ops")
-        self._finish_ops(ops, merged, last_event, self._load_completion, error=None)
+            raise error
+        self._stats.count("load_ops", len(ops))
+        self._finish_ops(ops, merged, last[0], self._load_completion, error=None)
 
     # ---- writes (device → host) --------------------------------------------------------
     def write(self, nodes: Sequence[Any], *, priority: int = 0) -> CacheOperation | None:

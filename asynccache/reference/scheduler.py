@@ -119,9 +119,10 @@ class _SeedingCounter:
         await self.inner.wait(layer_id)
         if self.seeds and layer_id in self.mamba_ids:
             items = self.pool.layer_items(layer_id)
-            src = torch.tensor([s for s, _ in self.seeds], device=items.device)
-            dst = torch.tensor([d for _, d in self.seeds], device=items.device)
-            items[dst] = items[src]
+            # Slice copies: no index tensor to move to the device (a pageable host-to-device
+            # copy would make the host wait for the compute stream).
+            for src, dst in self.seeds:
+                items[dst : dst + 1].copy_(items[src : src + 1])
 
 
 class Scheduler:
