@@ -46,6 +46,44 @@ def resolve_num_items(
     return int(device_pool.num_items * ratio)
 
 
+def _host_pool_init(
+    pool: ItemPool,
+    *,
+    name: str,
+    layer_ids: tuple[int, ...],
+    item_bytes: int,
+    bytes_per_index: int,
+    count: int | None,
+    count_name: str,
+    size_bytes: int | None,
+    ratio: float | None,
+    device_pool: ItemPool | None,
+    layout: PoolLayout | str,
+    pin: bool | None,
+    materialize: bool,
+) -> None:
+    n = resolve_num_items(
+        what=name,
+        bytes_per_index=bytes_per_index,
+        size_bytes=size_bytes,
+        num_items=count,
+        ratio=ratio,
+        device_pool=device_pool,
+        num_items_name=count_name,
+    )
+    ItemPool.__init__(
+        pool,
+        name=name,
+        layer_ids=layer_ids,
+        num_items=n,
+        item_bytes=item_bytes,
+        layout=layout,
+        device="cpu",
+        pin=pin,
+        materialize=materialize,
+    )
+
+
 class HostKVPool(KVViews, ItemPool):
     def __init__(
         self,
@@ -60,22 +98,18 @@ class HostKVPool(KVViews, ItemPool):
         materialize: bool = True,
     ) -> None:
         self.spec = spec
-        n = resolve_num_items(
-            what="host_kv",
-            bytes_per_index=spec.kv_page_bytes,
-            size_bytes=size_bytes,
-            num_items=num_pages,
-            ratio=ratio,
-            device_pool=device_pool,
-            num_items_name="num_pages",
-        )
-        super().__init__(
+        _host_pool_init(
+            self,
             name="host_kv",
             layer_ids=spec.attention_layer_ids,
-            num_items=n,
             item_bytes=spec.kv_item_bytes,
+            bytes_per_index=spec.kv_page_bytes,
+            count=num_pages,
+            count_name="num_pages",
+            size_bytes=size_bytes,
+            ratio=ratio,
+            device_pool=device_pool,
             layout=layout,
-            device="cpu",
             pin=pin,
             materialize=materialize,
         )
@@ -95,22 +129,18 @@ class MambaPoolHost(StateViews, ItemPool):
         materialize: bool = True,
     ) -> None:
         self.spec = spec
-        n = resolve_num_items(
-            what="host_mamba",
-            bytes_per_index=spec.state_bytes,
-            size_bytes=size_bytes,
-            num_items=num_slots,
-            ratio=ratio,
-            device_pool=device_pool,
-            num_items_name="num_slots",
-        )
-        super().__init__(
+        _host_pool_init(
+            self,
             name="host_mamba",
             layer_ids=spec.mamba_layer_ids,
-            num_items=n,
             item_bytes=max(spec.state_item_bytes, 1),
+            bytes_per_index=spec.state_bytes,
+            count=num_slots,
+            count_name="num_slots",
+            size_bytes=size_bytes,
+            ratio=ratio,
+            device_pool=device_pool,
             layout=layout,
-            device="cpu",
             pin=pin,
             materialize=materialize,
         )
