@@ -53,7 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="model dtype (default: fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--device-kv-pages", type=int, default=None, help="device KV pages (default: fits ~3 clients)")
-    p.add_argument("--device-state-slots", type=int, default=None, help="device state slots (default: < clients)")
+    p.add_argument(
+        "--device-state-slots", type=int, default=None, help="device state slots (default: room for half the clients)"
+    )
     p.add_argument("--host-kv-bytes", type=int, default=None, help="host KV bytes (default: holds every client)")
     p.add_argument("--host-state-bytes", type=int, default=None, help="host state bytes (default: 4 per client)")
     p.add_argument("--storage", default=None, help="storage URI for kv+mamba+storage (default: temp directory)")
@@ -106,7 +108,9 @@ def _default_budgets(args: argparse.Namespace, spec: HybridSpec) -> dict[str, in
     working_pages = args.max_parallel * (pages_per_conv + 1)
     return {
         "device_kv_pages": args.device_kv_pages or working_pages + 3 * pages_per_conv,
-        "device_state_slots": args.device_state_slots or 4 * args.max_parallel + max(1, args.clients // 2),
+        # Each running request holds a working slot and ≤ 3 snapshot slots; each finished
+        # conversation keeps ≤ 3 states (ends admission). Room for about half the clients'.
+        "device_state_slots": args.device_state_slots or 4 * args.max_parallel + 3 * max(1, args.clients // 2),
         "host_kv_bytes": args.host_kv_bytes or 2 * args.clients * pages_per_conv * spec.kv_page_bytes,
         "host_state_bytes": args.host_state_bytes or 4 * args.clients * args.rounds * spec.state_bytes,
     }
