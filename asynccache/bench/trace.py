@@ -1,0 +1,248 @@
+"""``asynccache bench trace``: replay a Mooncake-format trace under cache policies and budgets.
+
+Every (policy combination, host budget, storage budget) cell replays the whole trace through the
+real tree and pools in accounting mode (``asynccache.trace.replay``) on the trace's own clock,
+and reports the token hit rate overall and by tier, its fraction of the infinite-cache bound,
+the prefill FLOPs saved, the bytes moved per tier and the evictions. Cells run in parallel
+processes (``--jobs``). Output: a table on stdout (``--markdown`` for Markdown), a PNG comparing
+the policies across budgets (``--plot``) and ``--json PATH``::
+
+    {"bound": float, "results": [{"admission": str, "eviction": str,
+      "budget_bytes": {"device": int, "host": int, "storage": int},
+      "hit_rate": float, "fraction_of_bound": float, "flops_saved": float, …}], …}
+
+Policies are ``admission/eviction[/write_policy[/storage_write]]`` (see
+``asynccache.trace.policies``). The default set: the tree's defaults (``ends/lru``), a state at
+every page, a block grid of 8 pages, branch points with LRU, Marconi-style
+(``branch/cost-aware``), Marconi-style with write-back demotion, and ours
+(``adaptive/utility/write_back``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from asynccache.errors import ConfigError
+from asynccache.spec import PRESETS, HybridSpec
+from asynccache.trace.bound import BoundResult, infinite_cache_bound
+from asynccache.trace.controller_replay import replay_trace_with_controller
+from asynccache.trace.loader import MOONCAKE_BLOCK_SIZE, load_trace
+from asynccache.trace.policies import PolicyCombo, parse_combo
+from asynccache.trace.replay import ReplayConfig, replay_trace
+from asynccache.trace.report import format_markdown_table, format_table, plot_results
+from asynccache.trace.results import ReplayResult, TierBudget, format_size, parse_size, results_to_json
+
+__all__ = ["add_arguments", "run", "DEFAULT_POLICIES", "load_spec"]
+
+DEFAULT_POLICIES = (
+    "ends/lru",
+    "every-page/lru",
+    "block-grid:8/lru",
+    "branch/lru",
+    "branch/cost-aware",
+    "branch/cost-aware/write_back",
+    "adaptive/utility/write_back",
+)
+
+#: Device memory for the prefix cache on an H200 (141 GB) serving Qwen3-Next-80B with FP8
+#: weights (~80 GB): what is left after weights, activations and the running batch's KV.
+DEFAULT_DEVICE_BUDGET = "32GiB"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", default=None, help="Mooncake-format JSONL trace (timestamp, input_length, …, hash_ids)")
+    p.add_argument(
+        "--from-json", default=None, help="re-print the table and re-plot a previous --json file instead of replaying"
+    )
+    p.add_argument("--spec", default="qwen3-next-80b", help=f"preset ({', '.join(PRESETS)}) or an HF config path")
+    p.add_argument(
+        "--page-size", type=int, default=MOONCAKE_BLOCK_SIZE, help="tokens per page (default: the trace's block, 512)"
+    )
+    p.add_argument("--block-size", type=int, default=MOONCAKE_BLOCK_SIZE, help="tokens per trace hash id (default 512)")
+    p.add_argument(
+        "--device-budget", default=DEFAULT_DEVICE_BUDGET, help=f"device cache bytes (default {DEFAULT_DEVICE_BUDGET})"
+    )
+    p.add_argument(
+        "--budgets", default="128GiB,512GiB,2TiB", help="host budgets, comma-separated (default 128GiB,512GiB,2TiB)"
+    )
+    p.add_argument(
+        "--storage-budgets", default="0,8TiB", help="storage budgets, comma-separated; 0 = no storage (default 0,8TiB)"
+    )
+    p.add_argument(
+        "--policies",
+        default=",".join(DEFAULT_POLICIES),
+        help="admission/eviction[/write_policy[/storage_write]], comma-separated (default: the seven of the docstring)",
+    )
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument(
+        "--active-params", type=float, default=None, help="active parameters per token (default: estimated from the spec)"
+    )
+    p.add_argument(
+        "--engine",
+        choices=("controller", "sync"),
+        default="controller",
+        help="controller: copies through the asyncio HybridCacheController (default); sync: the tree's "
+        "synchronous stand-in (same figures without storage, faster)",
+    )
+    p.add_argument(
+        "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel replays (default: min(2, cores))"
+    )
+    p.add_argument("--json", dest="json_path", default=None, help="write results as JSON to this path")
+    p.add_argument("--plot", default=None, help="write a PNG comparing policies across budgets to this path")
+    p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+
+
+def load_spec(name: str, *, page_size: int) -> HybridSpec:
+    """A preset name or an HF config path (file or folder) → spec with ``page_size``."""
+    if name in PRESETS:
+        return HybridSpec.preset(name, page_size=page_size)
+    if Path(name).exists():
+        return HybridSpec.from_hf_config(name, page_size=page_size)
+    raise ConfigError(f"--spec {name!r} is neither a preset ({sorted(PRESETS)}) nor a config path")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Cell:
+    trace_path: str
+    block_size: int
+    limit: int | None
+    spec_name: str
+    page_size: int
+    budget: TierBudget
+    combo: PolicyCombo
+    active_params: float | None
+    engine: str
+
+
+def _run_cell(cell: _Cell, bound: BoundResult) -> ReplayResult:
+    trace = load_trace(cell.trace_path, block_size=cell.block_size, limit=cell.limit)
+    spec = load_spec(cell.spec_name, page_size=cell.page_size)
+    config = ReplayConfig(spec=spec, budget=cell.budget, combo=cell.combo, active_params=cell.active_params)
+    if cell.engine == "controller":
+        return replay_trace_with_controller(trace, config, bound=bound)
+    return replay_trace(trace, config, bound=bound)
+
+
+def _parse_list(text: str, what: str) -> list[int]:
+    items = [t for t in text.split(",") if t.strip()]
+    if not items:
+        raise ConfigError(f"{what}: empty list")
+    return [parse_size(t) for t in items]
+
+
+def _from_json(args: argparse.Namespace) -> int:
+    doc = json.loads(Path(args.from_json).read_text())
+    bound = float(doc["bound"])
+    results = [ReplayResult.from_json(r, bound=bound) for r in doc["results"]]
+    print(format_markdown_table(results) if args.markdown else format_table(results, bound=bound))
+    if args.plot:
+        title = f"{doc.get('trace', '')} ({doc.get('num_requests', 0):,} requests), {doc.get('spec', '')}"
+        plot_results(results, args.plot, bound=bound, title=title)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.from_json:
+        return _from_json(args)
+    if not args.trace:
+        raise ConfigError("--trace FILE is required (or --from-json PATH to re-report a previous run)")
+    t0 = time.perf_counter()
+    trace = load_trace(args.trace, block_size=args.block_size, limit=args.limit)
+    spec = load_spec(args.spec, page_size=args.page_size)
+    bound = infinite_cache_bound(trace, page_size=spec.page_size)
+    combos = [parse_combo(c) for c in args.policies.split(",") if c.strip()]
+    device = parse_size(args.device_budget)
+    hosts = _parse_list(args.budgets, "--budgets")
+    storages = _parse_list(args.storage_budgets, "--storage-budgets")
+    cells = [
+        _Cell(
+            trace_path=str(args.trace),
+            block_size=args.block_size,
+            limit=args.limit,
+            spec_name=args.spec,
+            page_size=args.page_size,
+            budget=TierBudget(device=device, host=h, storage=s),
+            combo=c,
+            active_params=args.active_params,
+            engine=args.engine,
+        )
+        for s in storages
+        for h in hosts
+        for c in combos
+    ]
+    print(
+        f"trace {trace.name}: {len(trace):,} requests over {trace.duration_s:,.0f} s, "
+        f"{trace.num_prompt_tokens:,} prompt tokens; spec {spec.model_id} (page {spec.page_size}, "
+        f"KV {format_size(spec.kv_page_bytes)}/page, state {spec.state_bytes:,} B); "
+        f"infinite-cache bound {100 * bound.hit_rate:.2f} %; {len(cells)} replays ({args.engine} engine) "
+        f"on {args.jobs} process(es)",
+        flush=True,
+    )
+    results = _run_cells(cells, bound, jobs=args.jobs)
+    total_s = time.perf_counter() - t0
+    print()
+    print(format_markdown_table(results) if args.markdown else format_table(results, bound=bound.hit_rate))
+    print(f"\n{len(results)} replays in {total_s:.0f} s wall ({sum(r.wall_s for r in results):.0f} s of replay)")
+    meta: dict[str, Any] = {
+        "trace": trace.name,
+        "num_requests": len(trace),
+        "spec": spec.model_id,
+        "page_size": spec.page_size,
+        "engine": args.engine,
+        "bound_definition": "Σ floor(min(k·block, L−1)/page)·page / Σ L, k = leading blocks seen earlier",
+        "total_wall_s": total_s,
+    }
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(results_to_json(bound.hit_rate, results, **meta), indent=1))
+        print(f"wrote {args.json_path}")
+    if args.plot:
+        title = f"{trace.name} ({len(trace):,} requests), {spec.model_id}, device {format_size(device)}"
+        plot_results(results, args.plot, bound=bound.hit_rate, title=title)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _describe(cell: _Cell) -> str:
+    return f"{cell.combo.label} @ {cell.budget.label}"
+
+
+def _run_cells(cells: list[_Cell], bound: BoundResult, *, jobs: int) -> list[ReplayResult]:
+    results: list[ReplayResult | None] = [None] * len(cells)
+    done = 0
+
+    def report(i: int, r: ReplayResult) -> None:
+        nonlocal done
+        done += 1
+        results[i] = r
+        print(
+            f"[{done}/{len(cells)}] {_describe(cells[i])}: hit {100 * r.hit_rate:.2f} % "
+            f"({r.fraction_of_bound:.3f} of bound) in {r.wall_s:.1f} s",
+            flush=True,
+        )
+
+    if jobs <= 1:
+        for i, cell in enumerate(cells):
+            report(i, _run_cell(cell, bound))
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+            futures: dict[Future[ReplayResult], int] = {pool.submit(_run_cell, c, bound): i for i, c in enumerate(cells)}
+            for fut in as_completed(futures):
+                report(futures[fut], fut.result())
+    return [r for r in results if r is not None]
+
+
+if __name__ == "__main__":  # pragma: no cover - `asynccache bench trace` is the entry point
+    from asynccache.cli import main
+
+    sys.exit(main(["bench", "trace", *sys.argv[1:]]))

@@ -1,0 +1,263 @@
+"""Compute- and byte-aware eviction: what a node's data saves in prefill FLOPs, per byte.
+
+What evicting a node's resource from one LRU list loses and frees (:class:`NodeValue`,
+:func:`node_value`; shared with :class:`~asynccache.policy.utility.UtilityEviction`):
+
+- ``saved_flops``: ``F(end) − F(m)``, the prefill FLOPs a state at the node's end saves over the
+  nearest state above it (depth ``m``; 0 without one) — the FLOP model is
+  :class:`~asynccache.trace.flops.FlopModel`;
+- ``bytes``: a state victim frees one state; a KV victim (a leaf of its tier) frees its pages,
+  its state, and the pages of the stateless single-child chain above it that the tombstone
+  cascade deletes with it — they serve nothing else;
+- KV below the deepest state (no state at the leaf) saves nothing: utility 0, evicted first.
+
+:class:`CostAwareEviction` ranks the evictable members of each list (:class:`RankedEviction`)
+Marconi-style: ``recency + α · efficiency`` with both terms scaled
+to [0, 1] (recency over a sliding time window, efficiency against the largest seen), and α tuned
+online: every ``tune_every`` requests the policy replays its recent eviction decisions against
+what happened next (a *ghost* of every evicted state remembers its key; a later prompt that
+passes through it and resumes shallower is a regret) and keeps the α of a grid that ranks the
+regretted victims highest (AUC), instead of fixing α once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from asynccache.errors import ConfigError
+from asynccache.policy.ranked import RankedEviction
+from asynccache.spec import HybridSpec
+
+if TYPE_CHECKING:
+    from asynccache.trace.flops import FlopModel
+    from asynccache.tree.node import TreeNode
+    from asynccache.tree.results import MatchResult
+
+__all__ = ["NodeValue", "CostAwareEviction", "node_value", "state_class", "STATE_CLASSES"]
+
+LEAF, INTERIOR, BRANCH = "leaf", "interior", "branch"
+STATE_CLASSES = (LEAF, INTERIOR, BRANCH)
+
+
+def state_class(node: TreeNode) -> str:
+    """``leaf`` (no children), ``interior`` (one child: a deeper turn usually made it
+    redundant) or ``branch`` (several children: where prompts diverge)."""
+    n = len(node.children)
+    return LEAF if n == 0 else INTERIOR if n == 1 else BRANCH
+
+
+@dataclass(frozen=True, slots=True)
+class NodeValue:
+    """What evicting a node's resource from one list would lose and free."""
+
+    saved_flops: float
+    saved_tokens: int
+    bytes: int
+    has_state: bool
+
+
+def _state_on(node: TreeNode, tier: str) -> bool:
+    return (node.device_state if tier == "device" else node.host_state) is not None
+
+
+def node_value(node: TreeNode, key: str, *, spec: HybridSpec, flops: FlopModel) -> NodeValue:
+    """Saved FLOPs and freed bytes of evicting ``node`` from list ``key`` (module docstring)."""
+    tier, resource = key.split("_", 1)
+    if resource == "state":
+        up = node.parent
+        while up is not None and up.parent is not None and not up.has_state:
+            up = up.parent
+        m = up.end_tokens if up is not None and up.parent is not None else 0
+        return NodeValue(
+            saved_flops=flops.saved_flops(m, node.end_tokens),
+            saved_tokens=node.end_tokens - m,
+            bytes=spec.state_bytes,
+            has_state=True,
+        )
+    pages = node.num_pages
+    nbytes = 0
+    if _state_on(node, tier):
+        nbytes += spec.state_bytes
+    up = node.parent
+    while up is not None and up.parent is not None and not up.has_state and len(up.children) == 1:
+        pages += up.num_pages
+        up = up.parent
+    nbytes += pages * spec.kv_page_bytes
+    if not node.has_state:
+        return NodeValue(saved_flops=0.0, saved_tokens=0, bytes=nbytes, has_state=False)
+    m = up.end_tokens if up is not None and up.parent is not None else 0
+    return NodeValue(
+        saved_flops=flops.saved_flops(m, node.end_tokens), saved_tokens=node.end_tokens - m, bytes=nbytes, has_state=True
+    )
+
+
+# ---- ghosts: what happened to evicted states -------------------------------------------------
+@dataclass(slots=True)
+class _Ghost:
+    features: tuple[float, ...]
+    evicted_at: float
+    regret: bool = False
+
+
+class _GhostLedger:
+    """Evicted states by storage key (hash of their last page): did a later prompt need them?"""
+
+    def __init__(self, *, horizon_s: float, max_size: int = 200_000) -> None:
+        self.horizon_s = horizon_s
+        self.max_size = max_size
+        self._by_key: dict[bytes, _Ghost] = {}
+        self._order: deque[tuple[bytes, _Ghost]] = deque()
+        self.resolved: deque[_Ghost] = deque(maxlen=20_000)
+
+    def add(self, key: bytes, features: tuple[float, ...], now: float) -> None:
+        ghost = _Ghost(features=features, evicted_at=now)
+        self._by_key[key] = ghost
+        self._order.append((key, ghost))
+        if len(self._order) > self.max_size:
+            self._expire(float("inf"))
+
+    def observe(self, match: MatchResult, *, max_pages: int, now: float) -> None:
+        """Mark ghosts a prompt passes through below its usable prefix as regretted."""
+        hashes = match.page_hashes
+        page = match.last_node.page_size
+        start = match.num_tokens // page
+        end = min(max_pages, len(hashes))
+        if not self._by_key or end <= start:
+            return
+        raw = getattr(hashes, "raw", None)
+        for i in range(start, end):
+            key = raw(i) if raw is not None else bytes.fromhex(hashes[i])
+            ghost = self._by_key.get(key)
+            if ghost is not None and not ghost.regret:
+                ghost.regret = True
+        self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        while self._order and (
+            len(self._order) > self.max_size or now - self._order[0][1].evicted_at > self.horizon_s
+        ):
+            key, ghost = self._order.popleft()
+            if self._by_key.get(key) is ghost:
+                del self._by_key[key]
+            self.resolved.append(ghost)
+
+
+def _auc(pos: np.ndarray, neg: np.ndarray) -> float:
+    """P(score of a regretted victim > score of a harmless one), ties count half."""
+    if not len(pos) or not len(neg):
+        return 0.5
+    allv = np.concatenate([pos, neg])
+    ranks = np.empty(len(allv))
+    order = np.argsort(allv, kind="mergesort")
+    ranks[order] = np.arange(1, len(allv) + 1)
+    # Average ranks of ties.
+    sorted_v = allv[order]
+    i = 0
+    while i < len(sorted_v):
+        j = i
+        while j + 1 < len(sorted_v) and sorted_v[j + 1] == sorted_v[i]:
+            j += 1
+        if j > i:
+            ranks[order[i : j + 1]] = (i + j + 2) / 2
+        i = j + 1
+    r_pos = ranks[: len(pos)].sum()
+    return float((r_pos - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg)))
+
+
+class CostAwareEviction(RankedEviction):
+    """Marconi-style ``recency + α · FLOP efficiency``, α tuned online (module docstring)."""
+
+    name: ClassVar[str] = "cost-aware"
+
+    def __init__(
+        self,
+        *,
+        spec: HybridSpec,
+        flops: FlopModel,
+        alpha: float = 1.0,
+        alpha_grid: tuple[float, ...] = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0),
+        recency_window_s: float = 600.0,
+        tune_every: int = 500,
+        regret_horizon_s: float = 900.0,
+        rerank_fraction: float = 0.25,
+        rerank_interval_s: float = 30.0,
+    ) -> None:
+        super().__init__(rerank_fraction=rerank_fraction, rerank_interval_s=rerank_interval_s)
+        if alpha < 0 or any(a < 0 for a in alpha_grid) or not alpha_grid:
+            raise ConfigError("alpha and the alpha grid must be >= 0 (and the grid non-empty)")
+        if recency_window_s <= 0 or tune_every < 1:
+            raise ConfigError("recency_window_s must be positive and tune_every >= 1")
+        self.spec = spec
+        self.flops = flops
+        self.alpha = alpha
+        self.alpha_grid = alpha_grid
+        self.recency_window_s = recency_window_s
+        self.tune_every = tune_every
+        self._eff_ref = 0.0
+        self._ghosts = _GhostLedger(horizon_s=regret_horizon_s)
+        self._num_requests = 0
+        self._ranked_terms: dict[tuple[str, int], tuple[float, float]] = {}
+        self.alpha_history: list[tuple[float, float]] = []
+
+    # ---- the score -------------------------------------------------------------------------
+    def _terms(self, node: TreeNode, key: str, now: float) -> tuple[float, float]:
+        value = node_value(node, key, spec=self.spec, flops=self.flops)
+        eff = value.saved_flops / value.bytes if value.bytes else 0.0
+        if eff > self._eff_ref:
+            self._eff_ref = eff
+        recency = 1.0 - min(max(now - node.last_access, 0.0) / self.recency_window_s, 1.0)
+        efficiency = eff / self._eff_ref if self._eff_ref > 0 else 0.0
+        return recency, efficiency
+
+    def score(self, node: TreeNode, *, key: str, now: float) -> float:
+        terms = self._terms(node, key, now)
+        self._ranked_terms[(key, node.node_id)] = terms
+        return terms[0] + self.alpha * terms[1]
+
+    def begin_ranking(self, key: str, now: float) -> None:
+        # Terms are remembered per ranking: they are a victim's features if it gets evicted.
+        for k in [k for k in self._ranked_terms if k[0] == key]:
+            del self._ranked_terms[k]
+
+    # ---- learning --------------------------------------------------------------------------
+    def candidates(self, lru: Any, *, now: float) -> Any:
+        key = f"{lru.tier.value}_{lru.resource.value}"
+        for node in super().candidates(lru, now=now):
+            had_state = node.has_state
+            yield node
+            if had_state and node not in lru and (not node.alive or not node.has_state):
+                # Evicted from this list and no tier keeps its state: remember it as a ghost.
+                features = self._ranked_terms.get((key, node.node_id))
+                if features is not None:
+                    self._ghosts.add(node.last_raw_hash(), features, now)
+
+    def observe_match(self, match: MatchResult, *, prompt_len: int, now: float) -> None:
+        self._ghosts.observe(match, max_pages=(prompt_len - 1) // match.last_node.page_size, now=now)
+        self._num_requests += 1
+        if self._num_requests % self.tune_every == 0:
+            self._tune(now)
+
+    def _tune(self, now: float) -> None:
+        resolved = list(self._ghosts.resolved)
+        if len(resolved) < 20:
+            return
+        feats = np.asarray([g.features for g in resolved], dtype=np.float64)
+        regret = np.asarray([g.regret for g in resolved], dtype=bool)
+        if regret.all() or not regret.any():
+            return
+        best, best_auc = self.alpha, -1.0
+        for a in self.alpha_grid:
+            s = feats[:, 0] + a * feats[:, 1]
+            auc = _auc(s[regret], s[~regret])
+            if auc > best_auc + 1e-9:
+                best, best_auc = a, auc
+        self.alpha = best
+        self.alpha_history.append((now, best))
+        self._ghosts.resolved.clear()
+
+    def describe(self) -> dict[str, Any]:
+        return {"alpha": self.alpha, "alpha_history": self.alpha_history[-20:], "rankings": self.num_rankings}

@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from asynccache.trace.loader import Trace, TraceFormatError, load_trace
+
+
+def _write(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_load_mooncake_lines(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path / "t.jsonl",
+        [
+            {"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [0, 1]},
+            {"timestamp": 1500, "input_length": 1024, "output_length": 7, "hash_ids": [0, 2]},
+            {"timestamp": 2000, "input_length": 1, "output_length": 0, "hash_ids": [3]},
+        ],
+    )
+    trace = load_trace(path)
+    assert len(trace) == 3
+    assert trace.timestamps_s.tolist() == [0.0, 1.5, 2.0]
+    assert trace[1].hash_ids == (0, 2) and trace[1].input_length == 1024
+    assert trace.hash_ids_of(2).tolist() == [3]
+    assert trace.num_prompt_tokens == 2025
+    assert trace.num_unique_blocks == 4
+    assert len(load_trace(path, limit=2)) == 2
+    head = trace.head(1)
+    assert len(head) == 1 and head.hash_ids.tolist() == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([{"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [0]}], "expected ceil"),
+        (
+            [
+                {"timestamp": 5, "input_length": 10, "output_length": 1, "hash_ids": [0]},
+                {"timestamp": 4, "input_length": 10, "output_length": 1, "hash_ids": [1]},
+            ],
+            "backwards",
+        ),
+        (
+            [
+                {"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [0, 1]},
+                {"timestamp": 1, "input_length": 600, "output_length": 1, "hash_ids": [2, 1]},
+            ],
+            "prefix-chain",
+        ),
+        ([{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}], "input_length"),
+        ([{"timestamp": 0, "output_length": 1, "hash_ids": [0]}], "not a Mooncake request"),
+    ],
+)
+def test_malformed_traces_are_rejected(tmp_path: Path, rows: list[dict], message: str) -> None:
+    with pytest.raises(TraceFormatError, match=message):
+        load_trace(_write(tmp_path / "bad.jsonl", rows))
+
+
+def test_missing_file_is_a_format_error(tmp_path: Path) -> None:
+    with pytest.raises(TraceFormatError, match="cannot read"):
+        load_trace(tmp_path / "absent.jsonl")
+
+
+def test_from_requests_is_columnar() -> None:
+    trace = Trace.from_requests([(0.0, 3, 1, [7]), (1.0, 9, 1, [7, 8, 9])], block_size=4)
+    assert trace.offsets.tolist() == [0, 1, 4]
+    assert trace.hash_ids.dtype == np.int64
