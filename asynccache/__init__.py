@@ -9,7 +9,9 @@ from asynccache.errors import (
     ObjectFormatError,
     PinningError,
     SpecError,
+    TraceFormatError,
     TransferError,
+    TreeError,
 )
 from asynccache.spec import HybridSpec, LinearGeometry, StateComponent
 
@@ -22,7 +24,9 @@ __all__ = [
     "ObjectFormatError",
     "PinningError",
     "SpecError",
+    "TraceFormatError",
     "TransferError",
+    "TreeError",
     "HybridSpec",
     "LinearGeometry",
     "StateComponent",

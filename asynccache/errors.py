@@ -4,7 +4,9 @@ Hierarchy::
 
     AsyncCacheError
     ├── ConfigError          bad configuration or input (unknown HF field, bad URI, bad layout)
-    │   └── SpecError        a HybridSpec cannot be built or does not shard
+    │   ├── SpecError        a HybridSpec cannot be built or does not shard
+    │   └── TraceFormatError a request trace is unreadable or malformed
+    ├── TreeError            the radix tree was driven out of its protocol (a caller bug)
     ├── CapacityError        a pool cannot be created or a demanded resource is unavailable
     │   └── PinningError     pinned host memory was demanded but is not available
     ├── AllocationError      misuse of an allocator (double free, foreign index)
@@ -28,6 +30,16 @@ class ConfigError(AsyncCacheError, ValueError):
 
 class SpecError(ConfigError):
     """A HybridSpec cannot be built from the given config, or does not shard."""
+
+
+class TraceFormatError(ConfigError):
+    """A trace file is unreadable, malformed, or breaks the format's invariants."""
+
+
+class TreeError(AsyncCacheError, RuntimeError):
+    """The tree was driven out of its protocol: unlocking below zero, finishing an unknown plan,
+    beginning a load from a stale match, aborting a copy other data depends on (a caller bug).
+    Bad arguments (misaligned positions, wrong index counts) raise :class:`ConfigError`."""
 
 
 class CapacityError(AsyncCacheError):

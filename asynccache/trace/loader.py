@@ -29,16 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
-from asynccache.errors import ConfigError
+from asynccache.errors import TraceFormatError
 
 __all__ = ["TraceFormatError", "TraceRequest", "Trace", "load_trace", "MOONCAKE_BLOCK_SIZE"]
 
 #: Tokens per hash id in the Mooncake FAST'25 traces.
 MOONCAKE_BLOCK_SIZE = 512
-
-
-class TraceFormatError(ConfigError):
-    """A trace file is unreadable, malformed, or breaks the format's invariants."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
