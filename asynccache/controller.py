@@ -371,8 +371,7 @@ class HybridCacheController:
             self._finish_ops(ops, merged, event, self._write_completion, error=e)
             log.warning("write of %d operation(s) failed: %s", len(ops), e)
             return len(ops)
-        for op in ops:
-            self._stats.count("write_ops")
+        self._stats.count("write_ops", len(ops))
         self._finish_ops(ops, merged, event, self._write_completion, error=None)
         return len(ops)
 

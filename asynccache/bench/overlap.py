@@ -17,7 +17,6 @@ ratios b/a and c/a. On CPU the numbers only exercise the path (copies are synchr
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import time

@@ -285,4 +285,4 @@ def _check_matches(tree: TreeCore, leaves: list[tuple[TreeNode, bytes, TreeNode 
             tier = Tier.DEVICE if expected.device_state is not None else Tier.HOST
             _ok(result.state_tier is tier, f"[match] the path to {leaf}: state tier {result.state_tier}, actual {tier}")
         else:
-            _ok(result.state_tier is None and not result.needs_load, f"[match] a miss reports a state or a load")
+            _ok(result.state_tier is None and not result.needs_load, "[match] a miss reports a state or a load")
