@@ -382,7 +382,25 @@ PRESETS: dict[str, dict[str, Any]] = {
         "vocab_size": 32000,
         "torch_dtype": "bfloat16",
     },
-    # Tiny model for CPU tests and the demo.
+    # Small model for the CPU demo: compute large enough that cache hits show in TTFT.
+    "small": {
+        "model_type": "qwen3_next",
+        "num_hidden_layers": 8,
+        "full_attention_interval": 4,
+        "hidden_size": 512,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 64,
+        "linear_num_key_heads": 4,
+        "linear_value_head_dim": 64,
+        "linear_num_value_heads": 8,
+        "intermediate_size": 1536,
+        "vocab_size": 1024,
+        "torch_dtype": "float32",
+    },
+    # Tiny model for CPU tests.
     "tiny": {
         "model_type": "qwen3_next",
         "num_hidden_layers": 4,
