@@ -14,7 +14,7 @@ controller a serving engine uses:
 
 The replay's own storage tier still writes the admission policy's storage-only snapshots and,
 with ``storage_write="demote"``, what host eviction lets go (the controller has no API for
-either; see docs/trace_needs.md). On CPU the controller completes copies synchronously, so a
+either; see docs/followups.md). On CPU the controller completes copies synchronously, so a
 request's copies have landed before the next request arrives; nothing sleeps.
 """
 
