@@ -235,6 +235,7 @@ class HybridCacheController:
         last: list[torch.cuda.Event | None] = [None]
 
         def issue() -> None:
+            plan_cache: dict[Any, Any] = {}  # one layer's copy plan, reused for the others
             with torch.cuda.device(self.device) if stream is not None else contextlib.nullcontext():
                 for lid in layer_ids:
                     for name, m in merged.items():
@@ -253,6 +254,7 @@ class HybridCacheController:
                             max_ctas=self.config.max_ctas,
                             method=self.config.copy_method,
                             stream=stream,
+                            plan_cache=plan_cache,
                         )
                         issued.append((name, nbytes))
                     if stream is not None:
@@ -260,6 +262,7 @@ class HybridCacheController:
                         ev.record(stream)
                         last[0] = ev
                     loop.call_soon_threadsafe(counter.mark_enqueued, lid, last[0])
+                    time.sleep(0)  # let the loop thread take the GIL between layers
 
         worker = loop.run_in_executor(None, issue)
         error: BaseException | None = None

@@ -12,7 +12,7 @@ buffers), ``check_device_buffers`` (devices, pinning), ``check_overlap`` (in-poo
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -193,6 +193,7 @@ def copy_items(
     max_ctas: int | None = None,
     stream: torch.cuda.Stream | None = None,
     method: str | None = None,
+    plan_cache: dict[Any, Any] | None = None,
 ) -> int:
     """Copy items ``src[l, src_indices[i]] → dst[l, dst_indices[i]]`` for ``l`` in the layer range.
 
@@ -209,7 +210,9 @@ def copy_items(
     is checked and does not change it. Returns the number of bytes copied (counted also in accounting mode,
     where nothing is copied). Layer positions are *local* to the pools (0 … num_layers-1).
     Everything is validated before anything is enqueued (:class:`TransferError`); destination
-    indices must be distinct.
+    indices must be distinct. ``plan_cache`` (a dict the caller owns, e.g. one per load step)
+    lets the copy-engine path reuse one layer's plan for the other layers of the same index
+    tensors (``kernels.dma_copy.launch_dma``); other paths ignore it.
     """
     layer_end = src.num_layers if layer_end is None else layer_end
     if _on_cuda(src) or _on_cuda(dst):
@@ -219,7 +222,9 @@ def copy_items(
             from kernels.dma_copy import launch_dma
 
             engine = method[4:] if method and method.startswith("dma:") else "auto"
-            launch_dma(src, dst, src_indices, dst_indices, layer_begin, layer_end, stream=stream, engine=engine)
+            launch_dma(
+                src, dst, src_indices, dst_indices, layer_begin, layer_end, stream=stream, engine=engine, plan_cache=plan_cache
+            )
         else:
             # The launcher validates (the same checks plus device, pinning and overlap rules).
             from kernels.triton_copy import launch_copy

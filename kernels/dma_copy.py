@@ -180,6 +180,27 @@ def _side_stream(device_index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=torch.device("cuda", device_index))
 
 
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """A validated copy, ready to issue: its segments, engine, direction and device."""
+
+    segments: CopySegments
+    engine: str
+    direction: str
+    device: torch.device
+
+    def shifted(self, src_bytes: int, dst_bytes: int) -> _Prepared:
+        segs = self.segments
+        return _Prepared(
+            segments=CopySegments(
+                src_offsets=segs.src_offsets + src_bytes, dst_offsets=segs.dst_offsets + dst_bytes, sizes=segs.sizes
+            ),
+            engine=self.engine,
+            direction=self.direction,
+            device=self.device,
+        )
+
+
 def launch_dma(
     src: PoolBufferLike,
     dst: PoolBufferLike,
@@ -190,6 +211,7 @@ def launch_dma(
     *,
     stream: torch.cuda.Stream | None = None,
     engine: str = "auto",
+    plan_cache: dict[tuple[object, ...], tuple[_Prepared | None, torch.Tensor, torch.Tensor]] | None = None,
 ) -> DmaLaunch | None:
     """Enqueue ``src[l, src_indices[i]] → dst[l, dst_indices[i]]`` for ``l`` in the layer range
     as memcpys on ``stream`` (default: the current stream of the CUDA buffer's device).
@@ -199,8 +221,50 @@ def launch_dma(
     :class:`TransferError`, also for a failing runtime call (named CUDA error). Returns ``None``
     when there is nothing to copy. Asynchronous: the caller orders later work on the stream.
     The first ``batch`` use on a device runs :func:`batch_check` (one stream synchronisation).
+
+    ``plan_cache``: a dict the caller owns for a series of one-layer calls over the *same*
+    index tensors (a per-layer load). The first call validates and plans one layer; later
+    calls reuse that plan shifted by the layer strides, skipping the per-call host work. The
+    cache keeps the index tensors alive; they must not be modified while it is in use.
     """
     layer_end = src.num_layers if layer_end is None else layer_end
+    if plan_cache is not None and layer_end - layer_begin == 1 and 0 <= layer_begin < src.num_layers:
+        key = (id(src), id(dst), id(src_indices), id(dst_indices), engine)
+        entry = plan_cache.get(key)
+        if entry is None:
+            entry = (_prepare(src, dst, src_indices, dst_indices, 0, 1, stream, engine), src_indices, dst_indices)
+            plan_cache[key] = entry
+        base = entry[0]
+        if base is None:
+            return None
+        _check_stream(stream, base.device)
+        prepared = base.shifted(layer_begin * src.layer_stride_bytes, layer_begin * dst.layer_stride_bytes)
+        return _issue(prepared, src, dst, src_indices, dst_indices, layer_begin, 1, stream)
+    prepared = _prepare(src, dst, src_indices, dst_indices, layer_begin, layer_end, stream, engine)
+    if prepared is None:
+        return None
+    return _issue(prepared, src, dst, src_indices, dst_indices, layer_begin, layer_end - layer_begin, stream)
+
+
+def _check_stream(stream: torch.cuda.Stream | None, device: torch.device) -> None:
+    if stream is not None:
+        if not isinstance(stream, torch.cuda.Stream):
+            raise TransferError(f"stream must be a torch.cuda.Stream, got {type(stream).__name__}")
+        if stream.device != device:
+            raise TransferError(f"stream on {stream.device}, buffers on {device}")
+
+
+def _prepare(
+    src: PoolBufferLike,
+    dst: PoolBufferLike,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    layer_begin: int,
+    layer_end: int,
+    stream: torch.cuda.Stream | None,
+    engine: str,
+) -> _Prepared | None:
+    """Validate a copy and plan its segments and engine; ``None`` when there is nothing to copy."""
     validate_copy(src, dst, src_indices, dst_indices, layer_begin, layer_end)
     if src.buffer is None or dst.buffer is None:
         raise TransferError("launch_dma needs materialized pools (accounting mode goes through copy_items)")
@@ -208,11 +272,7 @@ def launch_dma(
     if engine not in DMA_ENGINES:
         raise TransferError(f"unknown DMA engine {engine!r}; known: {list(DMA_ENGINES)}")
     device = dst.buffer.device if dst.buffer.device.type == "cuda" else src.buffer.device
-    if stream is not None:
-        if not isinstance(stream, torch.cuda.Stream):
-            raise TransferError(f"stream must be a torch.cuda.Stream, got {type(stream).__name__}")
-        if stream.device != device:
-            raise TransferError(f"stream on {stream.device}, buffers on {device}")
+    _check_stream(stream, device)
     if src_indices.numel() == 0 or layer_end == layer_begin:
         return None
     check_overlap(src, dst, src_indices, dst_indices)
@@ -242,7 +302,22 @@ def launch_dma(
         raise TransferError(f"layer strides past {MAX_2D_PITCH} bytes do not fit cudaMemcpy2DAsync's pitch")
     elif engine == "batch" and (why := batch_check(device.index)) != "ok":
         raise TransferError(f"the batch engine is unusable on {device}: {why}")
+    return _Prepared(segments=segments, engine=chosen, direction=direction, device=device)
 
+
+def _issue(
+    prepared: _Prepared,
+    src: PoolBufferLike,
+    dst: PoolBufferLike,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    layer_begin: int,
+    num_layers: int,
+    stream: torch.cuda.Stream | None,
+) -> DmaLaunch:
+    assert src.buffer is not None and dst.buffer is not None
+    segments, chosen, device = prepared.segments, prepared.engine, prepared.device
+    assert device.index is not None
     rt = cuda_runtime()
     with torch.cuda.device(device):
         caller = torch.cuda.current_stream(device) if stream is None else stream
@@ -270,7 +345,11 @@ def launch_dma(
         if issue_on is not caller:
             caller.wait_stream(issue_on)
     return DmaLaunch(
-        direction=direction, engine=chosen, num_copies=segments.num_copies, num_calls=calls, num_bytes=segments.num_bytes
+        direction=prepared.direction,
+        engine=chosen,
+        num_copies=segments.num_copies,
+        num_calls=calls,
+        num_bytes=segments.num_bytes,
     )
 
 
