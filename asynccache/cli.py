@@ -25,7 +25,11 @@ BENCHMARKS: dict[str, str] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="asynccache", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="asynccache",
+        description="asynccache: a hierarchical prefix cache for hybrid models. "
+        "`asynccache bench NAME --help` lists a benchmark's options.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="run a benchmark")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="NAME")
