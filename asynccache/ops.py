@@ -81,10 +81,6 @@ class CacheOperation:
         self.issued_at: float | None = None
 
     @property
-    def num_bytes_hint(self) -> int:
-        return sum(t.num_items for t in self.transfers.values())
-
-    @property
     def done(self) -> bool:
         return self.state in (OpState.DONE, OpState.CANCELLED, OpState.FAILED)
 

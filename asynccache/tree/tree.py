@@ -322,16 +322,7 @@ class HybridRadixTree(EvictionMixin, TransferMixin):
             kept = {p: s for p, s in offered.items() if p * self.page_size in keep}
         path, new_pages, dups = self._insert_path(root, buf, num_pages, kv, sorted(kept), Tier.DEVICE)
         free_slots = [s for p, s in offered.items() if p not in kept]
-        new_states = 0
-        if kept:
-            by_end = {n.end_page: n for n in path}
-            for p, slot in kept.items():
-                node = by_end[p]
-                if node.device_state is None:
-                    self._set_device_state(node, slot)
-                    new_states += 1
-                else:
-                    free_slots.append(slot)
+        new_states = self._attach_states(path, kept, Tier.DEVICE, free_slots)
         num_dups = self._free_all(self.device_kv, dups)
         if free_slots:
             self.device_mamba.free(torch.tensor(free_slots, dtype=torch.int64))
@@ -383,16 +374,7 @@ class HybridRadixTree(EvictionMixin, TransferMixin):
         cuts = sorted({*offered, start_page} - {0})
         path, new_pages, dups = self._insert_path(root, buf, num_pages, kv, cuts, Tier.HOST, start_page)
         free_slots: list[int] = []
-        new_states = 0
-        if offered:
-            by_end = {n.end_page: n for n in path}
-            for p, slot in offered.items():
-                node = by_end[p]
-                if node.host_state is None:
-                    self._set_host_state(node, slot)
-                    new_states += 1
-                else:
-                    free_slots.append(slot)
+        new_states = self._attach_states(path, offered, Tier.HOST, free_slots)
         num_dups = self._free_all(self.host_kv, dups)
         if free_slots:
             assert self.host_mamba is not None
@@ -416,6 +398,29 @@ class HybridRadixTree(EvictionMixin, TransferMixin):
             partial = end.children[buf[end.end_page * self.page_bytes : (end.end_page + 1) * self.page_bytes]]
             return partial.host_kv is not None
         return True
+
+    def _attach_states(
+        self, path: Sequence[TreeNode], states: Mapping[int, int], tier: Tier, free_slots: list[int]
+    ) -> int:
+        """Give each ``{end page: slot}`` state to the path node ending there on ``tier``; a node
+        that already holds a state there keeps it and the offered slot goes to ``free_slots``.
+        Returns the number of states attached."""
+        if not states:
+            return 0
+        by_end = {n.end_page: n for n in path}
+        attached = 0
+        for p, slot in states.items():
+            node = by_end[p]
+            held = node.device_state if tier is Tier.DEVICE else node.host_state
+            if held is not None:
+                free_slots.append(slot)
+                continue
+            if tier is Tier.DEVICE:
+                self._set_device_state(node, slot)
+            else:
+                self._set_host_state(node, slot)
+            attached += 1
+        return attached
 
     def _touch_path(self, path: Sequence[TreeNode]) -> None:
         # Deepest first, so every ancestor ends up more recent than its descendants and an LRU
