@@ -7,8 +7,9 @@ Primitives:
 - :func:`l2norm` — per-head L2 normalisation of queries and keys.
 - :func:`recurrent_gated_delta_rule` — the exact token-by-token recurrence (decode, reference).
 - :func:`chunk_gated_delta_rule` — the same recurrence computed a chunk at a time (prefill).
-- :func:`unit_lower_inverse` — ``(I + A)⁻¹`` for strictly lower triangular ``A`` by block
-  doubling (matrix products only, so it is deterministic and fast on a GPU).
+- :func:`unit_lower_inverse` — ``(I + A)⁻¹`` for strictly lower triangular ``A``: one batched
+  unit-triangular solve (one library call, where block doubling took ~40 small kernels per
+  call: 0.7 ms of launches per layer and chunk group on an H200, against 0.05 ms).
 
 The recurrence, per head, with state ``S`` of shape ``[k_dim, v_dim]`` (fp32), for token t::
 
@@ -127,32 +128,16 @@ def recurrent_gated_delta_rule(
 
 
 def unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
-    """``(I + a)⁻¹`` for ``a`` ``[..., C, C]`` strictly lower triangular, C a power of two.
+    """``(I + a)⁻¹`` for ``a`` ``[..., C, C]`` strictly lower triangular.
 
-    Block doubling: the inverse of ``[[L₁₁, 0], [L₂₁, L₂₂]]`` is
-    ``[[L₁₁⁻¹, 0], [−L₂₂⁻¹ L₂₁ L₁₁⁻¹, L₂₂⁻¹]]``, applied from 1×1 diagonal blocks up to C×C
-    (a blocked forward substitution). Entries of ``a`` on and above the diagonal are ignored.
+    Solves ``(I + a) X = I`` by forward substitution (``torch.linalg.solve_triangular`` with a
+    unit diagonal): entries of ``a`` on and above the diagonal are never read.
     """
     *batch, c, c2 = a.shape
-    if c != c2 or c & (c - 1):
-        raise ValueError(f"unit_lower_inverse needs square blocks of a power-of-two size, got {c}x{c2}")
-    a = a.contiguous()
-    inv = a.new_ones(*batch, c, 1, 1)  # inverses of the 1x1 diagonal blocks
-    s = 1
-    while s < c:
-        nb = c // (2 * s)
-        # The diagonal 2s x 2s blocks of `a`, as a strided view [..., nb, 2s, 2s].
-        blocks = torch.diagonal(a.view(*batch, nb, 2 * s, nb, 2 * s), dim1=-4, dim2=-2).movedim(-1, -3)
-        x1 = inv[..., 0::2, :, :]
-        x2 = inv[..., 1::2, :, :]
-        y = torch.matmul(x2, torch.matmul(blocks[..., s:, :s], x1))
-        new = a.new_zeros(*batch, nb, 2 * s, 2 * s)
-        new[..., :s, :s] = x1
-        new[..., s:, s:] = x2
-        new[..., s:, :s] = y.neg_()
-        inv = new
-        s *= 2
-    return inv.view(*batch, c, c)
+    if c != c2:
+        raise ValueError(f"unit_lower_inverse needs square blocks, got {c}x{c2}")
+    eye = torch.eye(c, dtype=a.dtype, device=a.device).expand(*batch, c, c)
+    return torch.linalg.solve_triangular(a, eye, upper=False, unitriangular=True)
 
 
 def chunk_gated_delta_rule(

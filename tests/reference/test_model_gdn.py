@@ -87,7 +87,7 @@ def test_state_forgets_with_strong_decay() -> None:
     torch.testing.assert_close(o[0, 0, 0], q[0, 0, 0] @ expected)
 
 
-@pytest.mark.parametrize("c", [1, 2, 16, 64])
+@pytest.mark.parametrize("c", [1, 2, 5, 16, 64])
 def test_unit_lower_inverse(c: int) -> None:
     gen = torch.Generator().manual_seed(c)
     a = torch.tril(torch.randn(3, 2, c, c, generator=gen) * 0.3, diagonal=-1)
@@ -98,9 +98,9 @@ def test_unit_lower_inverse(c: int) -> None:
     assert torch.equal(torch.triu(inv, diagonal=1), torch.zeros_like(inv))
 
 
-def test_unit_lower_inverse_rejects_odd_sizes() -> None:
-    with pytest.raises(ValueError, match="power-of-two"):
-        unit_lower_inverse(torch.zeros(3, 3))
+def test_unit_lower_inverse_rejects_non_square_blocks() -> None:
+    with pytest.raises(ValueError, match="square"):
+        unit_lower_inverse(torch.zeros(3, 4))
 
 
 def test_causal_conv1d_resumes_from_state() -> None:
