@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +46,13 @@ if TYPE_CHECKING:
 __all__ = ["HybridCacheController"]
 
 log = logging.getLogger(__name__)
+
+
+def _release_late_tail(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is None:
+        tail = getattr(task.result(), "tail", None)
+        if tail is not None:
+            tail.release()
 
 
 def _slot_tensor(slot: int | None) -> torch.Tensor:
@@ -217,7 +225,8 @@ class HybridCacheController:
         layer_ids: Sequence[int],
         counter: LayerTransferCounter,
     ) -> None:
-        """Enqueue the step's loads layer by layer from a worker thread.
+        """Enqueue the step's loads layer by layer: the first on the loop thread, the rest from a
+        worker thread.
 
         Issuing a layer's copies costs host time (planning, driver calls that release the GIL);
         doing it on the loop thread in lock-step with the forward would leave the GPU idle
@@ -233,11 +242,11 @@ class HybridCacheController:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         issued: list[tuple[PoolName, int]] = []
         last: list[torch.cuda.Event | None] = [None]
+        plan_cache: dict[Any, Any] = {}  # one layer's copy plan, reused for the others
 
-        def issue() -> None:
-            plan_cache: dict[Any, Any] = {}  # one layer's copy plan, reused for the others
+        def issue(lids: Sequence[int], *, yield_gil: bool) -> None:
             with torch.cuda.device(self.device) if stream is not None else contextlib.nullcontext():
-                for lid in layer_ids:
+                for lid in lids:
                     for name, m in merged.items():
                         dev, host = self.pools[name]
                         if lid not in dev._layer_index:
@@ -261,10 +270,28 @@ class HybridCacheController:
                         ev = torch.cuda.Event(blocking=True, enable_timing=True)
                         ev.record(stream)
                         last[0] = ev
-                    loop.call_soon_threadsafe(counter.mark_enqueued, lid, last[0])
-                    time.sleep(0)  # let the loop thread take the GIL between layers
+                    if yield_gil:
+                        loop.call_soon_threadsafe(counter.mark_enqueued, lid, last[0])
+                        time.sleep(0)  # let the loop thread take the GIL between layers
+                    else:
+                        counter.mark_enqueued(lid, last[0])
 
-        worker = loop.run_in_executor(None, issue)
+        # The first layer is enqueued here, on the loop thread: the forward waits for it at
+        # once, and a worker handoff would only add its latency. The worker takes the rest —
+        # unless nothing is copied (accounting-mode pools): then the loop thread does it all.
+        accounting = all(self.pools[name][0].buffer is None for name in merged)
+        head = layer_ids if accounting else layer_ids[:1]
+        worker: asyncio.Future[None]
+        try:
+            issue(head, yield_gil=False)
+            if accounting:
+                worker = loop.create_future()
+                worker.set_result(None)
+            else:
+                worker = loop.run_in_executor(None, functools.partial(issue, layer_ids[1:], yield_gil=True))
+        except Exception as e:
+            worker = loop.create_future()
+            worker.set_exception(e)
         error: BaseException | None = None
         try:
             await asyncio.shield(worker)
@@ -390,17 +417,38 @@ class HybridCacheController:
         return busy
 
     # ---- storage tier ------------------------------------------------------------------
-    def prefetch(self, tokens: Sequence[int], match: Any, *, salt: str = "") -> asyncio.Task[Any] | None:
+    def prefetch(
+        self, tokens: Sequence[int], match: Any, *, salt: str = "", allow_tail: bool = False
+    ) -> asyncio.Task[Any] | None:
         """Start fetching from storage what ``tokens`` miss past ``match``; None without a backend.
 
         The prefetch runs in the controller's TaskGroup; wait for it with :meth:`wait_prefetch`,
         which stops waiting at the prefetch policy's deadline but never cancels the fetch (its
-        data still lands on host for later requests).
+        data still lands on host for later requests). ``allow_tail``: the caller takes a
+        :class:`~asynccache.tiering.TailRestore` in the result (and releases it, also when it
+        stopped waiting: see :meth:`wait_prefetch`).
         """
         tg = self._require_started()
         if self.tiering is None:
             return None
-        return tg.create_task(self.tiering.prefetch(tokens, match, salt=salt), name="asynccache-prefetch")
+        coro = self.tiering.prefetch(tokens, match, salt=salt, allow_tail=allow_tail)
+        return tg.create_task(coro, name="asynccache-prefetch")
+
+    def copy_tail_to_device(self, tail: Any, device_pages: torch.Tensor, state_slots: torch.Tensor) -> None:
+        """Enqueue, on the current stream, the copies of a landed
+        :class:`~asynccache.tiering.TailRestore` into ``device_pages`` (one per tail page, in
+        order) and each of ``state_slots`` (the tail's end state). Work queued after this on the
+        same stream sees the bytes; release the tail only once the stream has passed the copies.
+        """
+        copies = (
+            (PoolName.KV, tail.host_kv, device_pages),
+            (PoolName.MAMBA, tail.host_slot.repeat(state_slots.numel()), state_slots),
+        )
+        for name, src, dst in copies:
+            dev, host = self.pools[name]
+            assert host is not None
+            nbytes = self.copy(host, dev, src, dst, max_ctas=self.config.max_ctas, method=self.config.copy_method)
+            self._stats.bytes_moved("h2d", name, nbytes)
 
     async def wait_prefetch(self, task: asyncio.Task[Any], num_tokens: int) -> Any | None:
         """The prefetch's result if it finished within the policy's deadline, else None."""
@@ -410,6 +458,8 @@ class HybridCacheController:
         done, _ = await asyncio.wait({task}, timeout=timeout)
         if task not in done:
             self._stats.count("prefetch_deadline_passed")
+            # Nobody takes a split restore that arrives after the deadline: release it then.
+            task.add_done_callback(_release_late_tail)
             return None
         return task.result()
 

@@ -8,12 +8,15 @@
   ``config.max_backups_in_flight`` at once; the queue behind them is bounded too (past it a
   backup is skipped and counted). Host copies stay locked while their bytes are read.
 - **Prefetch** of a miss past the host tier: ``batch_exists_v2`` with KV ``ALL_PAGES`` and the
-  state ``TRAILING_PAGES`` clips the hit to the deepest page whose state is stored; with a
-  :class:`RestoreCost` the tier restores only the part of the prefix that pays (a shallower
-  stored state when reading is slower than recomputing the tokens in between); KV pages and
+  state ``TRAILING_PAGES`` clips the hit to the deepest page whose state is stored; KV pages and
   then the state are read straight into fresh host slots, which become host-only tree nodes
   (``tree.insert_host``) that the next match loads back. A failure, timeout or corrupt object is
   a miss: everything allocated is freed, nothing is inserted.
+- **Split restore** (with a :class:`RestoreCost`): restore everything, recompute everything, or
+  — when the caller can take it (``allow_tail=True``) — a :class:`TailRestore`: the engine
+  computes the head of the prefix itself while the tier reads the tail's KV pages and the state
+  at its end into private host slots, so reading and computing overlap. The split balances the
+  two: ``min over b of max(compute(head b), read(tail from b))``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +35,7 @@ from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer, StorageBac
 if TYPE_CHECKING:
     from asynccache.controller import HybridCacheController
 
-__all__ = ["StorageTier", "PrefetchResult", "RestoreCost"]
+__all__ = ["StorageTier", "PrefetchResult", "RestoreCost", "TailRestore"]
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +53,51 @@ class RestoreCost:
     prefill_tokens_per_s: float
 
 
+@dataclass(slots=True, kw_only=True, eq=False)
+class TailRestore:
+    """The tail of a stored prefix, read while the engine computes its head.
+
+    Tokens ``[begin_tokens, end_tokens)``: their KV pages land in ``host_kv`` (one host page per
+    page, in order) and the state at ``end_tokens`` in ``host_slot``; ``fetch`` resolves to True
+    when every item arrived intact. The slots are private (not in the tree): the caller copies
+    them to the device and then calls :meth:`release` — also on every path that drops the
+    restore. Releasing before the fetch finished defers the free until it has (a read may still
+    be landing in the slots); the fetch itself is never cancelled.
+    """
+
+    begin_tokens: int
+    end_tokens: int
+    host_kv: torch.Tensor
+    host_slot: torch.Tensor
+    fetch: asyncio.Task[bool]
+    free: Callable[[], None]
+    released: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """The fetch finished and every item arrived intact."""
+        f = self.fetch
+        return f.done() and not f.cancelled() and f.exception() is None and bool(f.result())
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        if self.fetch.done():
+            self.free()
+        else:
+            self.fetch.add_done_callback(lambda _: self.free())
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PrefetchResult:
-    """``num_tokens``: prefix length now available on host (0 when nothing was fetched)."""
+    """``num_tokens``: prefix length now available on host (0 when nothing was fetched);
+    ``tail``: a split restore the caller must finish (and release), see :class:`TailRestore`."""
 
     num_tokens: int
     num_pages_fetched: int
     timed_out: bool = False
+    tail: TailRestore | None = None
 
 
 def _path_to_root(node: Any) -> list[Any]:
@@ -148,8 +190,11 @@ class StorageTier:
                 self.counts["backup_failed"] += 1
 
     # ---- prefetch ----------------------------------------------------------------------
-    async def prefetch(self, tokens: Any, match: Any, *, salt: str = "") -> PrefetchResult:
-        """Fetch from storage the part of ``tokens`` past ``match`` (see module docstring)."""
+    async def prefetch(self, tokens: Any, match: Any, *, salt: str = "", allow_tail: bool = False) -> PrefetchResult:
+        """Fetch from storage the part of ``tokens`` past ``match`` (see module docstring).
+
+        With ``allow_tail`` the result may carry a :class:`TailRestore` that the caller owns.
+        """
         page = self.tree.spec.page_size
         keys = list(match.page_hashes)
         start_page = match.num_tokens // page
@@ -157,8 +202,6 @@ class StorageTier:
             return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
         try:
             n = await self._deepest_stored(keys)
-            if n > start_page and self.cost is not None:
-                n = await self._split_that_pays(keys, start_page, n, num_tokens=len(tokens))
         except Exception as e:
             self.counts["prefetch_failed"] += 1
             log.warning("storage lookup failed: %s", e)
@@ -166,6 +209,13 @@ class StorageTier:
         if n <= start_page:
             self.counts["prefetch_miss"] += 1
             return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
+        begin = start_page
+        if self.cost is not None:
+            begin, n = self._split_that_pays(start_page, n, num_tokens=len(tokens), allow_tail=allow_tail)
+            if n <= start_page:  # recomputing is estimated faster than restoring
+                return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
+        if begin > start_page:
+            return self._start_tail(match, keys, begin, n)
         return await self._fetch(tokens, match, keys, start_page, n, salt=salt)
 
     async def _deepest_stored(self, keys: list[str]) -> int:
@@ -181,33 +231,91 @@ class StorageTier:
         )
         return exists.num_hit_pages
 
-    async def _split_that_pays(self, keys: list[str], start_page: int, n: int, *, num_tokens: int) -> int:
-        """Restore only the part of the prefix that pays.
+    def _split_that_pays(self, start_page: int, n: int, *, num_tokens: int, allow_tail: bool) -> tuple[int, int]:
+        """``(begin, end)`` pages to restore: ``(start, start)`` recomputes, ``(start, n)`` restores
+        everything stored, ``start < begin < n`` computes the head ``[start, begin)`` while reading
+        the tail ``[begin, n)`` and the state at ``n``.
 
-        Reading ``p`` pages costs ``(p·kv_page_bytes + state_bytes) / read_bw`` and leaves
-        ``num_tokens − p·page_size`` tokens to compute at the measured prefill rate; the read
-        completes before the compute starts (the prefetch lands on host first). Candidate split
-        points are the stored states at or below a few cut points; ``start_page`` (use what the
-        upper tiers already hold, i.e. recompute) is always a candidate, so restoring is never
-        chosen when it is estimated slower than recomputing.
+        Reading ``p`` pages and the state costs ``(p·kv_page_bytes + state_bytes) / read_bw`` and
+        computing ``t`` tokens ``t / prefill_rate``. Restoring first and computing after costs the
+        sum, linear in the depth, so among such splits only the two ends can win: everything
+        (reading pages is cheaper than computing them) or nothing. Recomputing is always a
+        candidate, so restoring is never chosen when estimated slower. A tail restore overlaps
+        the two and costs the max; the best head balances them.
         """
         assert self.cost is not None
         spec = self.tree.spec
-        page = spec.page_size
+        page, kvb, sb = spec.page_size, spec.kv_page_bytes, spec.state_bytes
+        bw, rate = self.cost.read_bytes_per_s, self.cost.prefill_tokens_per_s
+        rest_s = (num_tokens - n * page) / rate  # computed after the stored prefix in every plan
 
-        def cost(p: int) -> float:
-            read = 0.0 if p <= start_page else (p * spec.kv_page_bytes + spec.state_bytes) / self.cost.read_bytes_per_s
-            return read + (num_tokens - p * page) / self.cost.prefill_tokens_per_s
+        def plan_cost(begin: int, end: int) -> float:
+            if end == start_page:
+                return (num_tokens - start_page * page) / rate
+            if begin == start_page:  # restore everything (every page is read, see _fetch)
+                return (end * kvb + sb) / bw + rest_s
+            return max((begin - start_page) * page / rate, ((end - begin) * kvb + sb) / bw) + rest_s
 
-        candidates = {start_page, n}
-        for frac in (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875):
-            cut = start_page + int((n - start_page) * frac)
-            if cut > start_page:
-                candidates.add(await self._deepest_stored(keys[:cut]))
-        best = min((p for p in candidates if p == start_page or p > start_page), key=lambda p: (cost(p), -p))
-        if best < n:
+        plans = [(start_page, start_page), (start_page, n)]
+        if allow_tail and n - start_page >= 2:
+            # The head b where computing [start, b) takes as long as reading [b, n) + the state.
+            b = (start_page * page / rate + (n * kvb + sb) / bw) / (page / rate + kvb / bw)
+            for cand in {int(b), int(b) + 1}:
+                if start_page < cand < n:
+                    plans.append((cand, n))
+        best = min(plans, key=lambda p: (plan_cost(*p), -p[1], p[0]))
+        if best != (start_page, n):
             self.counts["prefetch_split"] += 1
         return best
+
+    def _start_tail(self, match: Any, keys: list[str], begin: int, n: int) -> PrefetchResult:
+        """Allocate private host slots for pages ``[begin, n)`` and the state at ``n``, and start
+        reading them in the background (see :class:`TailRestore`)."""
+        ctrl = self.controller
+        page = self.tree.spec.page_size
+        _, host_kv_pool = ctrl.pools[PoolName.KV]
+        _, host_state_pool = ctrl.pools[PoolName.MAMBA]
+        assert host_kv_pool is not None and host_state_pool is not None
+        self.tree.lock(match.last_node)
+        self.tree.lock_host(match.last_node)
+        try:
+            alloc = self.tree.alloc_host(n - begin, 1)
+        finally:
+            self.tree.unlock(match.last_node)
+            self.tree.unlock_host(match.last_node)
+        if alloc is None:
+            self.counts["prefetch_no_room"] += 1
+            return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
+        host_kv, host_slot = alloc.kv_indices, alloc.state_slots
+
+        def free() -> None:
+            host_kv_pool.free(host_kv)
+            host_state_pool.free(host_slot)
+
+        fetch = self._tg.create_task(self._read_tail(keys[begin:n], host_kv, host_slot), name="asynccache-tail")
+        self.counts["prefetch_tail"] += 1
+        tail = TailRestore(
+            begin_tokens=begin * page, end_tokens=n * page, host_kv=host_kv, host_slot=host_slot, fetch=fetch, free=free
+        )
+        return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0, tail=tail)
+
+    async def _read_tail(self, keys: list[str], host_kv: torch.Tensor, host_slot: torch.Tensor) -> bool:
+        try:
+            results = await self.backend.batch_get_v2(
+                [
+                    PoolTransfer(pool_name=PoolName.KV, keys=tuple(keys), host_indices=host_kv),
+                    PoolTransfer(pool_name=PoolName.MAMBA, keys=(keys[-1],), host_indices=host_slot),
+                ]
+            )
+        except Exception as e:
+            self.counts["prefetch_failed"] += 1
+            log.warning("tail restore from storage failed: %s", e)
+            return False
+        if not (all(results[0]) and all(results[1])):
+            self.counts["prefetch_incomplete"] += 1
+            return False
+        self.counts["tail_pages"] += len(keys)
+        return True
 
     async def _fetch(
         self, tokens: Any, match: Any, keys: list[str], start_page: int, n: int, *, salt: str

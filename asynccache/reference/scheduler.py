@@ -6,6 +6,11 @@ host → device load-back, page and slot allocation), ``start_loading()``, one b
 then for finished requests ``tree.insert`` of their KV pages and admitted states and the
 write-policy's backups (``start_writing()``).
 
+A request whose prefix the storage tier restores split (a ``TailRestore``: the tail read from
+storage while the head is computed) prefills up to the tail, waits for the read if it has not
+landed yet, copies the tail's KV pages and state into its own pages and working slot, and goes
+on from the tail's end. A failed read falls back to computing the tail.
+
 Conventions (see docs/architecture.md):
 
 - a request computes at least one token: it matches ``prompt[:-1]``;
@@ -84,6 +89,8 @@ class _Request:
     state_slot: int = -1
     seed_slot: int | None = None  # cached boundary state to copy into state_slot
     snapshots: dict[int, int] = field(default_factory=dict)
+    tail: Any = None  # a TailRestore still to apply
+    num_restored: int = 0  # tokens a tail restore brought (not computed)
     output: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     first_logits: torch.Tensor | None = None
@@ -141,6 +148,7 @@ class Scheduler:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._tg: asyncio.TaskGroup | None = None
+        self._release_after_sync: list[Any] = []  # applied tail restores whose copies are queued
         self.num_steps = 0
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -155,6 +163,10 @@ class Scheduler:
         for req in list(self._waiting) + list(self._running):
             self._cancel(req)
         self._task.cancel()
+        if self._release_after_sync:
+            if self.cache.device_kv.device.type == "cuda":
+                torch.cuda.synchronize(self.cache.device_kv.device)
+            self._release_tails()
         tg, self._tg = self._tg, None
         with contextlib.suppress(asyncio.CancelledError):
             await tg.__aexit__(None, None, None)
@@ -223,6 +235,8 @@ class Scheduler:
                 req.future.set_exception(CapacityError("request does not fit in the device pools"))
             return
         ctrl = self.cache.controller
+        if not await self._resume_tails():
+            return
         counter = ctrl.start_loading()
         seqs, reqs = self._build_batch()
         seeds = [(r.seed_slot, r.state_slot) for r in reqs if r.seed_slot is not None]
@@ -234,8 +248,9 @@ class Scheduler:
             self.cache.device_mamba,
             _SeedingCounter(counter, self.cache, seeds),  # type: ignore[arg-type]
         )
+        next_ids = await self._to_host(logits.argmax(dim=-1))
         now = time.perf_counter()
-        next_ids = logits.argmax(dim=-1).tolist()
+        self._release_tails()  # the compute stream has passed every queued tail copy
         for i, (r, s) in enumerate(zip(reqs, seqs, strict=True)):
             r.num_computed = s.start + s.token_ids.numel()
             if r.num_computed < len(r.prompt):
@@ -263,20 +278,25 @@ class Scheduler:
         key = req.prompt[:-1]
         match = tree.match_prefix(key, salt=req.salt) if self.config.use_cache else None
         by_tier = {"device": 0, "host": 0, "storage": 0}
+        tail = None
         if match is not None and ctrl.tiering is not None:
             before = match.num_tokens
-            task = ctrl.prefetch(key, match, salt=req.salt)
+            task = ctrl.prefetch(key, match, salt=req.salt, allow_tail=True)
             if task is not None:
-                await ctrl.wait_prefetch(task, len(key))
+                res = await ctrl.wait_prefetch(task, len(key))
+                tail = res.tail if res is not None else None
                 match = tree.match_prefix(key, salt=req.salt)
                 by_tier["storage"] = max(0, match.num_tokens - before)
+                if tail is not None and tail.begin_tokens <= match.num_tokens:
+                    tail.release()  # the tree caught up meanwhile (another request restored it)
+                    tail = None
         num_cached = match.num_tokens if match is not None else 0
         if match is not None:
             tree.lock(match.last_node)
         # Pages for every position this request will compute: [num_cached, total_len - 1).
         last_pos = req.total_len - 1
         num_pages_total = -(-last_pos // page)
-        snap_positions = self._snapshot_positions(req, num_cached)
+        snap_positions = self._snapshot_positions(req, num_cached, tail)
         alloc = tree.alloc_device(num_pages_total - num_cached // page, 1 + len(snap_positions))
         op = None
         if alloc is not None and match is not None and match.needs_load:
@@ -286,6 +306,8 @@ class Scheduler:
                 ctrl._free(alloc.kv_indices, alloc.state_slots, device=True)
             if match is not None:
                 tree.unlock(match.last_node)
+            if tail is not None:
+                tail.release()
             return False
         own, slots = alloc.kv_indices, alloc.state_slots
         if match is not None and num_cached:
@@ -310,16 +332,67 @@ class Scheduler:
         req.snapshots = dict(zip(snap_positions, (int(s) for s in slots[1:]), strict=True))
         req.num_cached = req.num_computed = num_cached
         req.cached_by_tier = by_tier
+        req.tail = tail
         req.phase = _Phase.PREFILL
         return True
 
-    def _snapshot_positions(self, req: _Request, num_cached: int) -> list[int]:
-        """Page-aligned positions the admission policy keeps, past the cached prefix."""
+    def _snapshot_positions(self, req: _Request, num_cached: int, tail: Any = None) -> list[int]:
+        """Page-aligned positions the admission policy keeps, past the cached prefix (and not
+        inside a tail restore: only its end, whose state the restore brings)."""
         computed_len = req.total_len - 1  # the last sampled token is never computed
         positions = self.cache.tree.admission.state_positions(
             len(req.prompt), total_len=computed_len, page_size=self.spec.page_size
         )
-        return sorted(p for p in positions if num_cached < p <= computed_len)
+        skipped = range(tail.begin_tokens + 1, tail.end_tokens) if tail is not None else range(0)
+        return sorted(p for p in positions if num_cached < p <= computed_len and p not in skipped)
+
+    # ---- split restores ----------------------------------------------------------------
+    async def _resume_tails(self) -> bool:
+        """Apply the tail restores whose head is computed and whose read has landed; when no
+        request could run otherwise, wait for the first read. False: nothing to run this step."""
+        blocked = [r for r in self._running if r.tail is not None and r.num_computed >= r.tail.begin_tokens]
+        if not blocked:
+            return True
+        if len(blocked) == len(self._running) and not any(r.tail.fetch.done() for r in blocked):
+            await asyncio.wait({r.tail.fetch for r in blocked}, return_when=asyncio.FIRST_COMPLETED)
+        for r in blocked:
+            if r.tail.fetch.done():
+                self._apply_tail(r)
+        return any(r.tail is None or r.num_computed < r.tail.begin_tokens for r in self._running)
+
+    def _apply_tail(self, req: _Request) -> None:
+        tail, req.tail = req.tail, None
+        if not tail.ok:  # a failed or corrupt read: compute the tail instead
+            tail.release()
+            return
+        page = self.spec.page_size
+        assert req.kv_pages is not None
+        slots = [req.state_slot]
+        if tail.end_tokens in req.snapshots:  # the admission policy keeps the tail's end state
+            slots.append(req.snapshots[tail.end_tokens])
+        self.cache.controller.copy_tail_to_device(
+            tail,
+            req.kv_pages[tail.begin_tokens // page : tail.end_tokens // page],
+            torch.tensor(slots, dtype=torch.int64),
+        )
+        self._release_after_sync.append(tail)
+        req.num_restored = tail.end_tokens - tail.begin_tokens
+        req.num_computed = tail.end_tokens
+        req.cached_by_tier["storage"] += req.num_restored
+
+    def _release_tails(self) -> None:
+        for tail in self._release_after_sync:
+            tail.release()
+        self._release_after_sync.clear()
+
+    async def _to_host(self, t: torch.Tensor) -> list[int]:
+        """``t.tolist()`` without blocking the loop while the device finishes the step (storage
+        reads and other coroutines keep running meanwhile)."""
+        if t.device.type == "cuda":
+            done = torch.cuda.Event(blocking=True)
+            done.record()
+            await asyncio.to_thread(done.synchronize)
+        return t.tolist()
 
     # ---- batching ----------------------------------------------------------------------
     def _build_batch(self) -> tuple[list[SequenceInput], list[_Request]]:
@@ -327,10 +400,15 @@ class Scheduler:
         reqs: list[_Request] = []
         budget = self.config.max_batch_tokens
         for r in self._running:
+            stop = len(r.prompt)
+            if r.tail is not None:
+                if r.num_computed >= r.tail.begin_tokens:
+                    continue  # waiting for its tail restore
+                stop = r.tail.begin_tokens
             if r.phase is _Phase.DECODE:
                 ids = torch.tensor([r.output[-1]], dtype=torch.int64)
             else:
-                n = min(len(r.prompt) - r.num_computed, self.config.chunk_size, max(budget, 1))
+                n = min(stop - r.num_computed, self.config.chunk_size, max(budget, 1))
                 ids = torch.tensor(r.prompt[r.num_computed : r.num_computed + n], dtype=torch.int64)
             budget -= ids.numel()
             start = r.num_computed
@@ -386,7 +464,7 @@ class Scheduler:
                 RequestResult(
                     request_id=req.request_id,
                     prompt_tokens=len(req.prompt),
-                    cached_tokens=req.num_cached,
+                    cached_tokens=req.num_cached + req.num_restored,
                     cached_by_tier=dict(req.cached_by_tier),
                     output_ids=list(req.output),
                     ttft_s=req.first_token_at - req.submitted,
@@ -411,6 +489,9 @@ class Scheduler:
             self.cache.device_mamba.free(torch.tensor(slots, dtype=torch.int64))
             if req.locked_node is not None:
                 self.cache.tree.unlock(req.locked_node)
+        if req.tail is not None:
+            req.tail.release()
+            req.tail = None
         req.phase = _Phase.DONE
         if not req.future.done():
             req.future.cancel()

@@ -30,14 +30,11 @@ def spec() -> HybridSpec:
     return HybridSpec.preset("tiny", page_size=PAGE)
 
 
-@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def model(spec: HybridSpec, request: pytest.FixtureRequest) -> HybridModel:
+@pytest.fixture(scope="module")
+def model(spec: HybridSpec, model_device: str) -> HybridModel:
     """fp32 on CPU, bf16 on CUDA."""
-    if request.param == "cuda":
-        if not torch.cuda.is_available():
-            pytest.skip("needs a CUDA GPU")
-        return HybridModel(spec, device="cuda", dtype=torch.bfloat16, seed=3)
-    return HybridModel(spec, seed=3)
+    dtype = torch.bfloat16 if model_device == "cuda" else torch.float32
+    return HybridModel(spec, device=model_device, dtype=dtype, seed=3)
 
 
 def device_of(model: HybridModel) -> str:

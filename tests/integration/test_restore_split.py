@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import pytest
 
 from asynccache.cache import HybridCache
@@ -16,13 +19,14 @@ TOKENS = [(9 * t + 2) % 250 + 1 for t in range(NUM_PAGES * PAGE)]
 GRID = 8  # a stored state every 8 pages
 
 
-async def stored_prefix_cache(spec: HybridSpec) -> HybridCache:
+async def stored_prefix_cache(spec: HybridSpec, **config: object) -> HybridCache:
     cfg = HybridCacheConfig(
         device_kv_pages=128,
         device_state_slots=16,
         host_kv_bytes=128 * spec.kv_page_bytes,
         host_state_bytes=16 * spec.state_bytes,
         storage_uri="memory://split_test",
+        **config,  # type: ignore[arg-type]
     )
     cache = HybridCache(spec, cfg, admission=EveryPageAdmission())
     await cache.__aenter__()
@@ -85,5 +89,99 @@ async def test_the_state_read_is_part_of_the_cost() -> None:
         res = await tier.prefetch(TOKENS, cache.tree.match_prefix(TOKENS))
         assert res.num_pages_fetched == 0
         assert tier.counts["prefetch_split"] >= 1
+    finally:
+        await cache.aclose()
+
+
+def balanced_cost(spec: HybridSpec, compute_over_read: float) -> RestoreCost:
+    """Computing a page costs ``compute_over_read`` page reads (read bandwidth 1 MB/s)."""
+    read_page_s = spec.kv_page_bytes / 1e6
+    return RestoreCost(read_bytes_per_s=1e6, prefill_tokens_per_s=PAGE / (compute_over_read * read_page_s))
+
+
+async def test_tail_restore_balances_head_compute_against_the_read() -> None:
+    spec = HybridSpec.preset("tiny", page_size=PAGE)
+    cache = await stored_prefix_cache(spec)
+    try:
+        tier = cache.controller.tiering
+        assert tier is not None and cache.host_kv is not None and cache.host_mamba is not None
+        free_kv, free_st = cache.host_kv.num_free, cache.host_mamba.num_free
+        tier.cost = balanced_cost(spec, 3.0)
+        res = await tier.prefetch(TOKENS, cache.tree.match_prefix(TOKENS), allow_tail=True)
+        tail = res.tail
+        assert tail is not None and res.num_tokens == 0
+        b, n = tail.begin_tokens // PAGE, tail.end_tokens // PAGE
+        assert n == NUM_PAGES and 0 < b < n
+        # Balanced: computing the head takes as long as reading the tail and the state, ± a page.
+        state_pages = spec.state_bytes / spec.kv_page_bytes
+        assert abs(3.0 * b - (n - b + state_pages)) <= 3.0 + 1.0
+        assert await tail.fetch
+        assert tail.ok
+        assert cache.host_kv.num_free == free_kv - (n - b) and cache.host_mamba.num_free == free_st - 1
+        # The slots are private: nothing was inserted into the tree.
+        assert cache.tree.match_prefix(TOKENS).num_tokens == 0
+        tail.release()
+        tail.release()  # idempotent
+        assert cache.host_kv.num_free == free_kv and cache.host_mamba.num_free == free_st
+        cache.tree.check_integrity()
+    finally:
+        await cache.aclose()
+
+
+async def test_tail_restore_released_early_frees_after_the_read() -> None:
+    spec = HybridSpec.preset("tiny", page_size=PAGE)
+    cache = await stored_prefix_cache(spec)
+    try:
+        tier = cache.controller.tiering
+        assert tier is not None and cache.host_kv is not None
+        free_kv = cache.host_kv.num_free
+        tier.cost = balanced_cost(spec, 3.0)
+        tail = (await tier.prefetch(TOKENS, cache.tree.match_prefix(TOKENS), allow_tail=True)).tail
+        assert tail is not None and not tail.fetch.done()
+        tail.release()  # the read may still be landing in the slots: they stay allocated
+        assert cache.host_kv.num_free < free_kv
+        await tail.fetch
+        assert cache.host_kv.num_free == free_kv
+    finally:
+        await cache.aclose()
+
+
+async def test_tail_restore_only_when_the_caller_takes_it() -> None:
+    spec = HybridSpec.preset("tiny", page_size=PAGE)
+    cache = await stored_prefix_cache(spec)
+    try:
+        tier = cache.controller.tiering
+        assert tier is not None
+        tier.cost = balanced_cost(spec, 3.0)
+        res = await tier.prefetch(TOKENS, cache.tree.match_prefix(TOKENS))
+        assert res.tail is None and res.num_pages_fetched == NUM_PAGES  # restoring all beats recomputing
+    finally:
+        await cache.aclose()
+
+
+async def test_a_tail_arriving_after_the_deadline_is_released() -> None:
+    spec = HybridSpec.preset("tiny", page_size=PAGE)
+    cache = await stored_prefix_cache(spec, prefetch_policy="best_effort")
+    try:
+        ctrl, tier = cache.controller, cache.controller.tiering
+        assert tier is not None and cache.host_kv is not None
+        free_kv = cache.host_kv.num_free
+        tier.cost = balanced_cost(spec, 3.0)
+        gate = asyncio.Event()
+        real = tier.prefetch
+
+        async def late(*args: Any, **kwargs: Any) -> Any:
+            await gate.wait()
+            return await real(*args, **kwargs)
+
+        tier.prefetch = late
+        task = ctrl.prefetch(TOKENS, cache.tree.match_prefix(TOKENS), allow_tail=True)
+        assert task is not None
+        assert await ctrl.wait_prefetch(task, len(TOKENS)) is None  # best effort: no waiting
+        gate.set()
+        res = await task
+        assert res.tail is not None and res.tail.released  # nobody took it: released on arrival
+        await res.tail.fetch
+        assert cache.host_kv.num_free == free_kv
     finally:
         await cache.aclose()

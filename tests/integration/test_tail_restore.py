@@ -1,0 +1,123 @@
+"""A prefix restored split through the scheduler: the head computed while the tail (KV pages and
+the state at its end) is read from storage. The continuation equals, bit for bit, a cold run
+with the same prefill segmentation; a corrupt tail is computed instead, never served."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from asynccache.cache import HybridCache
+from asynccache.config import HybridCacheConfig
+from asynccache.reference.model import HybridModel
+from asynccache.reference.scheduler import RequestResult, Scheduler, SchedulerConfig
+from asynccache.spec import HybridSpec
+from asynccache.tiering import RestoreCost
+
+PAGE = 4
+OUT = 4
+P1 = [(7 * t + 3) % 250 + 1 for t in range(48)]
+Q2 = [(11 * t + 5) % 250 + 1 for t in range(9)]
+# Chunks of one page: every split point is a chunk boundary of every run below, so a cold run
+# with the same chunking computes exactly what the split path computes or restores.
+SEGMENTATION = SchedulerConfig(chunk_size=PAGE, max_batch_tokens=4096)
+
+
+@pytest.fixture(scope="module")
+def spec() -> HybridSpec:
+    return HybridSpec.preset("tiny", page_size=PAGE)
+
+
+@pytest.fixture(scope="module")
+def model(spec: HybridSpec, model_device: str) -> HybridModel:
+    """fp32 on CPU, bf16 on CUDA."""
+    dtype = torch.bfloat16 if model_device == "cuda" else torch.float32
+    return HybridModel(spec, device=model_device, dtype=dtype, seed=5)
+
+
+def device_of(model: HybridModel) -> str:
+    return next(model.parameters()).device.type
+
+
+def config(spec: HybridSpec, uri: str | None) -> HybridCacheConfig:
+    return HybridCacheConfig(
+        device_kv_pages=128,
+        device_state_slots=32,
+        host_kv_bytes=256 * spec.kv_page_bytes,
+        host_state_bytes=32 * spec.state_bytes,
+        storage_uri=uri,
+        prefetch_policy="wait_complete",
+    )
+
+
+def split_cost(spec: HybridSpec) -> RestoreCost:
+    """Computing a page costs three page reads: the best plan computes about a quarter of the
+    prefix while the rest is read."""
+    read_page_s = spec.kv_page_bytes / 1e6
+    return RestoreCost(read_bytes_per_s=1e6, prefill_tokens_per_s=PAGE / (3.0 * read_page_s))
+
+
+async def serve_split(
+    model: HybridModel, spec: HybridSpec, root: Path, *, corrupt_tail: bool = False
+) -> tuple[RequestResult, list[int], dict[str, int]]:
+    cache_cm = HybridCache(spec, config(spec, root.as_uri()), device=device_of(model))
+    async with cache_cm as cache, Scheduler(model, cache, SEGMENTATION) as sched:
+        r1 = await sched.generate(P1, OUT)
+        p2 = P1 + r1.output_ids + Q2
+        tier = cache.controller.tiering
+        assert tier is not None
+        await cache.controller.wait_idle()
+        await tier.drain()
+        cache.flush_device()
+        cache.flush_host()
+        assert cache.tree.match_prefix(p2[:-1]).num_tokens == 0
+        if corrupt_tail:
+            for path in root.rglob("*"):  # flip one payload byte of every stored object
+                if path.is_file():
+                    data = bytearray(path.read_bytes())
+                    data[-1] ^= 0xFF
+                    path.write_bytes(bytes(data))
+        tier.cost = split_cost(spec)
+        r2 = await sched.generate(p2, OUT)
+        await cache.controller.wait_idle()
+        await tier.drain()
+        cache.tree.check_integrity()
+        counts = dict(tier.counts)
+        # Everything on host belongs to the tree again: flushing it frees every slot.
+        cache.flush_device()
+        cache.flush_host()
+        host = (cache.host_kv, cache.host_mamba)
+        counts["host_slots_leaked"] = sum(p.num_items - p.num_free for p in host if p is not None)
+        return r2, p2, counts
+
+
+async def cold(model: HybridModel, spec: HybridSpec, prompt: list[int]) -> RequestResult:
+    cfg = SchedulerConfig(
+        chunk_size=SEGMENTATION.chunk_size, max_batch_tokens=SEGMENTATION.max_batch_tokens, use_cache=False
+    )
+    cache_cm = HybridCache(spec, config(spec, None), device=device_of(model))
+    async with cache_cm as cache, Scheduler(model, cache, cfg) as sched:
+        return await sched.generate(prompt, OUT)
+
+
+async def test_split_restore_equals_cold_bit_for_bit(model: HybridModel, spec: HybridSpec, tmp_path: Path) -> None:
+    r2, p2, counts = await serve_split(model, spec, tmp_path)
+    assert counts["prefetch_tail"] == 1 and counts["tail_pages"] > 0
+    restored = r2.cached_by_tier["storage"]
+    assert restored == counts["tail_pages"] * PAGE
+    assert 0 < restored < len(p2) - PAGE and r2.cached_tokens == restored  # the head was computed
+    ref = await cold(model, spec, p2)
+    assert torch.equal(r2.first_logits, ref.first_logits)
+    assert r2.output_ids == ref.output_ids
+    assert counts["host_slots_leaked"] == 0
+
+
+async def test_corrupt_tail_is_computed_not_served(model: HybridModel, spec: HybridSpec, tmp_path: Path) -> None:
+    r2, p2, counts = await serve_split(model, spec, tmp_path, corrupt_tail=True)
+    assert counts.get("prefetch_tail", 0) == 1 and counts.get("tail_pages", 0) == 0
+    assert r2.cached_tokens == 0
+    ref = await cold(model, spec, p2)
+    assert torch.equal(r2.first_logits, ref.first_logits)
+    assert counts["host_slots_leaked"] == 0
