@@ -14,8 +14,9 @@ the policies across budgets (``--plot``) and ``--json PATH``::
 Policies are ``admission/eviction[/write_policy[/storage_write]]`` (see
 ``asynccache.trace.policies``). The default set: the tree's defaults (``ends/lru``), a state at
 every page, a block grid of 8 pages, branch points with LRU, Marconi-style
-(``branch/cost-aware``), Marconi-style with write-back demotion, and ours
-(``adaptive/utility/write_back``).
+(``branch/cost-aware``), Marconi-style with write-back demotion, ours
+(``adaptive/reuse/write_back``), and the attention-only reference of the same bytes (states at
+every page that cost nothing; write-through and write-back; replayed without storage only).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from asynccache.spec import PRESETS, HybridSpec
 from asynccache.trace.bound import BoundResult, infinite_cache_bound
 from asynccache.trace.controller_replay import replay_trace_with_controller
 from asynccache.trace.loader import MOONCAKE_BLOCK_SIZE, load_trace
-from asynccache.trace.policies import PolicyCombo, parse_combo
+from asynccache.trace.policies import ATTENTION_ONLY, PolicyCombo, parse_combo
 from asynccache.trace.replay import ReplayConfig, replay_trace
 from asynccache.trace.report import format_markdown_table, format_table, plot_results
 from asynccache.trace.results import ReplayResult, TierBudget, format_size, parse_size, results_to_json
@@ -50,7 +51,9 @@ DEFAULT_POLICIES = (
     "branch/lru",
     "branch/cost-aware",
     "branch/cost-aware/write_back",
-    "adaptive/utility/write_back",
+    "adaptive/reuse/write_back",
+    "attention-only/lru/write_through",
+    "attention-only/lru/write_back",
 )
 
 #: Device memory for the prefix cache on an H200 (141 GB) serving Qwen3-Next-80B with FP8
@@ -80,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policies",
         default=",".join(DEFAULT_POLICIES),
-        help="admission/eviction[/write_policy[/storage_write]], comma-separated (default: the seven of the docstring)",
+        help="admission/eviction[/write_policy[/storage_write]], comma-separated (default: the nine of the docstring)",
     )
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument(
@@ -179,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
         for s in storages
         for h in hosts
         for c in combos
+        if not (s and c.admission == ATTENTION_ONLY)  # the reference has no storage tier
     ]
     print(
         f"trace {trace.name}: {len(trace):,} requests over {trace.duration_s:,.0f} s, "

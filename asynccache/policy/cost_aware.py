@@ -64,8 +64,20 @@ def _state_on(node: TreeNode, tier: str) -> bool:
     return (node.device_state if tier == "device" else node.host_state) is not None
 
 
+_SIZES: dict[int, tuple[HybridSpec, int, int]] = {}
+
+
+def _sizes(spec: HybridSpec) -> tuple[int, int]:
+    """``(state_bytes, kv_page_bytes)`` of ``spec``, computed once (a ranking asks millions of times)."""
+    hit = _SIZES.get(id(spec))
+    if hit is None or hit[0] is not spec:
+        hit = _SIZES[id(spec)] = (spec, spec.state_bytes, spec.kv_page_bytes)
+    return hit[1], hit[2]
+
+
 def node_value(node: TreeNode, key: str, *, spec: HybridSpec, flops: FlopModel) -> NodeValue:
     """Saved FLOPs and freed bytes of evicting ``node`` from list ``key`` (module docstring)."""
+    state_bytes, kv_page_bytes = _sizes(spec)
     tier, resource = key.split("_", 1)
     if resource == "state":
         up = node.parent
@@ -75,18 +87,18 @@ def node_value(node: TreeNode, key: str, *, spec: HybridSpec, flops: FlopModel) 
         return NodeValue(
             saved_flops=flops.saved_flops(m, node.end_tokens),
             saved_tokens=node.end_tokens - m,
-            bytes=spec.state_bytes,
+            bytes=state_bytes,
             has_state=True,
         )
     pages = node.num_pages
     nbytes = 0
     if _state_on(node, tier):
-        nbytes += spec.state_bytes
+        nbytes += state_bytes
     up = node.parent
     while up is not None and up.parent is not None and not up.has_state and len(up.children) == 1:
         pages += up.num_pages
         up = up.parent
-    nbytes += pages * spec.kv_page_bytes
+    nbytes += pages * kv_page_bytes
     if not node.has_state:
         return NodeValue(saved_flops=0.0, saved_tokens=0, bytes=nbytes, has_state=False)
     m = up.end_tokens if up is not None and up.parent is not None else 0

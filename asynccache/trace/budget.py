@@ -15,7 +15,8 @@ tier within budget by evicting through the tree:
   until the tier fits or nothing can go.
 
 ``on_host_victim`` (optional) sees each host victim before it is dropped: the replay's storage
-tier uses it to demote host data to storage.
+tier uses it to demote host data to storage. ``count_states=False`` leaves states out of the
+tier's bytes (the attention-only reference: states cost nothing and leave with their KV).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class ByteBudget:
     tier: Tier
     budget_bytes: int
     on_host_victim: Callable[[TreeNode, str], None] | None = None
+    count_states: bool = True
     counts: EvictionCounts = field(default_factory=EvictionCounts)
     peak_bytes: int = 0
 
@@ -81,7 +83,7 @@ class ByteBudget:
         """Bytes of allocated pages and slots of this tier (tree-held and in flight)."""
         kv, states = self._pools
         used = (kv.num_items - kv.num_free) * kv.bytes_per_index
-        if states is not None:
+        if states is not None and self.count_states:
             used += (states.num_items - states.num_free) * states.bytes_per_index
         return used
 
@@ -125,7 +127,7 @@ class ByteBudget:
         kv_lru, state_lru = self._lists
         kv_pool, state_pool = self._pools
         kv_bytes = kv_pool.bytes_per_index
-        state_bytes = state_pool.bytes_per_index if state_pool is not None else 0
+        state_bytes = state_pool.bytes_per_index if state_pool is not None and self.count_states else 0
         prefix = self.tier.value
         kv_key, state_key = f"{prefix}_kv", f"{prefix}_state"
         evict = tree.evict_device if self.tier is Tier.DEVICE else tree.evict_host
@@ -134,7 +136,7 @@ class ByteBudget:
             now = tree.clock()
             kv_nodes = self._peek(kv_lru, kv_key, now, max(1, -(-deficit // kv_bytes)))
             st_nodes: list[TreeNode] = []
-            if state_pool is not None:
+            if state_bytes:
                 st_nodes = self._peek(state_lru, state_key, now, max(1, -(-deficit // state_bytes)))
             if not kv_nodes and not st_nodes:
                 self.counts.stuck += 1

@@ -89,6 +89,9 @@ class FlopModel:
 
     def prefill_flops(self, num_tokens: float | np.ndarray) -> float | np.ndarray:
         """``F(n)``: FLOPs to prefill ``n`` tokens from an empty cache (vectorised over arrays)."""
+        if isinstance(num_tokens, (int, float)):  # the same float64 arithmetic, without numpy's overhead
+            x = float(num_tokens)
+            return x * self.linear_flops_per_token + self.attention_coeff * x * max(x - 1.0, 0.0)
         n = np.asarray(num_tokens, dtype=np.float64)
         out = n * self.linear_flops_per_token + self.attention_coeff * n * np.maximum(n - 1.0, 0.0)
         return float(out) if out.ndim == 0 else out

@@ -1,9 +1,13 @@
 """Policy combinations by name, for the replay and the ``bench trace`` command line.
 
 Admission: ``ends`` (the tree's default), ``every-page``, ``block-grid:N``, ``branch``
-(Marconi-style), ``adaptive`` (per-tier checkpoint density from observed reuse).
+(Marconi-style), ``adaptive`` (per-tier checkpoint density from observed reuse), and
+``attention-only`` — a reference, not a hybrid policy: a state at every page that the byte
+budgets do not count (an attention-only cache of the same bytes; no storage tier).
 Eviction: ``lru`` (the tree's default), ``cost-aware`` (Marconi-style: recency + α · FLOPs saved
-per byte, α tuned online), ``utility`` (learnt reuse likelihood × FLOPs saved per byte, tier-aware).
+per byte, α tuned online), ``utility`` (learnt reuse likelihood × FLOPs saved per byte, tier-aware),
+``reuse`` (return probability by conversation turn and age, per byte, learnt online; releases
+superseded prompt-end states).
 
 A :class:`PolicyCombo` also names the device write policy (``write_through`` keeps a host copy of
 everything at insert; ``write_back`` copies to the host only what device eviction demotes, so the
@@ -28,16 +32,27 @@ from asynccache.policy import (
 from asynccache.policy.adaptive import AdaptiveAdmission
 from asynccache.policy.branch import BranchAdmission
 from asynccache.policy.cost_aware import CostAwareEviction
+from asynccache.policy.reuse import ReuseEviction
 from asynccache.policy.utility import UtilityEviction
 from asynccache.spec import HybridSpec
 from asynccache.trace.flops import FlopModel
 from asynccache.trace.results import TierBudget
 from asynccache.trace.storage_tier import STORAGE_WRITE_MODES
 
-__all__ = ["PolicyCombo", "make_admission", "make_eviction", "ADMISSIONS", "EVICTIONS", "parse_combo"]
+__all__ = [
+    "PolicyCombo",
+    "make_admission",
+    "make_eviction",
+    "ADMISSIONS",
+    "EVICTIONS",
+    "ATTENTION_ONLY",
+    "parse_combo",
+]
 
-ADMISSIONS = ("ends", "every-page", "block-grid:N", "branch", "adaptive")
-EVICTIONS = ("lru", "cost-aware", "utility")
+#: Admission name of the attention-only reference (states at every page, zero bytes).
+ATTENTION_ONLY = "attention-only"
+ADMISSIONS = ("ends", "every-page", "block-grid:N", "branch", "adaptive", ATTENTION_ONLY)
+EVICTIONS = ("lru", "cost-aware", "utility", "reuse")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,7 +97,7 @@ def make_admission(name: str, *, spec: HybridSpec, budget: TierBudget, flops: Fl
     base, _, arg = name.partition(":")
     if base == "ends" and not arg:
         return EndsAdmission()
-    if base == "every-page" and not arg:
+    if base in ("every-page", ATTENTION_ONLY) and not arg:
         return EveryPageAdmission()
     if base == "block-grid":
         try:
@@ -104,4 +119,6 @@ def make_eviction(name: str, *, spec: HybridSpec, flops: FlopModel) -> EvictionP
         return CostAwareEviction(spec=spec, flops=flops)
     if name == "utility":
         return UtilityEviction(spec=spec, flops=flops)
+    if name == "reuse":
+        return ReuseEviction(spec=spec, flops=flops)
     raise ConfigError(f"unknown eviction policy {name!r}; known: {list(EVICTIONS)}")

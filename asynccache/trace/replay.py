@@ -25,7 +25,14 @@ Policies hook in three ways beyond the tree's own interfaces (all optional, duck
 - ``policy.observe_match(match, prompt_len=, now=)`` and ``policy.observe_insert(result, now=)``
   for admission and eviction policies that learn from observed reuse;
 - ``eviction.victim_key(node, key=, now=)``: utility per byte, compared across KV and states by
-  :class:`~asynccache.trace.budget.ByteBudget`.
+  :class:`~asynccache.trace.budget.ByteBudget`;
+- ``eviction.superseded_states(match, result) -> list[TreeNode]``: states an insert made
+  useless (a resumed prompt end the request extended), released at once through
+  ``tree.release_states`` (counted as ``evictions["released_states"]``).
+
+The ``attention-only`` admission is a reference, not a hybrid policy: a state at every page
+that costs no bytes (the budgets count KV only), i.e. a cache of attention layers alone where
+any cached prefix is reusable.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from asynccache.trace.bound import BoundResult, infinite_cache_bound
 from asynccache.trace.budget import ByteBudget
 from asynccache.trace.flops import FlopModel
 from asynccache.trace.loader import Trace
-from asynccache.trace.policies import PolicyCombo, make_admission, make_eviction
+from asynccache.trace.policies import ATTENTION_ONLY, PolicyCombo, make_admission, make_eviction
 from asynccache.trace.results import ReplayResult, TierBudget
 from asynccache.trace.storage_index import AccountingStorage
 from asynccache.trace.storage_tier import ReplayStorageTier
@@ -78,6 +85,8 @@ class ReplayConfig:
     def __post_init__(self) -> None:
         if self.budget.storage and not self.budget.host:
             raise ConfigError("a storage tier needs a host tier (prefetches land on the host)")
+        if self.budget.storage and self.combo.admission == ATTENTION_ONLY:
+            raise ConfigError("the attention-only reference has no storage tier (its states cost no bytes)")
 
 
 class TraceReplay:
@@ -115,6 +124,10 @@ class TraceReplay:
         max_pages = int(np.max(trace.input_lengths)) // self.page + 1
         headroom_pages = 2 * max_pages + 64
         headroom_states = 2 * max_pages + 64
+        combo = config.combo
+        self.attention_only = combo.admission == ATTENTION_ONLY
+        if self.attention_only:
+            state_bytes = kv_bytes  # a state per page, budgeted at nothing: one slot per page
         self.device_kv = DeviceKVPool(spec, budget.device // kv_bytes + headroom_pages, materialize=False)
         self.device_mamba = DeviceMambaPool(spec, budget.device // state_bytes + headroom_states, materialize=False)
         self.host_kv = self.host_mamba = None
@@ -123,7 +136,6 @@ class TraceReplay:
             self.host_mamba = MambaPoolHost(
                 spec, num_slots=budget.host // state_bytes + headroom_states, materialize=False
             )
-        combo = config.combo
         self.admission = make_admission(combo.admission, spec=spec, budget=budget, flops=self.flops)
         self.eviction = make_eviction(combo.eviction, spec=spec, flops=self.flops)
         write_policy = WritePolicy.parse(combo.write_policy)
@@ -141,13 +153,17 @@ class TraceReplay:
         self.transfer = SyncTransfer(self.tree)
         self.backups_kv_pages = 0
         self.backups_states = 0
+        self.released_states = 0
         self.tree.write_back = self._write_back
         self.storage: AccountingStorage | None = None
         self.storage_tier: ReplayStorageTier | None = None
         if budget.storage:
             self.storage = AccountingStorage(budget.storage)
             self.storage_tier = ReplayStorageTier(self.tree, self.storage, write=combo.storage_write)
-        self.device_budget = ByteBudget(tree=self.tree, tier=Tier.DEVICE, budget_bytes=budget.device)
+        count_states = not self.attention_only
+        self.device_budget = ByteBudget(
+            tree=self.tree, tier=Tier.DEVICE, budget_bytes=budget.device, count_states=count_states
+        )
         self.host_budget: ByteBudget | None = None
         if budget.host:
             self.host_budget = ByteBudget(
@@ -155,6 +171,7 @@ class TraceReplay:
                 tier=Tier.HOST,
                 budget_bytes=budget.host,
                 on_host_victim=self.storage_tier.on_host_victim if self.storage_tier else None,
+                count_states=count_states,
             )
         self._observers = [p for p in (self.admission, self.eviction) if hasattr(p, "observe_match")]
 
@@ -200,6 +217,11 @@ class TraceReplay:
             for obs in self._observers:
                 if hasattr(obs, "observe_insert"):
                     obs.observe_insert(result, now=self._now)
+        superseded = getattr(self.eviction, "superseded_states", None)
+        if superseded is not None:
+            nodes = superseded(match, result)
+            if nodes:
+                self.released_states += self.tree.release_states(nodes).num_states
         return result
 
     def _enforce_budgets(self) -> None:
@@ -287,6 +309,7 @@ class TraceReplay:
             "device_kv": self.device_budget.counts.kv_pages,
             "device_state": self.device_budget.counts.states,
             "device_lost_states": self.device_budget.counts.lost_states,
+            "released_states": self.released_states,
         }
         peak = {"device": self.device_budget.peak_bytes}
         if self.host_budget is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from asynccache.trace.policies import ATTENTION_ONLY
 from asynccache.trace.results import ReplayResult, format_size
 
 __all__ = ["format_table", "plot_results", "format_markdown_table"]
@@ -72,7 +73,8 @@ def format_markdown_table(results: Sequence[ReplayResult]) -> str:
 
 
 def plot_results(results: Sequence[ReplayResult], path: str | Path, *, bound: float, title: str = "") -> None:
-    """Hit rate vs host budget per policy; one panel per storage budget (PNG at ``path``)."""
+    """Hit rate vs host budget per policy; one panel per storage budget (PNG at ``path``). The
+    attention-only reference is drawn dotted."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,7 +93,14 @@ def plot_results(results: Sequence[ReplayResult], path: str | Path, *, bound: fl
             if not pts:
                 continue
             xs = [p[0] for p in pts]
-            ax.plot(xs, [100 * p[1] for p in pts], marker="o", label=policy)
+            reference = policy.startswith(ATTENTION_ONLY)  # not a hybrid policy: dotted
+            ax.plot(
+                xs,
+                [100 * p[1] for p in pts],
+                marker="o",
+                linestyle=":" if reference else "-",
+                label=f"{policy}, reference" if reference else policy,
+            )
         ax.axhline(100 * bound, color="black", linestyle="--", linewidth=1, label="infinite cache")
         ax.set_xscale("log", base=2)
         hosts = sorted({r.budget.host for r in results if r.budget.storage == storage})
@@ -101,7 +110,8 @@ def plot_results(results: Sequence[ReplayResult], path: str | Path, *, bound: fl
         ax.set_title("no storage tier" if storage == 0 else f"+ storage {format_size(storage)}")
         ax.grid(True, alpha=0.3)
     axes[0][0].set_ylabel("prompt tokens served from cache (%)")
-    axes[0][-1].legend(fontsize=7, loc="lower right")
+    for ax in axes[0]:  # each panel names its own lines (the reference has no storage panel)
+        ax.legend(fontsize=7, loc="lower right")
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -20,11 +20,16 @@ prefix-closed; states have no such constraint. Locked nodes and nodes with an in
 are never evicted. Host eviction is the same without write-back: host copies are dropped
 leaf-first, so they stay a contiguous prefix from the root; a node left with no KV at all is
 deleted.
+
+**Release** (:meth:`EvictionMixin.release_states`) frees the states of chosen nodes on every
+tier at once, whatever the LRU order: for states the caller knows can no longer be resumed (a
+prompt end that a later turn has extended). The KV stays; a childless node left without any state
+goes with the tombstone cascade, like after any state eviction.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from asynccache.errors import ConfigError
 from asynccache.pools.base import ItemPool
@@ -36,7 +41,7 @@ __all__ = ["EvictionMixin"]
 
 
 class EvictionMixin(TreeCore):
-    """``evict_device``, ``evict_host``, ``alloc_device``, ``alloc_host``."""
+    """``evict_device``, ``evict_host``, ``release_states``, ``alloc_device``, ``alloc_host``."""
 
     # ---- device ------------------------------------------------------------------------------
     def evict_device(
@@ -252,6 +257,37 @@ class EvictionMixin(TreeCore):
                 self._lost_states += 1
             self._free_host_state(node)
             self._cascade(node)
+
+    # ---- release -----------------------------------------------------------------------------
+    def release_states(self, nodes: Iterable[TreeNode]) -> EvictResult:
+        """Free the device and host states of ``nodes`` (KV stays), skipping roots, deleted
+        nodes and nodes pinned on the tier (locked or loading). A childless node left without a
+        state is deleted with the tombstone cascade. Mutates the tree and frees slots (and, for
+        cascaded nodes, pages) to the pools; the result counts what was freed on both tiers
+        (``tier`` is ``DEVICE``)."""
+        pages0 = self._device_pages + self._host_pages
+        states0 = self._device_states + self._host_states
+        lost0, deleted0 = self._lost_states, self._deleted_nodes
+        for node in nodes:
+            if node.parent is None or not node.alive or not node.has_state:
+                continue
+            freed = False
+            if node.device_state is not None and node.device_lock == 0 and node.loading == 0:
+                self._free_device_state(node)
+                freed = True
+            if node.host_state is not None and node.host_lock == 0:
+                self._free_host_state(node)
+                freed = True
+            if freed and not node.has_state:
+                self._lost_states += 1
+                self._cascade(node)
+        return EvictResult(
+            tier=Tier.DEVICE,
+            num_kv_pages=pages0 - self._device_pages - self._host_pages,
+            num_states=states0 - self._device_states - self._host_states,
+            num_lost_states=self._lost_states - lost0,
+            num_deleted_nodes=self._deleted_nodes - deleted0,
+        )
 
     # ---- allocation --------------------------------------------------------------------------
     def alloc_device(self, num_kv_pages: int = 0, num_states: int = 0) -> Allocation | None:

@@ -245,6 +245,21 @@ class TreeMachine(RuleBasedStateMachine):
         self.step()
         self.tree.evict_host(num_kv_pages=pages, num_states=states, archived_only=archived_only)
 
+    @rule(data=st.data())
+    def release_states(self, data: st.DataObject) -> None:
+        self.step()
+        tree = self.tree
+        _, tokens, salt = self.pick(data)
+        m = tree.match_prefix(tokens, salt=salt)
+        node = m.last_node
+        free0 = [p.num_free for p in (tree.device_mamba, tree.host_mamba) if p is not None]
+        r = tree.release_states([node])
+        freed = sum(p.num_free for p in (tree.device_mamba, tree.host_mamba) if p is not None) - sum(free0)
+        assert freed == r.num_states
+        if node.parent is not None and node.alive:
+            assert node.device_state is None or node.device_lock or node.loading
+            assert node.host_state is None or node.host_lock
+
     @rule(data=st.data(), defer=st.booleans())
     def back_up_path(self, data: st.DataObject, defer: bool) -> None:
         self.step()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from trace_builders import BLOCK, make_config, make_spec, make_trace
+from trace_builders import BLOCK, make_config, make_spec, make_trace, mixed_trace
 
 from asynccache.errors import ConfigError
 from asynccache.trace.bound import infinite_cache_bound
@@ -125,21 +125,8 @@ def test_dense_storage_states_serve_a_second_occurrence() -> None:
 
 
 # ---- determinism and budgets ---------------------------------------------------------------------
-def _mixed_trace(seed: int, n: int = 120) -> Trace:
-    rng = np.random.default_rng(seed)
-    reqs, convs, next_id = [], [], 1000
-    for t in range(n):
-        if convs and rng.random() < 0.55:
-            c = int(rng.integers(len(convs)))
-            ids = convs[c][:-1] + list(range(next_id, next_id + int(rng.integers(1, 4))))
-            convs[c] = ids
-        else:
-            prefix = [0, 1, 2][: int(rng.integers(0, 4))]
-            ids = prefix + list(range(next_id, next_id + int(rng.integers(2, 6))))
-            convs.append(ids)
-        next_id += 8
-        reqs.append((t * 0.5, ids))
-    return make_trace(reqs)
+def _mixed_trace(seed: int) -> Trace:
+    return mixed_trace(seed, 120, shared=3)
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from asynccache.spec import HybridSpec
 from asynccache.trace.loader import Trace
 from asynccache.trace.policies import parse_combo
@@ -45,3 +47,22 @@ def make_config(
         check_integrity_every=1,
     )
 
+
+
+def mixed_trace(seed: int, n: int, *, shared: int) -> Trace:
+    """``n`` random requests: 55 % extend a random earlier conversation, the rest start one,
+    beginning with up to ``shared`` blocks every conversation may share."""
+    rng = np.random.default_rng(seed)
+    reqs, convs, next_id = [], [], 1000
+    for t in range(n):
+        if convs and rng.random() < 0.55:
+            c = int(rng.integers(len(convs)))
+            ids = convs[c][:-1] + list(range(next_id, next_id + int(rng.integers(1, 4))))
+            convs[c] = ids
+        else:
+            prefix = list(range(shared))[: int(rng.integers(0, shared + 1))]
+            ids = prefix + list(range(next_id, next_id + int(rng.integers(2, 6))))
+            convs.append(ids)
+        next_id += 8
+        reqs.append((t * 2.0, ids))
+    return make_trace(reqs)
