@@ -268,7 +268,8 @@ class _Plan:
 
 class ObjectBackend(ABC):
     """Base of the built-in backends (see the module docstring). Event-loop bound: every method
-    is called from one event loop; blocking work goes to the backend's :class:`WorkerPool`.
+    is called from one event loop; blocking work goes to the backend's :class:`WorkerPool`
+    (a backend may run short CPU steps, such as checksumming one piece of a page, on the loop).
 
     Subclasses implement the primitives on *names* (from :meth:`object_name`):
 

@@ -11,7 +11,8 @@ Primitives:
   in the ``mamba`` space, a KV page under its own hash in the ``kv`` space.
 - :class:`ObjectGeometry` — what one object of a pool holds (pool, dtype, layers × item bytes).
 - :class:`ObjectCodec` — header encoding and verification for one namespace, whole-object
-  encode / decode-into-slot for backends that move objects as one buffer.
+  encode / decode-into-slot for backends that move objects as one buffer, and the object as
+  header + slot views (``encode_parts``) for backends that can send a list of buffers.
 - :func:`slot_buffers` — the contiguous runs of one host slot in payload order.
 
 An object is a header followed by the payload (little-endian)::
@@ -38,14 +39,17 @@ import re
 import struct
 import threading
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
 from asynccache.errors import BackendError, ConfigError, ObjectFormatError
 from asynccache.pools.base import ItemPool
 from asynccache.pools.views import KVViews, StateViews
+
+T = TypeVar("T")
 
 __all__ = [
     "FORMAT_VERSION",
@@ -64,6 +68,7 @@ __all__ = [
     "StopRequested",
     "PayloadChecksum",
     "payload_checksum",
+    "run_steps",
 ]
 
 MAGIC = b"ACSO"
@@ -258,7 +263,7 @@ class PayloadChecksum:
 
     def _add_blocks(self, data: np.ndarray) -> None:
         n = data.nbytes // _BLOCK_BYTES
-        sums = data.view(np.uint64).reshape(n, _BLOCK_BYTES // 8).sum(axis=1, dtype=np.uint64)
+        sums = np.add.reduce(data.view(np.uint64).reshape(n, _BLOCK_BYTES // 8), axis=1)
         b0 = self._num_blocks
         if b0 + n <= len(_WEIGHTS):
             weights = _WEIGHTS[b0 : b0 + n]
@@ -297,11 +302,16 @@ def slot_buffers(pool: ItemPool, index: int) -> list[np.ndarray]:
     return list(item)
 
 
-def iter_chunks(buffers: Sequence[np.ndarray], chunk_bytes: int = IO_CHUNK_BYTES) -> Iterator[np.ndarray]:
-    """Split buffers into pieces of at most ``chunk_bytes`` (views, in order)."""
+def iter_chunks(buffers: Sequence[np.ndarray], chunk_bytes: int | None = None) -> Iterator[np.ndarray]:
+    """Split buffers into pieces of at most ``chunk_bytes`` (default ``IO_CHUNK_BYTES``; views, in order)."""
+    chunk_bytes = IO_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     for buf in buffers:
         for start in range(0, buf.nbytes, chunk_bytes):
             yield buf[start : start + chunk_bytes]
+
+
+def _header_bytes(descriptor_bytes: int) -> int:
+    return -(-(_FIXED.size + descriptor_bytes) // _HEADER_ALIGN) * _HEADER_ALIGN
 
 
 def _check_stop(stop: threading.Event | None) -> None:
@@ -327,8 +337,7 @@ class ObjectCodec:
 
     def header_bytes(self, geometry: ObjectGeometry, key: str) -> int:
         """Size of the header of ``key``'s object (known before reading)."""
-        raw = _FIXED.size + len(self._descriptor(geometry, key))
-        return -(-raw // _HEADER_ALIGN) * _HEADER_ALIGN
+        return _header_bytes(len(self._descriptor(geometry, key)))
 
     def object_bytes(self, geometry: ObjectGeometry, key: str) -> int:
         """Exact size of a valid object of ``key``."""
@@ -336,7 +345,7 @@ class ObjectCodec:
 
     def encode_header(self, geometry: ObjectGeometry, key: str, payload_sum: int) -> bytearray:
         desc = self._descriptor(geometry, key)
-        hlen = self.header_bytes(geometry, key)
+        hlen = _header_bytes(len(desc))
         out = bytearray(hlen)
         _FIXED.pack_into(
             out, 0, MAGIC, FORMAT_VERSION, hlen, geometry.payload_bytes, payload_sum, 0, self.digest, len(desc)
@@ -348,14 +357,16 @@ class ObjectCodec:
     def verify_header(self, buf: bytes | bytearray | memoryview, geometry: ObjectGeometry, key: str) -> int:
         """Check that ``buf`` starts with the header of ``key``'s object in this namespace;
         return the payload checksum it records. Raises :class:`ObjectFormatError` naming the problem."""
-        expected = self.encode_header(geometry, key, 0)
-        view = memoryview(buf)
+        return self._verify_header(memoryview(buf), self.encode_header(geometry, key, 0), geometry, key)
+
+    def _verify_header(self, view: memoryview, expected: bytearray, geometry: ObjectGeometry, key: str) -> int:
+        """:meth:`verify_header` given ``expected``, the header of ``key`` with a zero payload sum."""
         hlen = len(expected)
         if len(view) >= hlen and view[:16] == expected[:16] and view[28:hlen] == expected[28:]:
             # every byte but the payload sum and the header CRC is as expected: a corrupted
             # payload sum is caught by the payload check, a corrupted header CRC is harmless
             return int.from_bytes(view[16:24], "little")
-        header = ObjectHeader.decode(buf)  # the slow path names the problem
+        header = ObjectHeader.decode(view)  # the slow path names the problem
         if header.namespace_digest != self.digest:
             raise ObjectFormatError("object of a foreign namespace (another model, dtype or TP shard)")
         if header.key != key:
@@ -385,6 +396,29 @@ class ObjectCodec:
         out[:hlen] = self.encode_header(geometry, key, check.digest())
         return out
 
+    def encode_parts(
+        self, geometry: ObjectGeometry, key: str, buffers: Sequence[np.ndarray], stop: threading.Event | None = None
+    ) -> list[bytes | np.ndarray]:
+        """The object of ``key`` as parts to send in order, without copying the payload: its
+        header, then ``buffers`` themselves (their concatenation is :meth:`encode`'s output).
+        The header records the checksum of the buffers as they are now: bytes that change
+        before they are sent make an object that fails its payload check."""
+        return run_steps(self.encode_parts_steps(geometry, key, buffers), stop)
+
+    def encode_parts_steps(
+        self, geometry: ObjectGeometry, key: str, buffers: Sequence[np.ndarray]
+    ) -> Generator[None, None, list[bytes | np.ndarray]]:
+        """:meth:`encode_parts` in steps of one piece (see :func:`run_steps`)."""
+        check, size = PayloadChecksum(), 0
+        for piece in iter_chunks(buffers):
+            if size:
+                yield
+            check.update(piece)
+            size += piece.nbytes
+        if size != geometry.payload_bytes:
+            raise ConfigError(f"slot holds {size} bytes, geometry says {geometry.payload_bytes}")
+        return [bytes(self.encode_header(geometry, key, check.digest())), *buffers]
+
     def decode_into(
         self,
         data: bytes | bytearray | memoryview,
@@ -395,21 +429,42 @@ class ObjectCodec:
     ) -> None:
         """Verify the object ``data`` of ``key`` and copy its payload into ``buffers``.
 
-        The checksum is computed piece by piece as the payload is copied, so on an
-        :class:`ObjectFormatError` the destination holds unspecified bytes (callers treat the
-        slot as a miss)."""
+        Each piece is copied first and then checksummed where it landed, while it is still in
+        the core's cache: the source is read from memory once, as by a plain copy, and the
+        check covers the bytes the caller gets. On an :class:`ObjectFormatError` the
+        destination holds unspecified bytes (callers treat the slot as a miss)."""
+        run_steps(self.decode_steps(data, geometry, key, buffers), stop)
+
+    def decode_steps(
+        self, data: bytes | bytearray | memoryview, geometry: ObjectGeometry, key: str, buffers: Sequence[np.ndarray]
+    ) -> Generator[None, None, None]:
+        """:meth:`decode_into` in steps of one piece (see :func:`run_steps`)."""
         view = memoryview(data)
-        expected = self.object_bytes(geometry, key)
-        if len(view) != expected:
-            raise ObjectFormatError(f"object of {len(view)} bytes, expected {expected} (truncated or foreign)")
-        want = self.verify_header(view, geometry, key)
+        expected = self.encode_header(geometry, key, 0)
+        size = len(expected) + geometry.payload_bytes
+        if len(view) != size:
+            raise ObjectFormatError(f"object of {len(view)} bytes, expected {size} (truncated or foreign)")
+        want = self._verify_header(view, expected, geometry, key)
         src = np.frombuffer(view, dtype=np.uint8)
-        check, off = PayloadChecksum(), self.header_bytes(geometry, key)
+        check, off = PayloadChecksum(), len(expected)
         for piece in iter_chunks(buffers):
-            _check_stop(stop)
-            chunk = src[off : off + piece.nbytes]
-            check.update(chunk)
-            piece[...] = chunk
+            if off > len(expected):
+                yield
+            piece[...] = src[off : off + piece.nbytes]
+            check.update(piece)
             off += piece.nbytes
         if check.digest() != want:
             raise ObjectFormatError("payload checksum mismatch")
+
+
+def run_steps(steps: Generator[None, None, T], stop: threading.Event | None = None) -> T:
+    """Run a stepwise codec operation to its end and return its result, checking ``stop``
+    before each step. A step handles one piece of at most ``IO_CHUNK_BYTES`` (~50 µs of copy
+    and checksum): an event loop can run one step per callback instead, so that the work never
+    holds the loop for longer than that (dropping the generator abandons the operation)."""
+    while True:
+        _check_stop(stop)
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]

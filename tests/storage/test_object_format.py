@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -16,8 +18,10 @@ from storage_backends.object_format import (
     ObjectGeometry,
     ObjectHeader,
     PayloadChecksum,
+    StopRequested,
     object_relpath,
     payload_checksum,
+    run_steps,
     slot_buffers,
     validate_key,
 )
@@ -84,6 +88,52 @@ def test_encode_decode_between_layouts() -> None:
         codec.decode_into(damaged, geo, key, slot_buffers(dst, 1))
     with pytest.raises(ObjectFormatError, match="truncated"):
         codec.decode_into(data[:-1], geo, key, slot_buffers(dst, 1))
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_encode_parts_are_the_object_without_a_copy(layout: str) -> None:
+    codec, key = ObjectCodec(NAMESPACE), make_keys(1)[0]
+    src, _ = make_pools(2, layout=layout, seed=6)
+    geo = ObjectGeometry.of_pool(PoolName.KV, src)
+    buffers = slot_buffers(src, 1)
+    parts = codec.encode_parts(geo, key, buffers)
+    assert b"".join(bytes(p) for p in parts) == bytes(codec.encode(geo, key, buffers))
+    assert all(part is buf for part, buf in zip(parts[1:], buffers, strict=True))  # the slot itself
+    dst, _ = make_pools(2, seed=None)
+    codec.decode_into(b"".join(bytes(p) for p in parts), geo, key, slot_buffers(dst, 0))
+    assert slot(dst, 0) == slot(src, 1)
+
+
+def test_a_slot_changed_before_its_parts_are_sent_makes_an_invalid_object() -> None:
+    codec, key = ObjectCodec(NAMESPACE), make_keys(1)[0]
+    src, _ = make_pools(2, seed=6)
+    geo = ObjectGeometry.of_pool(PoolName.KV, src)
+    parts = codec.encode_parts(geo, key, slot_buffers(src, 0))
+    slot_buffers(src, 0)[0][5] ^= 0x10  # overwritten while the upload is still reading it
+    dst, _ = make_pools(2, seed=None)
+    with pytest.raises(ObjectFormatError, match="checksum"):
+        codec.decode_into(b"".join(bytes(p) for p in parts), geo, key, slot_buffers(dst, 0))
+
+
+def test_stepwise_codec_runs_one_piece_per_step_and_stops_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from storage_backends import object_format
+
+    monkeypatch.setattr(object_format, "IO_CHUNK_BYTES", 256)
+    codec, key = ObjectCodec(NAMESPACE), make_keys(1)[0]
+    src, _ = make_pools(2, seed=6)
+    geo = ObjectGeometry.of_pool(PoolName.KV, src)
+    pieces = -(-geo.payload_bytes // 256)
+    data = codec.encode(geo, key, slot_buffers(src, 0))
+    dst, _ = make_pools(2, seed=None)
+    steps = codec.decode_steps(data, geo, key, slot_buffers(dst, 0))
+    assert sum(1 for _ in steps) == pieces - 1  # a step between two pieces
+    assert slot(dst, 0) == slot(src, 0)
+    parts = run_steps(codec.encode_parts_steps(geo, key, slot_buffers(src, 0)))
+    assert b"".join(bytes(p) for p in parts) == bytes(data)
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(StopRequested):
+        codec.decode_into(data, geo, key, slot_buffers(dst, 1), stop)
 
 
 def test_keys_and_names_are_strict() -> None:

@@ -1,18 +1,27 @@
-"""S3 specifics against a real SeaweedFS: a server killed mid-batch, a hung server, bad credentials."""
+"""S3 specifics: how objects are cut into upload parts and stepped on the loop, and against a real
+SeaweedFS: a server killed mid-batch, a hung server, bad credentials."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Generator
 
+import numpy as np
 import pytest
-from storage_harness import NAMESPACE, SeaweedServer, kv_transfer, make_keys, make_pools, mamba_transfer, slot
+from storage_harness import (
+    NAMESPACE,
+    SeaweedServer,
+    kv_transfer,
+    make_keys,
+    make_pools,
+    mamba_transfer,
+    slot,
+)
 
 from asynccache.storage import PoolName
-from storage_backends.object_store import ObjectStoreBackend
-
-pytestmark = pytest.mark.s3
+from storage_backends.object_store import ObjectStoreBackend, _cut_at_parts, _on_loop
 
 
 async def open_s3(server: SeaweedServer, prefix: str, **options: object):
@@ -23,6 +32,33 @@ async def open_s3(server: SeaweedServer, prefix: str, **options: object):
     return backend, kv, mamba
 
 
+@pytest.mark.parametrize("sizes", [[64, 1000, 40, 3], [1, 1, 1], [4096], [100, 0, 28]])
+def test_parts_are_cut_at_part_boundaries_without_a_copy(sizes: list[int]) -> None:
+    part = 128
+    buffers = [np.arange(n, dtype=np.uint8) + i for i, n in enumerate(sizes)]
+    pieces = _cut_at_parts([b"head", *buffers], part)
+    assert b"".join(bytes(p) for p in pieces) == b"head" + b"".join(b.tobytes() for b in buffers)
+    ends = np.cumsum([len(p) for p in pieces])
+    assert set(range(part, int(ends[-1]) + 1, part)) <= set(ends.tolist())  # every boundary is a cut
+    assert all(len(p) <= part for p in pieces)
+    assert np.shares_memory(np.frombuffer(pieces[1], dtype=np.uint8), buffers[0])
+
+
+async def test_stepwise_work_on_the_loop_lets_other_tasks_run() -> None:
+    log: list[str] = []
+
+    def steps(name: str, n: int) -> Generator[None, None, str]:
+        for i in range(n):
+            if i:
+                yield
+            log.append(name)
+        return name
+
+    assert await asyncio.gather(_on_loop(steps("a", 3)), _on_loop(steps("b", 3))) == ["a", "b"]
+    assert log == ["a", "b", "a", "b", "a", "b"]
+
+
+@pytest.mark.s3
 async def test_server_killed_mid_batch(private_seaweedfs: SeaweedServer, monkeypatch: pytest.MonkeyPatch,
                                        caplog: pytest.LogCaptureFixture) -> None:
     server = private_seaweedfs
@@ -66,6 +102,7 @@ async def test_server_killed_mid_batch(private_seaweedfs: SeaweedServer, monkeyp
     await reader.aclose()
 
 
+@pytest.mark.s3
 async def test_a_hung_server_times_out_into_misses(private_seaweedfs: SeaweedServer,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     server = private_seaweedfs
@@ -94,6 +131,7 @@ async def test_a_hung_server_times_out_into_misses(private_seaweedfs: SeaweedSer
     await backend.aclose()
 
 
+@pytest.mark.s3
 async def test_wrong_credentials_are_failures_and_never_logged(s3_env: SeaweedServer, monkeypatch: pytest.MonkeyPatch,
                                                                caplog: pytest.LogCaptureFixture) -> None:
     wrong = "not-the-secret-" + s3_env.secret_key[::-1]
