@@ -235,8 +235,7 @@ class Scheduler:
                 req.future.set_exception(CapacityError("request does not fit in the device pools"))
             return
         ctrl = self.cache.controller
-        if not await self._resume_tails():
-            return
+        await self._resume_tails()
         counter = ctrl.start_loading()
         seqs, reqs = self._build_batch()
         seeds = [(r.seed_slot, r.state_slot) for r in reqs if r.seed_slot is not None]
@@ -347,18 +346,17 @@ class Scheduler:
         return sorted(p for p in positions if num_cached < p <= computed_len and p not in skipped)
 
     # ---- split restores ----------------------------------------------------------------
-    async def _resume_tails(self) -> bool:
+    async def _resume_tails(self) -> None:
         """Apply the tail restores whose head is computed and whose read has landed; when no
-        request could run otherwise, wait for the first read. False: nothing to run this step."""
+        request could run otherwise, wait for the first read (so one can run afterwards)."""
         blocked = [r for r in self._running if r.tail is not None and r.num_computed >= r.tail.begin_tokens]
         if not blocked:
-            return True
+            return
         if len(blocked) == len(self._running) and not any(r.tail.fetch.done() for r in blocked):
             await asyncio.wait({r.tail.fetch for r in blocked}, return_when=asyncio.FIRST_COMPLETED)
         for r in blocked:
             if r.tail.fetch.done():
                 self._apply_tail(r)
-        return any(r.tail is None or r.num_computed < r.tail.begin_tokens for r in self._running)
 
     def _apply_tail(self, req: _Request) -> None:
         tail, req.tail = req.tail, None

@@ -20,17 +20,14 @@ costs O(nodes on the path), not O(tokens) Python steps.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from asynccache.errors import ConfigError
-from asynccache.policy.base import AdmissionContext, AdmissionPolicy, EvictionPolicy
-from asynccache.policy.write import WriteMode, WritePolicy
+from asynccache.policy.base import AdmissionContext
 from asynccache.pools.base import ItemPool
-from asynccache.spec import HybridSpec
-from asynccache.tree.core import WriteBackFn
 from asynccache.tree.evict import EvictionMixin
 from asynccache.tree.hashing import PageHashes, TokenIds, encode_tokens
 from asynccache.tree.node import Tier, TreeNode
@@ -57,35 +54,6 @@ class HybridRadixTree(EvictionMixin, TransferMixin):
 
     Call from one thread (the event loop's); no method awaits or blocks.
     """
-
-    def __init__(
-        self,
-        spec: HybridSpec,
-        *,
-        device_kv: ItemPool,
-        device_mamba: ItemPool,
-        host_kv: ItemPool | None = None,
-        host_mamba: ItemPool | None = None,
-        admission: AdmissionPolicy | None = None,
-        eviction: EvictionPolicy | None = None,
-        write_policy: WritePolicy | WriteMode | str | None = None,
-        model_id: str | None = None,
-        write_back: WriteBackFn | None = None,
-        clock: Callable[[], float] | None = None,
-    ) -> None:
-        super().__init__(
-            spec,
-            device_kv=device_kv,
-            device_mamba=device_mamba,
-            host_kv=host_kv,
-            host_mamba=host_mamba,
-            admission=admission,
-            eviction=eviction,
-            write_policy=write_policy,
-            model_id=model_id,
-            write_back=write_back,
-            clock=clock,
-        )
 
     # ---- admission -------------------------------------------------------------------------
     def state_positions(
