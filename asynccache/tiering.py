@@ -16,13 +16,17 @@
   — when the caller can take it (``allow_tail=True``) — a :class:`TailRestore`: the engine
   computes the head of the prefix itself while the tier reads the tail's KV pages and the state
   at its end into private host slots, so reading and computing overlap. The split balances the
-  two: ``min over b of max(compute(head b), read(tail from b))``.
+  two: ``min over b of max(compute(head b), read(tail from b))``. Read estimates are corrected
+  by the read times observed, separately for whole restores and for tails read beside a head's
+  computation (:class:`ReadTimeCorrection`): the two share the host's CPU, so a split overlaps
+  less than perfectly, and the model learns by how much.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +39,7 @@ from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer, StorageBac
 if TYPE_CHECKING:
     from asynccache.controller import HybridCacheController
 
-__all__ = ["StorageTier", "PrefetchResult", "RestoreCost", "TailRestore"]
+__all__ = ["StorageTier", "PrefetchResult", "RestoreCost", "ReadTimeCorrection", "TailRestore"]
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +51,33 @@ _MAX_PENDING_BACKUPS = 4096
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RestoreCost:
     """What restoring from storage costs against recomputing: the storage tier's read bandwidth
-    and the engine's prefill rate (both measured by the caller, e.g. in a warm-up)."""
+    and the engine's prefill rate (both measured by the caller, e.g. in a warm-up).
+
+    The tier corrects the read estimate by what it observes (:class:`ReadTimeCorrection`):
+    separately for reads alone (restore everything) and for reads beside the engine computing a
+    head (a split restore), where both share the host's CPU."""
 
     read_bytes_per_s: float
     prefill_tokens_per_s: float
+
+
+class ReadTimeCorrection:
+    """Observed ÷ estimated read time (``bytes / read_bytes_per_s``), a moving average of the
+    last few restores (weight ``alpha`` on the newest); 1 until a read has been observed.
+    Reads shorter than ``min_bytes`` are not observed (their time is mostly latency)."""
+
+    def __init__(self, *, alpha: float = 0.5, min_bytes: int = 64 << 20) -> None:
+        self.alpha = alpha
+        self.min_bytes = min_bytes
+        self.factor = 1.0
+        self.samples = 0
+
+    def observe(self, nbytes: int, elapsed_s: float, read_bytes_per_s: float) -> None:
+        if nbytes < self.min_bytes or elapsed_s <= 0:
+            return
+        ratio = elapsed_s * read_bytes_per_s / nbytes
+        self.factor = ratio if not self.samples else self.alpha * ratio + (1 - self.alpha) * self.factor
+        self.samples += 1
 
 
 @dataclass(slots=True, kw_only=True, eq=False)
@@ -120,6 +147,9 @@ class StorageTier:
         self.counts: Counter[str] = Counter()
         #: Cost model for choosing how much of a stored prefix to restore (``None``: all of it).
         self.cost: RestoreCost | None = None
+        #: Observed ÷ estimated read time of whole restores and of split restores' tails.
+        self.read_alone = ReadTimeCorrection()
+        self.read_beside_compute = ReadTimeCorrection()
 
     async def register(self) -> None:
         for name, (_, host) in self.controller.pools.items():
@@ -241,25 +271,28 @@ class StorageTier:
         sum, linear in the depth, so among such splits only the two ends can win: everything
         (reading pages is cheaper than computing them) or nothing. Recomputing is always a
         candidate, so restoring is never chosen when estimated slower. A tail restore overlaps
-        the two and costs the max; the best head balances them.
+        the two and costs the max; the best head balances them. Read times are scaled by the
+        observed corrections (:attr:`read_alone`, :attr:`read_beside_compute`).
         """
         assert self.cost is not None
         spec = self.tree.spec
         page, kvb, sb = spec.page_size, spec.kv_page_bytes, spec.state_bytes
-        bw, rate = self.cost.read_bytes_per_s, self.cost.prefill_tokens_per_s
+        rate = self.cost.prefill_tokens_per_s
+        bw_all = self.cost.read_bytes_per_s / self.read_alone.factor
+        bw_tail = self.cost.read_bytes_per_s / self.read_beside_compute.factor
         rest_s = (num_tokens - n * page) / rate  # computed after the stored prefix in every plan
 
         def plan_cost(begin: int, end: int) -> float:
             if end == start_page:
                 return (num_tokens - start_page * page) / rate
             if begin == start_page:  # restore everything (every page is read, see _fetch)
-                return (end * kvb + sb) / bw + rest_s
-            return max((begin - start_page) * page / rate, ((end - begin) * kvb + sb) / bw) + rest_s
+                return (end * kvb + sb) / bw_all + rest_s
+            return max((begin - start_page) * page / rate, ((end - begin) * kvb + sb) / bw_tail) + rest_s
 
         plans = [(start_page, start_page), (start_page, n)]
         if allow_tail and n - start_page >= 2:
             # The head b where computing [start, b) takes as long as reading [b, n) + the state.
-            b = (start_page * page / rate + (n * kvb + sb) / bw) / (page / rate + kvb / bw)
+            b = (start_page * page / rate + (n * kvb + sb) / bw_tail) / (page / rate + kvb / bw_tail)
             for cand in {int(b), int(b) + 1}:
                 if start_page < cand < n:
                     plans.append((cand, n))
@@ -300,6 +333,7 @@ class StorageTier:
         return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0, tail=tail)
 
     async def _read_tail(self, keys: list[str], host_kv: torch.Tensor, host_slot: torch.Tensor) -> bool:
+        t0 = time.perf_counter()
         try:
             results = await self.backend.batch_get_v2(
                 [
@@ -315,7 +349,13 @@ class StorageTier:
             self.counts["prefetch_incomplete"] += 1
             return False
         self.counts["tail_pages"] += len(keys)
+        self._observe(self.read_beside_compute, len(keys), time.perf_counter() - t0)
         return True
+
+    def _observe(self, correction: ReadTimeCorrection, num_pages: int, elapsed_s: float) -> None:
+        if self.cost is not None:
+            spec = self.tree.spec
+            correction.observe(num_pages * spec.kv_page_bytes + spec.state_bytes, elapsed_s, self.cost.read_bytes_per_s)
 
     async def _fetch(
         self, tokens: Any, match: Any, keys: list[str], start_page: int, n: int, *, salt: str
@@ -337,6 +377,7 @@ class StorageTier:
                 self.counts["prefetch_no_room"] += 1
                 return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
             host_kv, host_slot = alloc.kv_indices, alloc.state_slots
+            t0 = time.perf_counter()
             results = await self.backend.batch_get_v2(
                 [
                     PoolTransfer(pool_name=PoolName.KV, keys=tuple(keys[:n]), host_indices=host_kv),
@@ -346,6 +387,7 @@ class StorageTier:
             if not (all(results[0]) and all(results[1])):
                 self.counts["prefetch_incomplete"] += 1
                 return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
+            self._observe(self.read_alone, n, time.perf_counter() - t0)
             self.tree.insert_host(tokens[: n * page], host_kv, host_states={n * page: int(host_slot[0])}, salt=salt)
             inserted = True
             self.counts["prefetch_hit"] += 1

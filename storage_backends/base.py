@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import threading
 from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
@@ -44,7 +45,7 @@ from asynccache.pools.base import ItemPool
 from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer, PoolTransferResult, longest_hit
 from storage_backends.object_format import ObjectCodec, ObjectGeometry, slot_buffers, validate_key
 
-__all__ = ["BackendStatistics", "ObjectBackend", "BatchItem", "Outcome", "LRUCapacity", "WorkerPool", "check_common_options"]
+__all__ = ["BackendStatistics", "ObjectBackend", "BatchItem", "Outcome", "LRUCapacity", "WorkerPool", "check_common_options", "usable_cores"]
 
 logger = logging.getLogger("asynccache.storage")
 
@@ -76,6 +77,14 @@ class BackendStatistics:
 
 
 _COUNTERS = tuple(f for f in BackendStatistics.__dataclass_fields__ if f.startswith(("num_", "bytes_")))
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity API on this OS
+        return os.cpu_count() or 1
 
 
 def check_common_options(

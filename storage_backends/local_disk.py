@@ -9,7 +9,8 @@ I/O runs on a bounded pool of threads (``max_concurrency``; a batch is spread ov
 many jobs, each taking the next object as it finishes one) with ``preadv``/``pwritev`` straight
 between the file and the host slot — no intermediate buffer, for page_first and layer_first
 pools alike (a layer_first slot is a list of per-layer iovecs). The payload checksum is
-computed in the same thread, piece by piece, while the piece is hot in cache.
+computed in the same thread, piece by piece (``read_piece_bytes``), while the piece is hot in
+cache.
 
 Writes are atomic and put-if-absent: the object is written to a temporary name, optionally
 fsynced, then hard-linked to its final name (``link`` fails if the name exists, so exactly one
@@ -37,7 +38,7 @@ import numpy as np
 
 from asynccache.errors import BackendError, ConfigError, ObjectFormatError
 from asynccache.storage import PoolName
-from storage_backends.base import BatchItem, ObjectBackend, Outcome, WorkerPool
+from storage_backends.base import BatchItem, ObjectBackend, Outcome, WorkerPool, usable_cores
 from storage_backends.object_format import (
     IO_CHUNK_BYTES,
     PayloadChecksum,
@@ -68,16 +69,16 @@ def parse_file_uri(uri: str) -> str:
     return os.path.normpath(path)
 
 
-def _groups(buffers: Sequence[np.ndarray]) -> list[list[memoryview]]:
-    """iovec groups of at most IO_CHUNK_BYTES and _MAX_IOVECS views each, in order."""
+def _groups(buffers: Sequence[np.ndarray], piece_bytes: int = IO_CHUNK_BYTES) -> list[list[memoryview]]:
+    """iovec groups of at most ``piece_bytes`` and _MAX_IOVECS views each, in order."""
     groups: list[list[memoryview]] = []
     group: list[memoryview] = []
     size = 0
     for buf in buffers:
         view = memoryview(buf).cast("B")
-        for start in range(0, len(view), IO_CHUNK_BYTES):
-            piece = view[start : start + IO_CHUNK_BYTES]
-            if group and (size + len(piece) > IO_CHUNK_BYTES or len(group) == _MAX_IOVECS):
+        for start in range(0, len(view), piece_bytes):
+            piece = view[start : start + piece_bytes]
+            if group and (size + len(piece) > piece_bytes or len(group) == _MAX_IOVECS):
                 groups.append(group)
                 group, size = [], 0
             group.append(piece)
@@ -128,11 +129,25 @@ class LocalDiskBackend(ObjectBackend):
     #: One I/O job per core, up to 8: reads served from the page cache are memory-bound, and
     #: more jobs than cores only contend (measured on 2 cores: 2 jobs read at 0.93 of the raw
     #: path, 8 jobs at 0.59); 8 in flight is where cold disk reads stop gaining.
-    default_max_concurrency = max(1, min(8, os.cpu_count() or 1))
+    default_max_concurrency = max(1, min(8, usable_cores()))
+    #: Default ``read_piece_bytes`` on machines with more than ``SMALL_PIECE_MAX_CORES`` usable
+    #: cores. A read job takes the GIL back after every piece: with 8 jobs reading 256 KiB
+    #: pieces beside a launch-bound forward pass, both slowed down (a 32k-token restore on an
+    #: H200 machine, 16 cores: 397–409 ms with 256 KiB pieces, 338–355 ms with 4 MiB;
+    #: docs/benchmarks.md, Long-prefix TTFT). On few cores page-cache reads are memory-bound and
+    #: a piece checksummed while it is still in L2 wins (see the module docstring).
+    LARGE_READ_PIECE_BYTES = 4 << 20
+    SMALL_PIECE_MAX_CORES = 4
 
-    def __init__(self, uri: str, *, fsync: bool = True, **options: Any) -> None:
+    def __init__(self, uri: str, *, fsync: bool = True, read_piece_bytes: int | None = None, **options: Any) -> None:
         self.root = parse_file_uri(uri)
         super().__init__(uri, **options)
+        if read_piece_bytes is None:
+            small = usable_cores() <= self.SMALL_PIECE_MAX_CORES
+            read_piece_bytes = IO_CHUNK_BYTES if small else self.LARGE_READ_PIECE_BYTES
+        if not isinstance(read_piece_bytes, int) or isinstance(read_piece_bytes, bool) or read_piece_bytes < 4096:
+            raise ConfigError(f"read_piece_bytes must be an int >= 4096, got {read_piece_bytes!r}")
+        self.read_piece_bytes = read_piece_bytes
         self.fsync = bool(fsync)
         self.namespace_dir = os.path.join(self.root, self.codec.digest_hex)
         self._workers = WorkerPool(self.max_concurrency, name="asynccache-disk")
@@ -219,7 +234,7 @@ class LocalDiskBackend(ObjectBackend):
             _preadv_all(fd, [memoryview(header)], 0)
             want = self.codec.verify_header(header, geometry, key)
             check, offset = PayloadChecksum(), len(header)
-            for group in _groups(item.buffers()):
+            for group in _groups(item.buffers(), self.read_piece_bytes):
                 _check(stop, deadline)
                 _preadv_all(fd, group, offset)
                 for view in group:
@@ -330,5 +345,7 @@ def _unlink_all(stop: threading.Event, names: list[str]) -> None:
 
 def open_local_disk(uri: str, **options: Any) -> LocalDiskBackend:
     """Open ``file:///path``; options: ``namespace`` (required), ``capacity_bytes``,
-    ``max_concurrency`` (one per core, at most 8), ``timeout_s`` (30), ``fsync`` (True)."""
+    ``max_concurrency`` (one per core, at most 8), ``timeout_s`` (30), ``fsync`` (True),
+    ``read_piece_bytes`` (bytes read and checksummed per step: 256 KiB on up to 4 usable
+    cores, 4 MiB on more)."""
     return LocalDiskBackend(uri, **options)

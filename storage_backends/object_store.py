@@ -6,7 +6,11 @@ or the instance's credential provider, as obstore resolves them); a URI that car
 is refused, and neither the URI, the store nor any message of this module ever shows them.
 
 - Reads: one GET per object; the length and header are verified, then the payload is copied
-  into the host slot and checksummed there, piece by piece.
+  into the host slot and checksummed there, piece by piece. Objects larger than
+  ``multipart_threshold_bytes`` (Mamba states) are read as ranged GETs of
+  ``multipart_part_bytes``, ``multipart_concurrency`` at a time, each range copied and
+  checksummed as it arrives; the first carries the header and the object's size, the others are
+  asked of the same version (``If-Match``).
 - Writes: the payload checksum is computed over the slot, then the header and the slot's own
   bytes (no copy) are sent as one conditional PUT (``If-None-Match: *``: put-if-absent; a racing
   writer's ``412``/``409`` counts as present). A write cut short by a timeout may still be
@@ -18,9 +22,11 @@ is refused, and neither the URI, the store nor any message of this module ever s
   of one key both store a valid object and the last completion wins. Uploads cut short by a
   timeout can leave incomplete multipart uploads behind: give the bucket a lifecycle rule that
   aborts them.
-- The copy and checksum of an object up to ``inline_bytes`` (a KV page) run in the task that
-  moves it, on the event loop, handing the loop back after every piece of ``IO_CHUNK_BYTES``
-  (~50 µs); larger objects (Mamba states) go to a worker thread.
+- The copy and checksum of an object up to ``inline_bytes`` run in the task that moves it, on
+  the event loop, handing the loop back after every piece of ``IO_CHUNK_BYTES`` (~50 µs);
+  larger objects go to a worker thread. By default the KV pages stay on the loop on a machine
+  with at most 4 usable cores (a thread handoff costs more there than the copy) and every
+  object goes to the workers on larger machines (where one loop thread would be the limit).
 - Every request has a timeout (``timeout_s``) and is retried by obstore with exponential backoff
   and jitter (``max_retries``, bounded by ``timeout_s`` in total); the whole item is bounded by
   ``timeout_s`` as well.
@@ -37,10 +43,10 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
-from asynccache.errors import BackendError, ConfigError
+from asynccache.errors import BackendError, ConfigError, ObjectFormatError
 from asynccache.storage import PoolName
-from storage_backends.base import BatchItem, ObjectBackend, WorkerPool
-from storage_backends.object_format import validate_pool_name
+from storage_backends.base import BatchItem, ObjectBackend, WorkerPool, usable_cores
+from storage_backends.object_format import CHECKSUM_BLOCK_BYTES, validate_pool_name
 
 if TYPE_CHECKING:
     from obstore.store import S3Store
@@ -52,6 +58,10 @@ _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _SEGMENT_RE = re.compile(r"[A-Za-z0-9._-]+")
 _REGION_RE = re.compile(r"[a-z0-9-]{1,32}")
 _QUERY_KEYS = ("endpoint_url", "region")
+#: Copy-and-checksum piece of a worker thread: one numpy call per piece runs without the GIL,
+#: so a large piece leaves the GIL to the event loop for longer (pieces of ``IO_CHUNK_BYTES``
+#: took it back 6 times per 1.5 MiB page).
+WORKER_PIECE_BYTES = 4 << 20
 
 
 def _shown(uri: str) -> str:
@@ -125,13 +135,16 @@ class ObjectStoreBackend(ObjectBackend):
 
     probe_window = 32
     default_max_concurrency = 16
-    #: Objects up to this size (KV pages) are verified and copied (read) or checksummed (write)
-    #: in the task that moves them, one piece per event-loop step; larger ones (Mamba states)
-    #: on a worker thread. Two thread handoffs per page cost more than its copy on a busy
-    #: machine: on 2 cores against SeaweedFS, reads ran at 0.84 of the raw path with every
-    #: object on the 16 worker threads, at 0.94 with the pages on the loop (passes interleaved
-    #: in one process, 14 pairs each; docs/benchmarks.md, Storage).
-    inline_bytes = 4 << 20
+    #: Default of ``inline_bytes`` on a machine with at most ``INLINE_MAX_CORES`` usable cores.
+    #: Objects up to ``inline_bytes`` (KV pages) are verified and copied (read) or checksummed
+    #: (write) in the task that moves them, one piece per event-loop step; larger ones (Mamba
+    #: states) on a worker thread. On few cores two thread handoffs per page cost more than its
+    #: copy: on 2 cores against SeaweedFS, reads ran at 0.84 of the raw path with every object
+    #: on the 16 worker threads, at 0.94 with the pages on the loop. With cores to spare the one
+    #: loop thread is the bottleneck instead: on 16 cores the pages on the loop read at 0.79 of
+    #: the raw path (docs/benchmarks.md, Storage), so there every object goes to the workers.
+    INLINE_BYTES_FEW_CORES = 4 << 20
+    INLINE_MAX_CORES = 4
 
     def __init__(
         self,
@@ -141,6 +154,7 @@ class ObjectStoreBackend(ObjectBackend):
         multipart_threshold_bytes: int = 32 << 20,
         multipart_part_bytes: int = 8 << 20,
         multipart_concurrency: int = 4,
+        inline_bytes: int | None = None,
         **options: Any,
     ) -> None:
         location = parse_s3_uri(uri)
@@ -148,6 +162,11 @@ class ObjectStoreBackend(ObjectBackend):
             raise ConfigError("multipart parts must be >= 5 MiB and the threshold >= the part size")
         if max_retries < 0 or multipart_concurrency < 1:
             raise ConfigError("max_retries must be >= 0 and multipart_concurrency >= 1")
+        if inline_bytes is None:
+            inline_bytes = self.INLINE_BYTES_FEW_CORES if usable_cores() <= self.INLINE_MAX_CORES else 0
+        if not isinstance(inline_bytes, int) or isinstance(inline_bytes, bool) or inline_bytes < 0:
+            raise ConfigError(f"inline_bytes must be an int >= 0, got {inline_bytes!r}")
+        self.inline_bytes = inline_bytes
         super().__init__(uri, **options)
         try:
             import obstore
@@ -236,6 +255,8 @@ class ObjectStoreBackend(ObjectBackend):
             raise _backend_error(e) from None
 
     async def _read_object(self, item: BatchItem) -> bool:
+        if self.codec.object_bytes(item.geometry, item.key) > self.multipart_threshold_bytes:
+            return await self._read_ranges(item)
         data = await self._get(item.name)
         if data is None:
             return False
@@ -245,8 +266,66 @@ class ObjectStoreBackend(ObjectBackend):
             await self._workers.run(self._decode, data, item)
         return True
 
+    async def _get_range(self, name: str, start: int, end: int, etag: str | None) -> tuple[Any, dict[str, Any]] | None:
+        """Bytes ``[start, end)`` of ``name`` and its metadata, or ``None`` when absent. With
+        ``etag``, only from that version of the object (another version fails the request)."""
+        options: dict[str, Any] = {"range": (start, end)}
+        if etag is not None:
+            options["if_match"] = etag
+        try:
+            result = await self._obstore.get_async(self._store, name, options=options)
+            meta = result.meta
+            return await result.bytes_async(), meta
+        except FileNotFoundError:
+            return None
+        except self._errors as e:
+            raise _backend_error(e) from None
+
+    async def _read_ranges(self, item: BatchItem) -> bool:
+        """A large object (a Mamba state) as ranged GETs of ``multipart_part_bytes``,
+        ``multipart_concurrency`` at a time, each copied into its place in the slot and
+        checksummed on a worker as it arrives (the payload checksum is a sum over blocks, so
+        ranges check independently). The first range carries the header and the object's size;
+        the others are asked of that same version (``If-Match`` its ETag)."""
+        geometry, key, name = item.geometry, item.key, item.name
+        hlen = self.codec.header_bytes(geometry, key)
+        total = geometry.payload_bytes
+        step = max(CHECKSUM_BLOCK_BYTES, self.multipart_part_bytes // CHECKSUM_BLOCK_BYTES * CHECKSUM_BLOCK_BYTES)
+        first = await self._get_range(name, 0, hlen + min(step, total), None)
+        if first is None:
+            return False
+        data, meta = first
+        if int(meta["size"]) != hlen + total:
+            raise ObjectFormatError(f"object of {meta['size']} bytes, expected {hlen + total} (truncated or foreign)")
+        want = self.codec.verify_header(memoryview(data)[:hlen], geometry, key)
+        etag = meta.get("e_tag")
+        buffers = item.buffers()
+        limit = asyncio.Semaphore(self.multipart_concurrency)
+
+        async def one(offset: int) -> int:
+            async with limit:
+                got = await self._get_range(name, hlen + offset, hlen + min(offset + step, total), etag)
+            if got is None:
+                raise BackendError("object removed while it was being read")
+            return await self._workers.run(self._decode_range, got[0], offset, buffers)
+
+        try:
+            async with asyncio.TaskGroup() as tg:
+                rest = [tg.create_task(one(off)) for off in range(step, total, step)]
+                head = await self._workers.run(self._decode_range, memoryview(data)[hlen:], 0, buffers)
+        except BaseExceptionGroup as group:  # report one error as the item's outcome: corruption first
+            errors = _leaves(group)
+            raise next((e for e in errors if isinstance(e, ObjectFormatError)), errors[0]) from None
+        checksum = (head + sum(t.result() for t in rest)) & ((1 << 64) - 1)
+        if checksum != want:
+            raise ObjectFormatError("payload checksum mismatch")
+        return True
+
+    def _decode_range(self, stop: threading.Event, data: Any, offset: int, buffers: list[Any]) -> int:
+        return self.codec.decode_range_into(data, offset, buffers, stop, piece_bytes=WORKER_PIECE_BYTES)
+
     def _decode(self, stop: threading.Event, data: Any, item: BatchItem) -> None:
-        self.codec.decode_into(data, item.geometry, item.key, item.buffers(), stop)
+        self.codec.decode_into(data, item.geometry, item.key, item.buffers(), stop, piece_bytes=WORKER_PIECE_BYTES)
 
     async def _encode_parts(self, item: BatchItem, size: int) -> list[Any]:
         if size <= self.inline_bytes:
@@ -254,7 +333,7 @@ class ObjectStoreBackend(ObjectBackend):
         return await self._workers.run(self._encode_parts_blocking, item)
 
     def _encode_parts_blocking(self, stop: threading.Event, item: BatchItem) -> list[Any]:
-        return self.codec.encode_parts(item.geometry, item.key, item.buffers(), stop)
+        return self.codec.encode_parts(item.geometry, item.key, item.buffers(), stop, piece_bytes=WORKER_PIECE_BYTES)
 
     async def _write_object(self, item: BatchItem) -> bool:
         obstore, name = self._obstore, item.name
@@ -312,6 +391,13 @@ async def _on_loop(steps: Generator[None, None, T]) -> T:
         await asyncio.sleep(0)
 
 
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for e in group.exceptions:
+        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
+    return out
+
+
 def _cut_at_parts(parts: Sequence[Any], part_bytes: int) -> list[memoryview]:
     """``parts`` cut again (views, no copy) so that every multiple of ``part_bytes`` of their
     concatenation falls between two pieces. obstore waits for a free upload slot before taking
@@ -334,5 +420,7 @@ def open_object_store(uri: str, **options: Any) -> ObjectStoreBackend:
     """Open ``s3://bucket/prefix?endpoint_url=…&region=…``; options: ``namespace`` (required),
     ``capacity_bytes``, ``max_concurrency`` (16), ``timeout_s`` (30), ``max_retries`` (3),
     ``multipart_threshold_bytes`` (32 MiB), ``multipart_part_bytes`` (8 MiB),
-    ``multipart_concurrency`` (4)."""
+    ``multipart_concurrency`` (4), ``inline_bytes`` (objects up to this size are copied and
+    checksummed on the event loop, larger ones on worker threads; default 4 MiB on a machine
+    with at most 4 usable cores, else 0)."""
     return ObjectStoreBackend(uri, **options)

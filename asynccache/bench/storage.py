@@ -46,12 +46,12 @@ from urllib.parse import urlsplit
 import torch
 import uvloop
 
-from asynccache.errors import AsyncCacheError
+from asynccache.errors import AsyncCacheError, ConfigError
 from asynccache.pools.base import ItemPool
 from asynccache.pools.host import HostKVPool, MambaPoolHost
 from asynccache.spec import HybridSpec
 from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer, open_backend
-from storage_backends.base import ObjectBackend
+from storage_backends.base import ObjectBackend, usable_cores
 from storage_backends.local_disk import LocalDiskBackend
 from storage_backends.object_store import ObjectStoreBackend
 
@@ -74,6 +74,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cold-reads",
         action="store_true",
         help="file://: drop the objects of both paths from the page cache before each read pass",
+    )
+    parser.add_argument(
+        "--option",
+        dest="options",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a backend option (integer or text value), e.g. --option inline_bytes=0; repeatable",
     )
     parser.add_argument("--json", dest="json_path", default=None, help="write results as JSON to this path")
 
@@ -215,6 +223,20 @@ async def _bounded(n: int, limit: int, one: Callable[[int], Awaitable[None]]) ->
             tg.create_task(guarded(i))
 
 
+def parse_options(pairs: list[str]) -> dict[str, Any]:
+    """``["key=value", …]`` → options for :func:`open_backend` (integer values become ints)."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.isidentifier():
+            raise ConfigError(f"--option wants KEY=VALUE, got {pair!r}")
+        try:
+            options[key] = int(value)
+        except ValueError:
+            options[key] = value
+    return options
+
+
 async def _bench(args: argparse.Namespace, uri: str) -> dict[str, Any]:
     spec = HybridSpec.preset(args.preset, tp_size=args.tp_size)
     run_id = uuid.uuid4().hex[:12]
@@ -223,6 +245,7 @@ async def _bench(args: argparse.Namespace, uri: str) -> dict[str, Any]:
         options["max_concurrency"] = args.max_concurrency
     if args.no_fsync and urlsplit(uri).scheme == "file":
         options["fsync"] = False
+    options.update(parse_options(args.options))
     n_pages, n_states = args.num_pages, args.num_states
     src_kv = HostKVPool(spec, num_pages=n_pages)
     src_state = MambaPoolHost(spec, num_slots=n_states)
@@ -349,6 +372,8 @@ async def _bench(args: argparse.Namespace, uri: str) -> dict[str, Any]:
         "num_states": n_states,
         "bytes_per_round": bytes_per_round,
         "rounds": args.rounds,
+        "options": {k: v for k, v in options.items() if k != "namespace"},
+        "usable_cores": usable_cores(),
         "fsync": bool(getattr(backend, "fsync", False)),
         "cold_reads": bool(args.cold_reads),
     }

@@ -9,6 +9,9 @@ Primitives:
   and returns the fp32 logits of each sequence's last new token.
 - :class:`SequenceInput`, :class:`ForwardBatch` (from ``asynccache.reference.batch``).
 
+On CUDA, passes of few tokens replay their recurrent layers from CUDA graphs
+(``asynccache.reference.graphs``): the same kernels, one launch per layer.
+
 Structure: embedding → per layer [RMSNorm → attention | gated DeltaNet → residual → RMSNorm →
 SwiGLU MLP → residual] → RMSNorm → LM head. Attention layers write the new tokens' K/V into the
 paged ``DeviceKVPool`` and read keys ``[0, end)`` from it; recurrent layers resume from the
@@ -45,6 +48,7 @@ from asynccache.layer_counter import LayerTransferCounter
 from asynccache.pools import DeviceKVPool, DeviceMambaPool
 from asynccache.reference.batch import ForwardBatch, SequenceInput, plan_passes
 from asynccache.reference.context import build_pass_context
+from asynccache.reference.graphs import LayerGraphs
 from asynccache.reference.layers import DecoderLayer, RMSNorm
 from asynccache.reference.weights import init_random_, load_tensors_, read_safetensors, save_safetensors
 from asynccache.spec import HybridSpec
@@ -65,7 +69,8 @@ class HybridModel(nn.Module):
 
     ``weights``: a ``{name: tensor}`` mapping to load instead of the seeded random init (see
     :meth:`from_safetensors`). ``pack_sequences``: compute the sequences of a batch together
-    (``None``: on CUDA only).
+    (``None``: on CUDA only). ``cuda_graphs``: replay the recurrent layers of passes of few
+    tokens from CUDA graphs (``None``: on CUDA; see ``asynccache.reference.graphs``).
     """
 
     def __init__(
@@ -77,6 +82,7 @@ class HybridModel(nn.Module):
         seed: int = 0,
         weights: dict[str, torch.Tensor] | None = None,
         pack_sequences: bool | None = None,
+        cuda_graphs: bool | None = None,
     ) -> None:
         super().__init__()
         _check_spec(spec)
@@ -94,6 +100,11 @@ class HybridModel(nn.Module):
         else:
             load_tensors_(self, weights)
         self._cached_layer_ids = frozenset(spec.cached_layer_ids)
+        use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        if use_graphs and self.device.type != "cuda":
+            raise ConfigError("cuda_graphs needs a CUDA device")
+        #: CUDA graphs of the recurrent layers for passes of few tokens (None: always eager).
+        self.layer_graphs: LayerGraphs | None = LayerGraphs() if use_graphs else None
 
     # ---- weights -----------------------------------------------------------------------
     @classmethod
@@ -105,9 +116,17 @@ class HybridModel(nn.Module):
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         pack_sequences: bool | None = None,
+        cuda_graphs: bool | None = None,
     ) -> HybridModel:
         """Load weights written by :meth:`save_safetensors` (or any file with the same names and shapes)."""
-        return cls(spec, device=device, dtype=dtype, weights=read_safetensors(path, device=device), pack_sequences=pack_sequences)
+        return cls(
+            spec,
+            device=device,
+            dtype=dtype,
+            weights=read_safetensors(path, device=device),
+            pack_sequences=pack_sequences,
+            cuda_graphs=cuda_graphs,
+        )
 
     def save_safetensors(self, path: str | PathLike[str]) -> None:
         """Write every parameter to ``path`` (safetensors, Hugging Face-style names)."""
@@ -143,10 +162,14 @@ class HybridModel(nn.Module):
         for pass_index, segments in enumerate(passes):
             ctx = build_pass_context(segments, page_size=spec.page_size, head_dim=spec.head_dim, device=self.device)
             h = F.embedding(ctx.token_ids, self.model.embed_tokens.weight)
+            graphed = None if self.layer_graphs is None else self.layer_graphs.bind(ctx, h, state_pool)
             for layer in self.model.layers:
                 if pass_index == 0 and counter is not None and layer.layer_id in self._cached_layer_ids:
                     await counter.wait(layer.layer_id)
-                h = layer(h, ctx, kv_pool, state_pool)
+                if graphed is not None and layer.linear_attn is not None:
+                    h = graphed.run(layer, h, ctx, kv_pool, state_pool)
+                else:
+                    h = layer(h, ctx, kv_pool, state_pool)
             if ctx.logit_seq_indices:
                 last = self.model.norm(h[ctx.logit_rows])
                 logits[list(ctx.logit_seq_indices)] = self.lm_head(last).float()

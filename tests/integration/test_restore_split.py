@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -11,7 +13,7 @@ from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
 from asynccache.policy import EveryPageAdmission
 from asynccache.spec import HybridSpec
-from asynccache.tiering import RestoreCost
+from asynccache.tiering import ReadTimeCorrection, RestoreCost, StorageTier
 
 PAGE = 4
 NUM_PAGES = 32
@@ -146,17 +148,24 @@ async def test_tail_restore_released_early_frees_after_the_read() -> None:
         await cache.aclose()
 
 
-async def test_tail_restore_only_when_the_caller_takes_it() -> None:
+@contextlib.asynccontextmanager
+async def balanced_tier(compute_over_read: float = 3.0) -> AsyncIterator[tuple[HybridCache, StorageTier]]:
+    """A cache whose prefix is only in storage, its tier's cost model set to ``balanced_cost``."""
     spec = HybridSpec.preset("tiny", page_size=PAGE)
     cache = await stored_prefix_cache(spec)
     try:
         tier = cache.controller.tiering
         assert tier is not None
-        tier.cost = balanced_cost(spec, 3.0)
-        res = await tier.prefetch(TOKENS, cache.tree.match_prefix(TOKENS))
-        assert res.tail is None and res.num_pages_fetched == NUM_PAGES  # restoring all beats recomputing
+        tier.cost = balanced_cost(spec, compute_over_read)
+        yield cache, tier
     finally:
         await cache.aclose()
+
+
+async def test_tail_restore_only_when_the_caller_takes_it() -> None:
+    async with balanced_tier() as (cache, tier):
+        res = await tier.prefetch(TOKENS, cache.tree.match_prefix(TOKENS))
+        assert res.tail is None and res.num_pages_fetched == NUM_PAGES  # restoring all beats recomputing
 
 
 async def test_a_tail_arriving_after_the_deadline_is_released() -> None:
@@ -185,3 +194,32 @@ async def test_a_tail_arriving_after_the_deadline_is_released() -> None:
         assert cache.host_kv.num_free == free_kv
     finally:
         await cache.aclose()
+
+
+def test_read_time_correction_is_a_moving_average_of_large_reads() -> None:
+    c = ReadTimeCorrection(alpha=0.5, min_bytes=1000)
+    assert c.factor == 1.0
+    c.observe(999, 10.0, 100.0)  # too small to tell bandwidth from latency
+    assert c.factor == 1.0 and c.samples == 0
+    c.observe(1000, 20.0, 100.0)  # estimated 10 s, took 20
+    assert c.factor == 2.0
+    c.observe(1000, 10.0, 100.0)
+    assert c.factor == 1.5 and c.samples == 2
+
+
+async def test_observed_slow_tail_reads_turn_a_split_into_a_whole_restore() -> None:
+    """A split restore whose tail reads slower than estimated (the head's computation shares the
+    host CPU) stops paying: the model learns it from the reads it observes."""
+    async with balanced_tier() as (cache, tier):
+        tier.read_alone.min_bytes = tier.read_beside_compute.min_bytes = 0  # the tiny spec's reads count
+        res = await tier.prefetch(TOKENS, cache.tree.match_prefix(TOKENS), allow_tail=True)
+        assert res.tail is not None
+        assert await res.tail.fetch
+        res.tail.release()
+        # The memory backend reads at far more than the 1 MB/s estimate: the tail was observed fast.
+        assert tier.read_beside_compute.samples == 1 and tier.read_beside_compute.factor < 1
+        tier.read_beside_compute.factor = 2.0  # as if tails read at half the estimate beside a head
+        res = await tier.prefetch(TOKENS, cache.tree.match_prefix(TOKENS), allow_tail=True)
+        assert res.tail is None and res.num_pages_fetched == NUM_PAGES
+        assert tier.read_alone.samples == 1
+        cache.tree.check_integrity()

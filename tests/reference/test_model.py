@@ -448,3 +448,9 @@ def _mamba2_spec() -> HybridSpec:
             "torch_dtype": "float32",
         }
     )
+
+
+def test_cuda_graphs_need_cuda() -> None:
+    with pytest.raises(ConfigError, match="cuda_graphs"):
+        HybridModel(SPEC, cuda_graphs=True)
+    assert HybridModel(SPEC).layer_graphs is None  # off on CPU by default

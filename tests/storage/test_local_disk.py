@@ -18,6 +18,7 @@ import pytest
 from storage_harness import NAMESPACE, kv_transfer, make_keys, make_pools, mamba_transfer, slot
 
 import storage_backends.local_disk as local_disk
+from asynccache.errors import ConfigError
 from asynccache.storage import PoolName
 from storage_backends.base import WorkerPool
 from storage_backends.local_disk import STALE_TMP_S, LocalDiskBackend
@@ -138,7 +139,7 @@ async def test_stale_temporary_files_are_removed_by_the_scan(tmp_path: Path) -> 
 
 async def test_a_timed_out_read_never_touches_the_slot_after_returning(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    backend, kv, mamba = await open_disk(tmp_path, timeout_s=0.2)
+    backend, kv, mamba = await open_disk(tmp_path, timeout_s=0.2, read_piece_bytes=4096)  # many pieces: the deadline is checked between them
     keys = make_keys(1, seed="slow")
     await backend.batch_set_v2([mamba_transfer(keys, [0])])
     dst_kv, dst = make_pools(seed=None)
@@ -154,7 +155,6 @@ async def test_a_timed_out_read_never_touches_the_slot_after_returning(tmp_path:
         returned.set()
 
     monkeypatch.setattr(local_disk, "_preadv_all", slow)
-    monkeypatch.setattr(local_disk, "IO_CHUNK_BYTES", 1024)  # many pieces: the deadline is checked between them
     async with asyncio.timeout(20):
         assert await backend.batch_get_v2([mamba_transfer(keys, [1])]) == [[False]]
     assert returned.is_set()  # the worker's last write into the slot happened before the call returned
@@ -190,3 +190,27 @@ async def test_no_fsync_and_no_leftovers(tmp_path: Path) -> None:
     assert len(names) == 16 and not any(n.endswith(".tmp") for n in names)
     assert all(len(Path(n).parts) == 4 for n in names)  # namespace / pool / shard / key
     await backend.aclose()
+
+
+@pytest.mark.parametrize("piece", [4096, 4 << 20])
+async def test_read_piece_size_round_trips_and_catches_corruption(tmp_path: Path, piece: int) -> None:
+    backend = LocalDiskBackend((tmp_path / "l3").as_uri(), namespace=NAMESPACE, read_piece_bytes=piece)
+    kv, mamba = make_pools(num_items=8, seed=3)
+    await backend.register_host_pool_v2(PoolName.KV, kv)
+    await backend.register_host_pool_v2(PoolName.MAMBA, mamba)
+    keys = make_keys(3, seed=f"piece{piece}")
+    assert await backend.batch_set_v2([kv_transfer(keys, [0, 1, 2]), mamba_transfer(keys[-1:], [0])]) == [[True] * 3, [True]]
+    assert await backend.batch_get_v2([kv_transfer(keys, [4, 5, 6]), mamba_transfer(keys[-1:], [5])]) == [[True] * 3, [True]]
+    assert [slot(kv, i) for i in (4, 5, 6)] == [slot(kv, i) for i in (0, 1, 2)]
+    assert slot(mamba, 5) == slot(mamba, 0)
+    path = Path(backend.object_name(PoolName.MAMBA, keys[-1]))
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x10
+    path.write_bytes(bytes(data))
+    assert await backend.batch_get_v2([mamba_transfer(keys[-1:], [6])]) == [[False]]
+    await backend.aclose()
+
+
+def test_read_piece_size_is_checked(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="read_piece_bytes"):
+        LocalDiskBackend(tmp_path.as_uri(), namespace=NAMESPACE, read_piece_bytes=100)

@@ -1,0 +1,213 @@
+"""CUDA graphs of the recurrent decoder layers, for passes of few tokens.
+
+A pass of a few tokens (a decode step, the last chunk of a prompt whose prefix was cached) is
+bound by the host: a Gated DeltaNet layer issues ~70 operators, each a trip through the
+dispatcher. :class:`LayerGraphs` captures each recurrent :class:`DecoderLayer` (norm → gated
+DeltaNet → residual → norm → MLP → residual) once per *pass shape* and replays it: one launch
+per layer instead of ~70. Attention layers stay eager (their key spans change every step).
+
+Primitives:
+
+- :class:`LayerGraphs` — the graphs of one model, by pass shape, least recently used dropped
+  past ``max_shapes``.
+- :class:`GraphedPass` — one pass bound to its shape's graphs: ``run(layer, h, …)``.
+
+A pass shape is the number of tokens and, per recurrent group, its length, size, row range,
+which members start a sequence and how many emit a snapshot: everything the layer's Python
+branches on. Graphs are kept per state pool (a graph writes the addresses it was captured
+with) and dropped when the pool is garbage-collected. The group's index tensors (working slots, fresh mask, snapshot members and slots)
+are copied into the shape's static buffers once per pass; the hidden state is copied into the
+static input before each replay. Graphs are captured on a side stream with thread-local capture
+mode (the controller's threads keep issuing copies meanwhile) and replayed on the caller's
+stream, so a replay is ordered after ``counter.wait(layer)`` exactly as the eager layer is.
+
+A shape is computed eagerly the first ``eager_runs`` times it is seen (a one-off shape never
+pays a capture) and replayed from then on. A replay launches the kernels the eager run launches
+with the same shapes, so it computes the same bits (checked by ``tests/gpu/test_layer_graphs_gpu.py``);
+a capture that fails leaves the shape eager for good.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import weakref
+from collections import OrderedDict
+
+import torch
+
+from asynccache.pools import DeviceKVPool, DeviceMambaPool
+from asynccache.reference.context import GdnGroup, PassContext
+from asynccache.reference.layers import DecoderLayer
+
+__all__ = ["GraphedPass", "LayerGraphs"]
+
+log = logging.getLogger("asynccache.reference")
+
+_Shape = tuple[int, tuple[tuple[int, int, int, int, bool, bool, int], ...]]
+_Key = tuple[int, _Shape]  # (id of the state pool, pass shape)
+
+
+def pass_shape(ctx: PassContext) -> _Shape:
+    """Everything a recurrent layer's Python branches on, for ``ctx``."""
+    groups = tuple(
+        (
+            g.length,
+            g.num_seqs,
+            g.row_begin,
+            g.row_end,
+            g.all_fresh,
+            g.fresh is not None,
+            0 if g.snapshot_index is None else int(g.snapshot_index.numel()),
+        )
+        for g in ctx.gdn_groups
+    )
+    return ctx.num_tokens, groups
+
+
+class _ShapeGraphs:
+    """Static buffers and per-layer graphs of one pass shape (all sharing one memory pool)."""
+
+    def __init__(self, ctx: PassContext, hidden: torch.Tensor) -> None:
+        self.h_in = torch.empty_like(hidden)
+        self.groups = tuple(_static_group(g) for g in ctx.gdn_groups)
+        self.ctx = dataclasses.replace(ctx, gdn_groups=self.groups)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool: tuple[int, int] | None = None
+        self.failed = False
+
+    def bind(self, ctx: PassContext) -> None:
+        """Copy ``ctx``'s group indices into the static buffers the graphs read."""
+        for static, g in zip(self.groups, ctx.gdn_groups, strict=True):
+            static.state_slots.copy_(g.state_slots, non_blocking=True)
+            if static.fresh is not None:
+                assert g.fresh is not None
+                static.fresh.copy_(g.fresh, non_blocking=True)
+            if static.snapshot_index is not None:
+                assert g.snapshot_index is not None and g.snapshot_slots is not None
+                assert static.snapshot_slots is not None
+                static.snapshot_index.copy_(g.snapshot_index, non_blocking=True)
+                static.snapshot_slots.copy_(g.snapshot_slots, non_blocking=True)
+
+
+def _static_group(g: GdnGroup) -> GdnGroup:
+    def clone(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else torch.empty_like(t)
+
+    return dataclasses.replace(
+        g,
+        state_slots=torch.empty_like(g.state_slots),
+        fresh=clone(g.fresh),
+        snapshot_index=clone(g.snapshot_index),
+        snapshot_slots=clone(g.snapshot_slots),
+    )
+
+
+class LayerGraphs:
+    """CUDA graphs of a model's recurrent layers for passes of at most ``max_tokens`` tokens.
+
+    ``eager_runs``: times a shape is computed eagerly before it is captured. ``max_shapes``:
+    shapes whose graphs are kept (each holds its layers' intermediate memory).
+    """
+
+    def __init__(self, *, max_tokens: int = 256, eager_runs: int = 1, max_shapes: int = 32) -> None:
+        if max_tokens < 1 or eager_runs < 0 or max_shapes < 1:
+            raise ValueError("max_tokens and max_shapes must be >= 1 and eager_runs >= 0")
+        self.max_tokens = max_tokens
+        self.eager_runs = eager_runs
+        self.max_shapes = max_shapes
+        self._shapes: OrderedDict[_Key, _ShapeGraphs] = OrderedDict()
+        self._seen: dict[_Key, int] = {}
+        self._pools: dict[int, weakref.finalize] = {}
+        self._stream: torch.cuda.Stream | None = None
+        self.num_captures = 0
+        self.num_replays = 0
+
+    def bind(self, ctx: PassContext, hidden: torch.Tensor, state_pool: DeviceMambaPool) -> GraphedPass | None:
+        """The graphs for ``ctx``'s pass over ``state_pool`` (its indices bound), or ``None``:
+        compute it eagerly. A graph holds the addresses of the pool it was captured with, so
+        graphs are kept per pool and dropped with it."""
+        if hidden.device.type != "cuda" or ctx.num_tokens > self.max_tokens or not ctx.gdn_groups:
+            return None
+        pool_id = id(state_pool)
+        if pool_id not in self._pools:
+            self._pools[pool_id] = weakref.finalize(state_pool, self._forget_pool, pool_id)
+        shape = (pool_id, pass_shape(ctx))
+        entry = self._shapes.get(shape)
+        if entry is None:
+            seen = self._seen.get(shape, 0)
+            if seen < self.eager_runs:
+                self._seen[shape] = seen + 1
+                return None
+            self._seen.pop(shape, None)
+            entry = _ShapeGraphs(ctx, hidden)
+            self._shapes[shape] = entry
+            while len(self._shapes) > self.max_shapes:
+                self._shapes.popitem(last=False)
+        else:
+            self._shapes.move_to_end(shape)
+        if entry.failed:
+            return None
+        entry.bind(ctx)
+        return GraphedPass(self, entry)
+
+    def _forget_pool(self, pool_id: int) -> None:
+        """Drop the graphs of a pool that is gone (its id may be reused by a new one)."""
+        self._pools.pop(pool_id, None)
+        for key in [k for k in self._shapes if k[0] == pool_id]:
+            del self._shapes[key]
+        for key in [k for k in self._seen if k[0] == pool_id]:
+            del self._seen[key]
+
+    def _capture_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
+
+class GraphedPass:
+    """One pass's view of its shape's graphs: ``run`` replays (capturing on first use)."""
+
+    def __init__(self, owner: LayerGraphs, entry: _ShapeGraphs) -> None:
+        self._owner = owner
+        self._entry = entry
+
+    def run(
+        self, layer: DecoderLayer, h: torch.Tensor, ctx: PassContext, kv_pool: DeviceKVPool, state_pool: DeviceMambaPool
+    ) -> torch.Tensor:
+        """``layer(h, ctx, …)`` through its graph (eagerly if the capture fails)."""
+        e = self._entry
+        graph = e.graphs.get(layer.layer_id)
+        if graph is None and not e.failed:
+            graph = self._capture(layer, kv_pool, state_pool)
+        if graph is None:
+            return layer(h, ctx, kv_pool, state_pool)
+        e.h_in.copy_(h)
+        graph.replay()
+        self._owner.num_replays += 1
+        return e.outputs[layer.layer_id]
+
+    def _capture(
+        self, layer: DecoderLayer, kv_pool: DeviceKVPool, state_pool: DeviceMambaPool
+    ) -> torch.cuda.CUDAGraph | None:
+        e = self._entry
+        graph = torch.cuda.CUDAGraph()
+        stream = self._owner._capture_stream()
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin(pool=e.pool, capture_error_mode="thread_local")
+                try:
+                    out = layer(e.h_in, e.ctx, kv_pool, state_pool)
+                finally:
+                    graph.capture_end()  # ends the stream's capture whether the layer raised or not
+        except RuntimeError as err:  # an operator that cannot be captured: stay eager
+            log.warning("layer %d: CUDA graph capture failed, computing eagerly: %s", layer.layer_id, err)
+            e.failed = True
+            return None
+        if e.pool is None:
+            e.pool = graph.pool()
+        e.graphs[layer.layer_id] = graph
+        e.outputs[layer.layer_id] = out
+        self._owner.num_captures += 1
+        return graph

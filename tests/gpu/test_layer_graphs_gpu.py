@@ -1,0 +1,85 @@
+"""CUDA graphs of the recurrent layers: a replay computes exactly what the eager layers compute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_model_gpu import MID, forward, pools, seq, tokens
+
+from asynccache.pools import DeviceKVPool, DeviceMambaPool
+from asynccache.reference import HybridModel
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _steps(model: HybridModel, kv: DeviceKVPool, st: DeviceMambaPool) -> list[torch.Tensor]:
+    """Prefill two sequences, then small passes of several shapes (decode pairs, a 64-token
+    chunk with a snapshot, a fresh prompt beside a continuing one), each shape several
+    times with other slots and pages."""
+    a, b = tokens(256, MID.vocab_size, 11), tokens(192, MID.vocab_size, 12)
+    out = [forward(model, kv, st, seq(a, 0, list(range(8)), 0), seq(b, 0, list(range(8, 16)), 1))]
+    nxt = out[-1].argmax(-1)
+    for i in range(4):  # decode pairs: one shape
+        pair = forward(model, kv, st, seq(nxt[:1], 256 + i, list(range(8)) + [40], 0),
+                       seq(nxt[1:], 192 + i, list(range(8, 16)), 1))
+        out.append(pair)
+        nxt = pair.argmax(-1)
+    for r in range(3):  # 64-token chunks with a snapshot, on fresh slots each time
+        c = tokens(64, MID.vocab_size, 20 + r)
+        st.buffer[:, 4 + r] = st.buffer[:, 0]  # type: ignore[index]
+        out.append(forward(model, kv, st, seq(c, 260, list(range(8)) + [41 + r, 44 + r], 4 + r, {320: 10 + r})))
+    for r in range(3):  # a fresh 1-token prompt beside a continuing decode: one group, mixed fresh mask
+        fresh = tokens(1, MID.vocab_size, 30 + r)
+        out.append(forward(model, kv, st, seq(fresh, 0, [30 + r], 13), seq(nxt[1:], 196 + r, list(range(8, 16)), 1)))
+    torch.cuda.synchronize()
+    out.append(st.buffer.clone())  # type: ignore[union-attr]
+    out.append(kv.buffer.clone())  # type: ignore[union-attr]
+    return out
+
+
+def test_replayed_layers_are_bit_identical_to_eager() -> None:
+    eager = HybridModel(MID, device="cuda", dtype=torch.bfloat16, cuda_graphs=False)
+    graphed = HybridModel(MID, device="cuda", dtype=torch.bfloat16, cuda_graphs=True)
+    assert eager.layer_graphs is None and graphed.layer_graphs is not None
+    want = _steps(eager, *pools(MID, num_pages=48, num_slots=16))
+    first_pools = pools(MID, num_pages=48, num_slots=16)
+    got = _steps(graphed, *first_pools)
+    graphs = graphed.layer_graphs
+    assert graphs.num_captures > 0 and graphs.num_replays > 2 * graphs.num_captures  # replays, not just captures
+    for i, (x, y) in enumerate(zip(want, got, strict=True)):
+        assert torch.equal(x, y), f"step {i} differs"
+    # The same shapes over other pools (the first ones still alive): graphs of their own.
+    captures = graphs.num_captures
+    again = _steps(graphed, *pools(MID, num_pages=48, num_slots=16))
+    assert graphs.num_captures > captures
+    for i, (x, y) in enumerate(zip(want, again, strict=True)):
+        assert torch.equal(x, y), f"step {i} differs over the second pools"
+    del first_pools
+
+
+def test_large_passes_stay_eager() -> None:
+    model = HybridModel(MID, device="cuda", dtype=torch.bfloat16)
+    assert model.layer_graphs is not None
+    model.layer_graphs.eager_runs = 0
+    kv, st = pools(MID)
+    ids = tokens(model.layer_graphs.max_tokens + 1, MID.vocab_size, 5)
+    forward(model, kv, st, seq(ids, 0, list(range(5)), 0))
+    assert model.layer_graphs.num_captures == 0
+    forward(model, kv, st, seq(ids[:1], ids.numel(), list(range(5)), 0))
+    assert model.layer_graphs.num_captures == len(MID.mamba_layer_ids)
+
+
+def test_graphs_go_with_their_pool() -> None:
+    model = HybridModel(MID, device="cuda", dtype=torch.bfloat16)
+    graphs = model.layer_graphs
+    assert graphs is not None
+    graphs.eager_runs = 0
+    kv, st = pools(MID)
+    ids = tokens(4, MID.vocab_size, 6)
+    forward(model, kv, st, seq(ids, 0, [0], 0))
+    assert graphs.num_captures == len(MID.mamba_layer_ids) and len(graphs._shapes) == 1
+    del kv, st
+    import gc
+
+    gc.collect()
+    assert not graphs._shapes and not graphs._pools
