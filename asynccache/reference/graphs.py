@@ -15,16 +15,16 @@ Primitives:
 A pass shape is the number of tokens and, per recurrent group, its length, size, row range,
 which members start a sequence and how many emit a snapshot: everything the layer's Python
 branches on. Graphs are kept per state pool (a graph writes the addresses it was captured
-with) and dropped when the pool is garbage-collected. The group's index tensors (working slots, fresh mask, snapshot members and slots)
-are copied into the shape's static buffers once per pass; the hidden state is copied into the
-static input before each replay. Graphs are captured on a side stream with thread-local capture
+with) and dropped when the pool is garbage-collected. The group's index tensors (working
+slots, fresh mask, snapshot members and slots) are copied into the shape's static buffers once
+per pass; the hidden state is copied into the static input before each replay. Graphs are captured on a side stream with thread-local capture
 mode (the controller's threads keep issuing copies meanwhile) and replayed on the caller's
 stream, so a replay is ordered after ``counter.wait(layer)`` exactly as the eager layer is.
 
 A shape is computed eagerly the first ``eager_runs`` times it is seen (a one-off shape never
 pays a capture) and replayed from then on. A replay launches the kernels the eager run launches
-with the same shapes, so it computes the same bits (checked by ``tests/gpu/test_layer_graphs_gpu.py``);
-a capture that fails leaves the shape eager for good.
+with the same shapes, so it computes the same bits (checked by
+``tests/gpu/test_layer_graphs_gpu.py``); a capture that fails leaves the shape eager for good.
 """
 
 from __future__ import annotations
