@@ -487,12 +487,8 @@ class ObjectCodec:
         dest = payload_range(buffers, payload_offset, payload_offset + src.nbytes)
         if sum(d.nbytes for d in dest) != src.nbytes:
             raise ObjectFormatError("object longer than its payload")
-        check, off = PayloadChecksum(first_block=payload_offset // _BLOCK_BYTES), 0
-        for piece in iter_chunks(dest, piece_bytes):
-            _check_stop(stop)
-            piece[...] = src[off : off + piece.nbytes]
-            check.update(piece)
-            off += piece.nbytes
+        check = PayloadChecksum(first_block=payload_offset // _BLOCK_BYTES)
+        run_steps(_copy_checked_steps(src, dest, check, piece_bytes), stop)
         return check.digest()
 
     def decode_steps(
@@ -511,16 +507,25 @@ class ObjectCodec:
         if len(view) != size:
             raise ObjectFormatError(f"object of {len(view)} bytes, expected {size} (truncated or foreign)")
         want = self._verify_header(view, expected, geometry, key)
-        src = np.frombuffer(view, dtype=np.uint8)
-        check, off = PayloadChecksum(), len(expected)
-        for piece in iter_chunks(buffers, piece_bytes):
-            if off > len(expected):
-                yield
-            piece[...] = src[off : off + piece.nbytes]
-            check.update(piece)
-            off += piece.nbytes
+        src = np.frombuffer(view, dtype=np.uint8)[len(expected) :]
+        check = PayloadChecksum()
+        yield from _copy_checked_steps(src, buffers, check, piece_bytes)
         if check.digest() != want:
             raise ObjectFormatError("payload checksum mismatch")
+
+
+def _copy_checked_steps(
+    src: np.ndarray, dest: Sequence[np.ndarray], check: PayloadChecksum, piece_bytes: int | None
+) -> Generator[None, None, None]:
+    """Copy ``src`` into ``dest`` piece by piece, feeding each piece to ``check`` where it
+    landed (still in cache); one step per piece."""
+    off = 0
+    for piece in iter_chunks(dest, piece_bytes):
+        if off:
+            yield
+        piece[...] = src[off : off + piece.nbytes]
+        check.update(piece)
+        off += piece.nbytes
 
 
 def run_steps(steps: Generator[None, None, T], stop: threading.Event | None = None) -> T:

@@ -101,14 +101,27 @@ def balanced_cost(spec: HybridSpec, compute_over_read: float) -> RestoreCost:
     return RestoreCost(read_bytes_per_s=1e6, prefill_tokens_per_s=PAGE / (compute_over_read * read_page_s))
 
 
-async def test_tail_restore_balances_head_compute_against_the_read() -> None:
+@contextlib.asynccontextmanager
+async def balanced_tier(
+    compute_over_read: float = 3.0, **config: object
+) -> AsyncIterator[tuple[HybridCache, StorageTier]]:
+    """A cache whose prefix is only in storage, its tier's cost model set to ``balanced_cost``."""
     spec = HybridSpec.preset("tiny", page_size=PAGE)
-    cache = await stored_prefix_cache(spec)
+    cache = await stored_prefix_cache(spec, **config)
     try:
         tier = cache.controller.tiering
-        assert tier is not None and cache.host_kv is not None and cache.host_mamba is not None
+        assert tier is not None
+        tier.cost = balanced_cost(spec, compute_over_read)
+        yield cache, tier
+    finally:
+        await cache.aclose()
+
+
+async def test_tail_restore_balances_head_compute_against_the_read() -> None:
+    async with balanced_tier() as (cache, tier):
+        spec = cache.spec
+        assert cache.host_kv is not None and cache.host_mamba is not None
         free_kv, free_st = cache.host_kv.num_free, cache.host_mamba.num_free
-        tier.cost = balanced_cost(spec, 3.0)
         res = await tier.prefetch(TOKENS, cache.tree.match_prefix(TOKENS), allow_tail=True)
         tail = res.tail
         assert tail is not None and res.num_tokens == 0
@@ -126,40 +139,18 @@ async def test_tail_restore_balances_head_compute_against_the_read() -> None:
         tail.release()  # idempotent
         assert cache.host_kv.num_free == free_kv and cache.host_mamba.num_free == free_st
         cache.tree.check_integrity()
-    finally:
-        await cache.aclose()
 
 
 async def test_tail_restore_released_early_frees_after_the_read() -> None:
-    spec = HybridSpec.preset("tiny", page_size=PAGE)
-    cache = await stored_prefix_cache(spec)
-    try:
-        tier = cache.controller.tiering
-        assert tier is not None and cache.host_kv is not None
+    async with balanced_tier() as (cache, tier):
+        assert cache.host_kv is not None
         free_kv = cache.host_kv.num_free
-        tier.cost = balanced_cost(spec, 3.0)
         tail = (await tier.prefetch(TOKENS, cache.tree.match_prefix(TOKENS), allow_tail=True)).tail
         assert tail is not None and not tail.fetch.done()
         tail.release()  # the read may still be landing in the slots: they stay allocated
         assert cache.host_kv.num_free < free_kv
         await tail.fetch
         assert cache.host_kv.num_free == free_kv
-    finally:
-        await cache.aclose()
-
-
-@contextlib.asynccontextmanager
-async def balanced_tier(compute_over_read: float = 3.0) -> AsyncIterator[tuple[HybridCache, StorageTier]]:
-    """A cache whose prefix is only in storage, its tier's cost model set to ``balanced_cost``."""
-    spec = HybridSpec.preset("tiny", page_size=PAGE)
-    cache = await stored_prefix_cache(spec)
-    try:
-        tier = cache.controller.tiering
-        assert tier is not None
-        tier.cost = balanced_cost(spec, compute_over_read)
-        yield cache, tier
-    finally:
-        await cache.aclose()
 
 
 async def test_tail_restore_only_when_the_caller_takes_it() -> None:
@@ -169,13 +160,10 @@ async def test_tail_restore_only_when_the_caller_takes_it() -> None:
 
 
 async def test_a_tail_arriving_after_the_deadline_is_released() -> None:
-    spec = HybridSpec.preset("tiny", page_size=PAGE)
-    cache = await stored_prefix_cache(spec, prefetch_policy="best_effort")
-    try:
-        ctrl, tier = cache.controller, cache.controller.tiering
-        assert tier is not None and cache.host_kv is not None
+    async with balanced_tier(prefetch_policy="best_effort") as (cache, tier):
+        ctrl = cache.controller
+        assert cache.host_kv is not None
         free_kv = cache.host_kv.num_free
-        tier.cost = balanced_cost(spec, 3.0)
         gate = asyncio.Event()
         real = tier.prefetch
 
@@ -192,8 +180,6 @@ async def test_a_tail_arriving_after_the_deadline_is_released() -> None:
         assert res.tail is not None and res.tail.released  # nobody took it: released on arrival
         await res.tail.fetch
         assert cache.host_kv.num_free == free_kv
-    finally:
-        await cache.aclose()
 
 
 def test_read_time_correction_is_a_moving_average_of_large_reads() -> None:
