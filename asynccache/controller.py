@@ -25,7 +25,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,6 +44,11 @@ if TYPE_CHECKING:
     from asynccache.tree import HybridRadixTree
 
 __all__ = ["HybridCacheController"]
+
+#: Layers of a step's load enqueued on the loop thread (in ``start_loading``, before the forward
+#: starts) before a worker thread takes the rest. The forward needs the first layers within a
+#: millisecond or two, sooner than a worker that shares the GIL with it reliably gets them out.
+LOAD_LAYERS_ON_LOOP = 8
 
 log = logging.getLogger(__name__)
 
@@ -197,8 +202,10 @@ class HybridCacheController:
     def start_loading(self) -> LayerTransferCounter:
         """Issue every queued load (merged per pool, one launch per layer) for this step.
 
-        Returns the step's counter at once; a background task enqueues the layers in order from
-        a worker thread, running ahead of the forward, and sets the counter layer by layer.
+        Returns the step's counter once the first ``LOAD_LAYERS_ON_LOOP`` layers are enqueued
+        (here, on the loop thread, so the copy engines start before the forward does); a worker
+        thread enqueues the other layers in order, running ahead of the forward, and the counter
+        is set layer by layer.
         """
         tg = self._require_started()
         ops = [op for op in self._load_queue if op.state is OpState.QUEUED]
@@ -213,20 +220,22 @@ class HybridCacheController:
             op.state = OpState.ISSUED
             op.issued_at = time.perf_counter()
         self._stats.queue_depth("load", len(ops))
+        # _enqueue_loads enqueues the first layers before it returns the coroutine the task runs.
         task = tg.create_task(self._enqueue_loads(ops, merged, layer_ids, counter), name="asynccache-load")
         self._loaders.add(task)
         task.add_done_callback(self._loaders.discard)
         return counter
 
-    async def _enqueue_loads(
+    def _enqueue_loads(
         self,
         ops: list[CacheOperation],
         merged: dict[PoolName, MergedTransfer],
         layer_ids: Sequence[int],
         counter: LayerTransferCounter,
-    ) -> None:
-        """Enqueue the step's loads layer by layer: the first on the loop thread, the rest from a
-        worker thread.
+    ) -> Coroutine[Any, Any, None]:
+        """Enqueue the step's loads layer by layer: the first ``LOAD_LAYERS_ON_LOOP`` now, on the
+        loop thread, the rest from a worker thread started now. The returned coroutine waits for
+        the worker and completes the operations.
 
         Issuing a layer's copies costs host time (planning, driver calls that release the GIL);
         doing it on the loop thread in lock-step with the forward would leave the GPU idle
@@ -276,11 +285,11 @@ class HybridCacheController:
                     else:
                         counter.mark_enqueued(lid, last[0])
 
-        # The first layer is enqueued here, on the loop thread: the forward waits for it at
+        # The first layers are enqueued here, on the loop thread: the forward waits for them at
         # once, and a worker handoff would only add its latency. The worker takes the rest —
         # unless nothing is copied (accounting-mode pools): then the loop thread does it all.
         accounting = all(self.pools[name][0].buffer is None for name in merged)
-        head = layer_ids if accounting else layer_ids[:1]
+        head = layer_ids if accounting else layer_ids[:LOAD_LAYERS_ON_LOOP]
         worker: asyncio.Future[None]
         try:
             issue(head, yield_gil=False)
@@ -288,10 +297,22 @@ class HybridCacheController:
                 worker = loop.create_future()
                 worker.set_result(None)
             else:
-                worker = loop.run_in_executor(None, functools.partial(issue, layer_ids[1:], yield_gil=True))
+                worker = loop.run_in_executor(None, functools.partial(issue, layer_ids[len(head) :], yield_gil=True))
         except Exception as e:
             worker = loop.create_future()
             worker.set_exception(e)
+        return self._complete_loads(ops, merged, counter, worker, issued, last)
+
+    async def _complete_loads(
+        self,
+        ops: list[CacheOperation],
+        merged: dict[PoolName, MergedTransfer],
+        counter: LayerTransferCounter,
+        worker: asyncio.Future[None],
+        issued: list[tuple[PoolName, int]],
+        last: list[torch.cuda.Event | None],
+    ) -> None:
+        """Wait for the load worker (never abandoning it), then account and complete ``ops``."""
         error: BaseException | None = None
         try:
             await asyncio.shield(worker)
@@ -420,7 +441,8 @@ class HybridCacheController:
     def prefetch(
         self, tokens: Sequence[int], match: Any, *, salt: str = "", allow_tail: bool = False
     ) -> asyncio.Task[Any] | None:
-        """Start fetching from storage what ``tokens`` miss past ``match``; None without a backend.
+        """Start fetching from storage what ``tokens`` miss past ``match``; None without a backend
+        or when ``match`` already covers every full page of ``tokens``.
 
         The prefetch runs in the controller's TaskGroup; wait for it with :meth:`wait_prefetch`,
         which stops waiting at the prefetch policy's deadline but never cancels the fetch (its
@@ -429,26 +451,38 @@ class HybridCacheController:
         stopped waiting: see :meth:`wait_prefetch`).
         """
         tg = self._require_started()
-        if self.tiering is None:
+        if self.tiering is None or len(match.page_hashes) * self.spec.page_size <= match.num_tokens:
             return None
         coro = self.tiering.prefetch(tokens, match, salt=salt, allow_tail=allow_tail)
         return tg.create_task(coro, name="asynccache-prefetch")
 
-    def copy_tail_to_device(self, tail: Any, device_pages: torch.Tensor, state_slots: torch.Tensor) -> None:
-        """Enqueue, on the current stream, the copies of a landed
-        :class:`~asynccache.tiering.TailRestore` into ``device_pages`` (one per tail page, in
-        order) and each of ``state_slots`` (the tail's end state). Work queued after this on the
-        same stream sees the bytes; release the tail only once the stream has passed the copies.
+    def load_tail(self, tail: Any, device_pages: torch.Tensor, state_slots: torch.Tensor) -> CacheOperation:
+        """Queue the load of a landed :class:`~asynccache.tiering.TailRestore` into
+        ``device_pages`` (one per tail page, in order) and each of ``state_slots`` (the tail's end
+        state), for the next :meth:`start_loading`: it is copied layer by layer with the step's
+        other loads, so the forward computes layer ``l`` while later layers are still copied.
+
+        The controller takes the tail over and releases it once the copy has finished (or, if
+        cancelled or failed, once no copy from it is in flight). The device pages and slots stay
+        the caller's.
         """
-        copies = (
-            (PoolName.KV, tail.host_kv, device_pages),
-            (PoolName.MAMBA, tail.host_slot.repeat(state_slots.numel()), state_slots),
+        loop = asyncio.get_running_loop()
+        op = CacheOperation(
+            OpKind.LOAD,
+            (
+                PoolTransfer(pool_name=PoolName.KV, host_indices=tail.host_kv, device_indices=device_pages),
+                PoolTransfer(
+                    pool_name=PoolName.MAMBA,
+                    host_indices=tail.host_slot.repeat(state_slots.numel()),
+                    device_indices=state_slots,
+                ),
+            ),
+            plan=None,
+            loop=loop,
         )
-        for name, src, dst in copies:
-            dev, host = self.pools[name]
-            assert host is not None
-            nbytes = self.copy(host, dev, src, dst, max_ctas=self.config.max_ctas, method=self.config.copy_method)
-            self._stats.bytes_moved("h2d", name, nbytes)
+        op.future.add_done_callback(lambda _: tail.release())
+        self._load_queue.append(op)
+        return op
 
     async def wait_prefetch(self, task: asyncio.Task[Any], num_tokens: int) -> Any | None:
         """The prefetch's result if it finished within the policy's deadline, else None."""
@@ -484,7 +518,8 @@ class HybridCacheController:
     def _complete(self, op: CacheOperation, error: BaseException | None) -> None:
         if error is None:
             if op.kind is OpKind.LOAD:
-                self.tree.finish_load(op.plan)
+                if op.plan is not None:  # None: a tail restore (see load_tail), not a tree load
+                    self.tree.finish_load(op.plan)
             else:
                 self.tree.finish_backup(op.plan)
                 if self.tiering is not None:
@@ -518,6 +553,8 @@ class HybridCacheController:
         Only called when no copy into the plan's destination is in flight (before issue, or
         after a failed copy's stream position has completed)."""
         if op.kind is OpKind.LOAD:
+            if op.plan is None:  # a tail restore: its pages and slots are the caller's
+                return
             released = self.tree.abort_load(op.plan)
             self._free(released.kv_indices, released.state_slots, device=True)
         else:

@@ -226,10 +226,10 @@ class StorageTier:
         With ``allow_tail`` the result may carry a :class:`TailRestore` that the caller owns.
         """
         page = self.tree.spec.page_size
-        keys = list(match.page_hashes)
         start_page = match.num_tokens // page
-        if len(keys) <= start_page or self.controller.pools[PoolName.MAMBA][1] is None:
+        if len(match.page_hashes) <= start_page or self.controller.pools[PoolName.MAMBA][1] is None:
             return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
+        keys = list(match.page_hashes)
         try:
             n = await self._deepest_stored(keys)
         except Exception as e:

@@ -35,7 +35,7 @@ __all__ = [
 #: Values of ``copy_items(method=...)``: ``"auto"`` (the default) picks per call.
 COPY_METHODS: tuple[str, ...] = ("auto", "triton", "dma")
 #: Copy-engine variants selectable as ``method="dma:ENGINE"`` (see ``kernels.dma_copy``).
-DMA_ENGINES: tuple[str, ...] = ("auto", "batch", "2d", "loop")
+DMA_ENGINES: tuple[str, ...] = ("auto", "batch", "strided", "2d", "loop")
 
 
 class PoolBufferLike(Protocol):
@@ -199,7 +199,7 @@ def copy_items(
 
     On CUDA the copy is enqueued on ``stream`` (default: the current stream) and returns at
     once, by one of two paths (``method``: ``"auto"``/``None``, ``"triton"``, ``"dma"``, or
-    ``"dma:ENGINE"`` with ENGINE one of ``batch``, ``2d``, ``loop``; :func:`select_method`):
+    ``"dma:ENGINE"`` with ENGINE one of ``batch``, ``strided``, ``2d``, ``loop``; :func:`select_method`):
 
     - ``"triton"``: one kernel launch of at most ``max_ctas`` CTAs (default
       ``kernels.plan.DEFAULT_MAX_CTAS``) reading/writing pinned host memory directly;

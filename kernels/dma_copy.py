@@ -6,21 +6,30 @@ Primitives:
   (host-side arithmetic on the CPU index tensors).
 - ``launch_dma(src, dst, src_indices, dst_indices, layer_begin, layer_end, *, stream=, engine=)
   -> DmaLaunch | None`` — validate, plan, enqueue.
+- ``plan_strided_runs(segments) -> StridedRuns`` — those segments grouped into runs at constant
+  source and destination strides (one ``cudaMemcpy2DAsync`` each).
 - ``batch_check(device_index) -> str`` — ``"ok"`` when ``cudaMemcpyBatchAsync`` is present and
   passed its self-check on that GPU, else the reason (checked once per device).
-- ``DMA_ENGINES`` — ``"auto"``, ``"batch"``, ``"2d"``, ``"loop"``.
+- ``DMA_ENGINES`` — ``"auto"``, ``"batch"``, ``"strided"``, ``"2d"``, ``"loop"``.
 
 Engines (how the memcpys are issued; all on the caller's stream, in stream order):
 
 - ``batch``: ``cudaMemcpyBatchAsync``, every segment of the copy in one call (chunks of
   ``kernels.plan.DMA_BATCH_MAX_COPIES``). The legacy default stream, which that call rejects,
   is bridged through a side stream joined with events both ways.
+- ``strided``: one ``cudaMemcpy2DAsync`` per strided run of segments (rows = the run's
+  segments, pitches = its two strides; a run of one is a plain memcpy). A layer's pages between
+  a ``page_first`` host pool and a ``layer_first`` device pool, both with consecutive indices,
+  are one call (rows = pages, source pitch = the host page stride): the copy engines move it at
+  the contiguous copy's speed, and enqueueing costs microseconds where a batch of per-page
+  copies costs about 0.75 µs per page.
 - ``2d``: one ``cudaMemcpy2DAsync`` per item pair covering all layers of the range (rows =
   layers, pitches = the two layer strides): ``num_pairs`` calls. For mixed layouts, where an
   item's layers are contiguous on one side only.
 - ``loop``: one ``cudaMemcpyAsync`` per segment (about a microsecond of host time each).
-- ``auto``: ``batch`` where it passed its self-check, else ``2d`` when that needs fewer calls
-  than ``loop`` (and both pitches fit in 31 bits), else ``loop``.
+- ``auto``: ``strided`` when its runs are at most a quarter of the segments
+  (``STRIDED_MIN_GAIN``), else ``batch`` where it passed its self-check, else ``2d`` when that
+  needs fewer calls than ``loop`` (and both pitches fit in 31 bits), else ``loop``.
 
 Merging. The copy's ``(layer, pair)`` items are listed in the order that makes neighbours
 adjacent in memory — pair-major when both pools keep an item's layers back to back
@@ -46,10 +55,23 @@ from kernels.api import DMA_ENGINES, PoolBufferLike, check_device_buffers, check
 from kernels.cudart import CudaRuntime, cuda_runtime
 from kernels.plan import DMA_BATCH_MAX_COPIES
 
-__all__ = ["CopySegments", "DmaLaunch", "DMA_ENGINES", "MAX_2D_PITCH", "batch_check", "launch_dma", "plan_segments"]
+__all__ = [
+    "CopySegments",
+    "DmaLaunch",
+    "DMA_ENGINES",
+    "MAX_2D_PITCH",
+    "STRIDED_MIN_GAIN",
+    "StridedRuns",
+    "batch_check",
+    "launch_dma",
+    "plan_segments",
+    "plan_strided_runs",
+]
 
 #: Largest row pitch the ``2d`` engine passes to ``cudaMemcpy2DAsync`` (the device limit).
 MAX_2D_PITCH = 2**31 - 1
+#: ``auto`` takes the ``strided`` engine when it needs at most 1/this of the segments' copies.
+STRIDED_MIN_GAIN = 4
 _LEGACY_STREAMS = (0, 1)  # cudaStreamLegacy: the null stream and its explicit handle
 
 
@@ -70,6 +92,35 @@ class CopySegments:
     @property
     def num_bytes(self) -> int:
         return int(self.sizes.sum())
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StridedRuns:
+    """Segments grouped into 2D copies: run ``k`` moves ``heights[k]`` rows of ``widths[k]`` bytes,
+    row ``r`` from ``src_offsets[k] + r · src_pitches[k]`` to ``dst_offsets[k] + r · dst_pitches[k]``.
+
+    int64 CPU tensors, offsets in bytes from the start of each pool's buffer."""
+
+    src_offsets: torch.Tensor
+    dst_offsets: torch.Tensor
+    widths: torch.Tensor
+    heights: torch.Tensor
+    src_pitches: torch.Tensor
+    dst_pitches: torch.Tensor
+
+    @property
+    def num_runs(self) -> int:
+        return self.widths.numel()
+
+    def shifted(self, src_bytes: int, dst_bytes: int) -> StridedRuns:
+        return StridedRuns(
+            src_offsets=self.src_offsets + src_bytes,
+            dst_offsets=self.dst_offsets + dst_bytes,
+            widths=self.widths,
+            heights=self.heights,
+            src_pitches=self.src_pitches,
+            dst_pitches=self.dst_pitches,
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,6 +174,45 @@ def plan_segments(
         dst_offsets=dst[first].contiguous(),
         sizes=((ends - first) * item_bytes).contiguous(),
     )
+
+
+def plan_strided_runs(segments: CopySegments, *, max_pitch: int = MAX_2D_PITCH) -> StridedRuns:
+    """Group ``segments`` (in order) into strided runs, greedily: a run starts at a segment and
+    takes the next while it has the same size and lies the run's two strides further on; both
+    strides (set by the run's first two segments) are at least the width — rows never overlap —
+    and at most ``max_pitch``. A pair whose second segment could start a run of its own is not
+    a run (the second starts one); a segment that starts no run is a run of height 1.
+    Every byte of ``segments`` is in exactly one row of one run."""
+    src, dst, size = (t.tolist() for t in (segments.src_offsets, segments.dst_offsets, segments.sizes))
+    runs: list[tuple[int, int, int, int, int, int]] = []
+    k, n = 0, len(size)
+    while k < n:
+        w, h, sp, dp = size[k], 1, 0, 0
+        if k + 1 < n and size[k + 1] == w:
+            sp, dp = _strides(src, dst, k)
+            if _pitches_fit(src, dst, k, w, max_pitch):
+                h = 2
+                while k + h < n and size[k + h] == w and _strides(src, dst, k + h - 1) == (sp, dp):
+                    h += 1
+                if h == 2 and k + 2 < n and size[k + 2] == w and _pitches_fit(src, dst, k + 1, w, max_pitch):
+                    h = 1  # the second segment starts a run of its own: leave it to that run
+        if h == 1:
+            sp = dp = w
+        runs.append((src[k], dst[k], w, h, sp, dp))
+        k += h
+    cols = list(zip(*runs, strict=True)) if runs else [()] * 6
+    t = [torch.tensor(c, dtype=torch.int64) for c in cols]
+    return StridedRuns(src_offsets=t[0], dst_offsets=t[1], widths=t[2], heights=t[3], src_pitches=t[4], dst_pitches=t[5])
+
+
+def _strides(src: list[int], dst: list[int], k: int) -> tuple[int, int]:
+    """Source and destination distance from segment ``k`` to segment ``k + 1``."""
+    return src[k + 1] - src[k], dst[k + 1] - dst[k]
+
+
+def _pitches_fit(src: list[int], dst: list[int], k: int, width: int, max_pitch: int) -> bool:
+    """Whether segments ``k`` and ``k + 1`` can be two rows of one run."""
+    return all(width <= p <= max_pitch for p in _strides(src, dst, k))
 
 
 @functools.cache
@@ -182,12 +272,14 @@ def _side_stream(device_index: int) -> torch.cuda.Stream:
 
 @dataclass(frozen=True, slots=True)
 class _Prepared:
-    """A validated copy, ready to issue: its segments, engine, direction and device."""
+    """A validated copy, ready to issue: its segments (and strided runs for that engine),
+    engine, direction and device."""
 
     segments: CopySegments
     engine: str
     direction: str
     device: torch.device
+    runs: StridedRuns | None = None
 
     def shifted(self, src_bytes: int, dst_bytes: int) -> _Prepared:
         segs = self.segments
@@ -198,6 +290,7 @@ class _Prepared:
             engine=self.engine,
             direction=self.direction,
             device=self.device,
+            runs=None if self.runs is None else self.runs.shifted(src_bytes, dst_bytes),
         )
 
 
@@ -291,8 +384,12 @@ def _prepare(
     fits_2d = max(src.layer_stride_bytes, dst.layer_stride_bytes, src.item_bytes) <= MAX_2D_PITCH
     assert device.index is not None
     chosen = engine
+    runs = plan_strided_runs(segments) if engine in ("auto", "strided") else None
     if engine == "auto":
-        if batch_check(device.index) == "ok":
+        assert runs is not None
+        if runs.num_runs * STRIDED_MIN_GAIN <= segments.num_copies:
+            chosen = "strided"
+        elif batch_check(device.index) == "ok":
             chosen = "batch"
         elif num_layers > 1 and fits_2d and src_indices.numel() < segments.num_copies:
             chosen = "2d"
@@ -302,7 +399,9 @@ def _prepare(
         raise TransferError(f"layer strides past {MAX_2D_PITCH} bytes do not fit cudaMemcpy2DAsync's pitch")
     elif engine == "batch" and (why := batch_check(device.index)) != "ok":
         raise TransferError(f"the batch engine is unusable on {device}: {why}")
-    return _Prepared(segments=segments, engine=chosen, direction=direction, device=device)
+    return _Prepared(
+        segments=segments, engine=chosen, direction=direction, device=device, runs=runs if chosen == "strided" else None
+    )
 
 
 def _issue(
@@ -331,6 +430,9 @@ def _issue(
             calls = _issue_batch(
                 rt, segments.src_offsets + src_base, segments.dst_offsets + dst_base, segments.sizes, handle
             )
+        elif chosen == "strided":
+            assert prepared.runs is not None
+            calls = _issue_strided(rt, prepared.runs, src_base, dst_base, handle)
         elif chosen == "2d":
             calls = _issue_2d(rt, src, dst, src_indices, dst_indices, layer_begin, num_layers, handle)
         else:
@@ -351,6 +453,17 @@ def _issue(
         num_calls=calls,
         num_bytes=segments.num_bytes,
     )
+
+
+def _issue_strided(rt: CudaRuntime, runs: StridedRuns, src_base: int, dst_base: int, stream: int) -> int:
+    """One ``cudaMemcpy2DAsync`` per run (a plain memcpy for a run of one row)."""
+    cols = (runs.src_offsets, runs.dst_offsets, runs.widths, runs.heights, runs.src_pitches, runs.dst_pitches)
+    for so, do, w, h, sp, dp in zip(*(c.tolist() for c in cols), strict=True):
+        if h == 1:
+            rt.memcpy_async(dst_base + do, src_base + so, w, stream)
+        else:
+            rt.memcpy_2d_async(dst_base + do, dp, src_base + so, sp, w, h, stream)
+    return runs.num_runs
 
 
 def _issue_2d(

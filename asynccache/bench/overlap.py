@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed repetitions per variant (median reported)")
     p.add_argument("--max-ctas", type=int, default=8, help="CTA cap of the copy kernels")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--copy-method", default="auto", help="auto | triton | dma | dma:batch | dma:2d | dma:loop")
+    p.add_argument("--copy-method", default="auto", help="auto | triton | dma | dma:batch | dma:strided | dma:2d | dma:loop")
     p.add_argument("--json", dest="json_path", default=None)
 
 

@@ -18,7 +18,10 @@ kernel, ``"triton"``, and the copy engines, ``"dma"``, in the same run):
   (the spec's geometry): one ``copy_items`` call per layer over all layers in order, as the
   controller does before a forward pass — the kernel at each cap, the DMA path, and the
   automatic choice (``method="auto"``, kernel cap 8); total GB/s, the ratio to the contiguous
-  H2D bandwidth, and the host time the calls take to enqueue every layer.
+  H2D bandwidth, and the host time the calls take to enqueue every layer. Indices are random
+  permutations, or with ``--consecutive`` the same ascending run on both sides (what a load
+  after a flush gets from the allocators; the DMA path then issues one strided 2D memcpy per
+  layer).
 
 On CPU the same command measures ``copy_items``' torch-indexing path (host → host; ``ctas`` is
 reported as 0, ``method`` as ``"torch"``) against a contiguous ``copy_`` and says so; no GEMM.
@@ -29,7 +32,7 @@ reported as 0, ``method`` as ``"torch"``) against a contiguous ``copy_`` and say
      "gemm_slowdown": float | null,
      "gemm_slowdown_dma": float | null,
      "contiguous_gbps": {"h2d": float, "d2h": float},
-     "per_layer_load": [{"method", "ctas", "bytes", "gbps", "ratio", "launches", "issue_ms"}, ...],
+     "per_layer_load": [{"method", "ctas", "bytes", "gbps", "ratio", "launches", "issue_ms", "indices"}, ...],
      "gemm": [{"method", "direction", "ctas", "slowdown", "gemm_kernel"}, ...],
      "dma_runtime": {"path", "runtime_version", "driver_version", "batch_signature", "batch_check"} | null}
 
@@ -337,6 +340,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--states", type=int, default=None, help="per-layer load: states (default 64 CUDA, 1 CPU)")
     parser.add_argument("--tokens", type=int, default=None, help="per-layer load: KV tokens (default 32768 / 512)")
     parser.add_argument("--no-scenario", action="store_true", help="skip the per-layer load scenario")
+    parser.add_argument(
+        "--consecutive", action="store_true", help="per-layer load: consecutive indices on both sides (default random)"
+    )
     parser.add_argument("--json", dest="json_path", default=None, help="write results as JSON to this path")
 
 
@@ -510,10 +516,17 @@ def _scenario(
     for i, pool in enumerate((host_kv, host_mamba, dev_kv, dev_mamba)):
         _fill_random(pool.buffer, 100 + i)
     gen = torch.Generator().manual_seed(3)
-    kv_idx = (torch.randperm(num_pages, generator=gen), torch.randperm(num_pages, generator=gen))
-    st_idx = (torch.randperm(num_states, generator=gen), torch.randperm(num_states, generator=gen))
+    if args.consecutive:
+        kv_idx, st_idx = (torch.arange(num_pages),) * 2, (torch.arange(num_states),) * 2
+    else:
+        kv_idx = (torch.randperm(num_pages, generator=gen), torch.randperm(num_pages, generator=gen))
+        st_idx = (torch.randperm(num_states, generator=gen), torch.randperm(num_states, generator=gen))
     total = num_pages * spec.kv_page_bytes + num_states * spec.state_bytes
-    _progress(f"per-layer load: {num_states} states + {num_pages * spec.page_size} tokens of KV = {total / 1e9:.2f} GB")
+    order = "consecutive" if args.consecutive else "random"
+    _progress(
+        f"per-layer load: {num_states} states + {num_pages * spec.page_size} tokens of KV = {total / 1e9:.2f} GB, "
+        f"{order} indices"
+    )
     rows: list[dict[str, object]] = []
     if cuda:
         runs = [*runs, ("auto", 8)]
@@ -545,7 +558,7 @@ def _scenario(
         rows.append(
             {
                 "method": method, "ctas": cap, "bytes": total, "gbps": gbps, "ratio": gbps / link_gbps,
-                "launches": launches, "issue_ms": issue_ms,
+                "launches": launches, "issue_ms": issue_ms, "indices": order,
             }
         )  # fmt: skip
         _progress(

@@ -5,7 +5,10 @@ Primitives:
 - :class:`RMSNorm`.
 - :class:`Attention` — GQA attention with per-head q/k RMSNorm and RoPE. Writes the new tokens'
   K/V into the paged device KV pool, then reads every key ``[0, end)`` back from the pool and
-  attends with SDPA (so prefix keys and new keys go through the same rounding).
+  attends with SDPA (so prefix keys and new keys go through the same rounding): query heads
+  share their KV head inside the kernel (``enable_gqa``), and a chunk that continues a prefix
+  uses a bottom-right aligned causal mask (``causal_lower_right``), which the fused kernels take
+  as such instead of an explicit mask.
 - :class:`GatedDeltaNet` — Qwen3-Next's linear attention: fused q/k/v/z and b/a projections, a
   short causal conv over q/k/v with SiLU, L2-normed q/k, β = σ(b),
   g = −exp(A_log)·softplus(a + dt_bias), the gated delta rule (chunked for prefill, recurrent for
@@ -26,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from asynccache.errors import ConfigError
 from asynccache.pools import DeviceKVPool, DeviceMambaPool
@@ -74,21 +78,17 @@ class Attention(nn.Module):
         v_cache[ctx.kv_write_pages, ctx.kv_write_offsets] = v.to(v_cache.dtype)
 
         out = torch.empty(t, h, d, dtype=x.dtype, device=x.device)
-        rep = h // hk
         for span in ctx.attn_spans:
             keys = k_cache[span.pages].flatten(0, 1)[: span.end].to(x.dtype)  # [S, hk, d]
             vals = v_cache[span.pages].flatten(0, 1)[: span.end].to(x.dtype)
             qs = q[span.row_begin : span.row_end].transpose(0, 1)[None]  # [1, h, n, d]
-            ks = keys.repeat_interleave(rep, dim=1).transpose(0, 1)[None]
-            vs = vals.repeat_interleave(rep, dim=1).transpose(0, 1)[None]
+            ks = keys.transpose(0, 1)[None]  # [1, hk, S, d]: query head i reads key head i // (h / hk)
+            vs = vals.transpose(0, 1)[None]
             n = span.row_end - span.row_begin
-            if n == 1 or span.start == 0:
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=n > 1)
-            else:  # query i sits at position start + i: bottom-right aligned causal mask
-                mask = torch.arange(span.end, device=x.device)[None, :] <= (
-                    span.start + torch.arange(n, device=x.device)[:, None]
-                )
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
+            # Query i sits at position end - n + i: a bottom-right aligned causal mask (the usual
+            # causal mask when the span starts at 0), which the fused kernels take as such.
+            mask = causal_lower_right(n, span.end) if n > 1 else None
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
             out[span.row_begin : span.row_end] = o[0].transpose(0, 1)
         if ctx.decode is not None:
             dg = ctx.decode
@@ -99,9 +99,9 @@ class Attention(nn.Module):
             keys = k_cache[dg.page_table].flatten(1, 2).to(x.dtype).masked_fill(~valid, 0)  # [B, L, hk, d]
             vals = v_cache[dg.page_table].flatten(1, 2).to(x.dtype).masked_fill(~valid, 0)
             qs = q[dg.row_begin : dg.row_end][:, :, None, :]  # [B, h, 1, d]
-            ks = keys.repeat_interleave(rep, dim=2).transpose(1, 2)
-            vs = vals.repeat_interleave(rep, dim=2).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=dg.key_mask)
+            o = F.scaled_dot_product_attention(
+                qs, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=dg.key_mask, enable_gqa=True
+            )
             out[dg.row_begin : dg.row_end] = o.view(b, h, d)
         return self.o_proj(out.view(t, h * d))
 

@@ -8,8 +8,10 @@ write-policy's backups (``start_writing()``).
 
 A request whose prefix the storage tier restores split (a ``TailRestore``: the tail read from
 storage while the head is computed) prefills up to the tail, waits for the read if it has not
-landed yet, copies the tail's KV pages and state into its own pages and working slot, and goes
-on from the tail's end. A failed read falls back to computing the tail.
+landed yet, and goes on from the tail's end: the step that continues from there loads the
+tail's KV pages and state into its own pages and working slot layer by layer, like any host
+hit, beside its forward.
+A failed read falls back to computing the tail.
 
 Conventions (see docs/architecture.md):
 
@@ -148,7 +150,6 @@ class Scheduler:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._tg: asyncio.TaskGroup | None = None
-        self._release_after_sync: list[Any] = []  # applied tail restores whose copies are queued
         self.num_steps = 0
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -163,10 +164,6 @@ class Scheduler:
         for req in list(self._waiting) + list(self._running):
             self._cancel(req)
         self._task.cancel()
-        if self._release_after_sync:
-            if self.cache.device_kv.device.type == "cuda":
-                torch.cuda.synchronize(self.cache.device_kv.device)
-            self._release_tails()
         tg, self._tg = self._tg, None
         with contextlib.suppress(asyncio.CancelledError):
             await tg.__aexit__(None, None, None)
@@ -249,7 +246,6 @@ class Scheduler:
         )
         next_ids = await self._to_host(logits.argmax(dim=-1))
         now = time.perf_counter()
-        self._release_tails()  # the compute stream has passed every queued tail copy
         for i, (r, s) in enumerate(zip(reqs, seqs, strict=True)):
             r.num_computed = s.start + s.token_ids.numel()
             if r.num_computed < len(r.prompt):
@@ -368,20 +364,15 @@ class Scheduler:
         slots = [req.state_slot]
         if tail.end_tokens in req.snapshots:  # the admission policy keeps the tail's end state
             slots.append(req.snapshots[tail.end_tokens])
-        self.cache.controller.copy_tail_to_device(
+        # Loaded layer by layer with this step's loads; the controller releases the tail after.
+        self.cache.controller.load_tail(
             tail,
             req.kv_pages[tail.begin_tokens // page : tail.end_tokens // page],
             torch.tensor(slots, dtype=torch.int64),
         )
-        self._release_after_sync.append(tail)
         req.num_restored = tail.end_tokens - tail.begin_tokens
         req.num_computed = tail.end_tokens
         req.cached_by_tier["storage"] += req.num_restored
-
-    def _release_tails(self) -> None:
-        for tail in self._release_after_sync:
-            tail.release()
-        self._release_after_sync.clear()
 
     async def _to_host(self, t: torch.Tensor) -> list[int]:
         """``t.tolist()`` without blocking the loop while the device finishes the step (storage

@@ -100,18 +100,33 @@ class EvictionMixin(TreeCore):
         pages0 = self._device_pages
         victims: list[TreeNode] = []
         pending = 0
-        for node in self.eviction.candidates(self.device_kv_lru, now=self.clock()):
-            if pages0 - self._device_pages + pending >= need:
+        deferred: set[TreeNode] = set()  # offered while a child still held device KV
+
+        def enough() -> bool:
+            return pages0 - self._device_pages + pending >= need
+
+        for offered in self.eviction.candidates(self.device_kv_lru, now=self.clock()):
+            node: TreeNode | None = offered
+            while node is not None and not enough():
+                if not self._device_kv_evictable(node):
+                    if node.device_kv is not None and node.num_device_children:
+                        deferred.add(node)
+                    break
+                parent = node.parent
+                if self._backed_up(node):
+                    self._demote_device(node)
+                elif callback is not None and (node.has_state or node.children):
+                    victims.append(node)
+                    pending += node.num_pages
+                    break
+                else:
+                    self._drop_device(node)
+                # The parent may be a device leaf now: if the policy already offered it (it
+                # ranks below this node), take it at once rather than leave it behind.
+                node = parent if parent in deferred else None
+                deferred.discard(parent)  # type: ignore[arg-type]
+            if enough():
                 break
-            if not self._device_kv_evictable(node):
-                continue
-            if self._backed_up(node):
-                self._demote_device(node)
-            elif callback is not None and (node.has_state or node.children):
-                victims.append(node)
-                pending += node.num_pages
-            else:
-                self._drop_device(node)
         if not victims:
             return 0, 0, 0
         written = self._call_write_back(victims, callback)  # type: ignore[arg-type]
@@ -222,27 +237,35 @@ class EvictionMixin(TreeCore):
 
     def _evict_host_kv(self, need: int, archived_only: bool) -> None:
         pages0 = self._host_pages
-        for node in self.eviction.candidates(self.host_kv_lru, now=self.clock()):
+        deferred: set[TreeNode] = set()  # offered while a child still held host KV
+        for offered in self.eviction.candidates(self.host_kv_lru, now=self.clock()):
+            node: TreeNode | None = offered
+            while node is not None and pages0 - self._host_pages < need:
+                if node.host_kv is None or node.host_lock or (archived_only and not node.archived):
+                    break
+                if node.num_host_children:
+                    deferred.add(node)
+                    break
+                parent = node.parent
+                assert parent is not None
+                if node.device_kv is None:
+                    if node.device_lock or node.loading:
+                        break
+                    assert not node.children
+                    self._delete(node)
+                    self._cascade(parent)
+                else:
+                    if node.host_state is not None:
+                        if node.device_state is None:
+                            self._lost_states += 1
+                        self._free_host_state(node)
+                    self._free_host_kv(node)
+                    self._cascade(node)
+                # As for the device: a parent offered earlier may be a host leaf now.
+                node = parent if parent in deferred else None
+                deferred.discard(parent)
             if pages0 - self._host_pages >= need:
                 break
-            if node.host_kv is None or node.host_lock or node.num_host_children:
-                continue
-            if archived_only and not node.archived:
-                continue
-            if node.device_kv is None:
-                if node.device_lock or node.loading:
-                    continue
-                parent = node.parent
-                assert parent is not None and not node.children
-                self._delete(node)
-                self._cascade(parent)
-            else:
-                if node.host_state is not None:
-                    if node.device_state is None:
-                        self._lost_states += 1
-                    self._free_host_state(node)
-                self._free_host_kv(node)
-                self._cascade(node)
 
     def _evict_host_states(self, need: int, archived_only: bool) -> None:
         states0 = self._host_states

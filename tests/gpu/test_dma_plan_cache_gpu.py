@@ -9,18 +9,26 @@ import torch
 from asynccache.pools import DeviceKVPool, HostKVPool
 from asynccache.spec import HybridSpec
 from kernels import copy_items
+from kernels.dma_copy import launch_dma
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+INDEX_SETS = {
+    "scattered": ([3, 4, 5, 9, 0, 39, 17], [10, 11, 12, 2, 30, 0, 31]),
+    # Consecutive on both sides: from a page_first host, each layer is one strided run.
+    "consecutive": (list(range(7, 31)), list(range(4, 28))),
+}
+
+
+@pytest.mark.parametrize("indices", sorted(INDEX_SETS))
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
-def test_cached_plan_matches_per_call_plans(layout: str) -> None:
+def test_cached_plan_matches_per_call_plans(layout: str, indices: str) -> None:
     spec = HybridSpec.preset("qwen3-next-80b", page_size=64)
     host = HostKVPool(spec, num_pages=40, layout=layout)
     assert host.buffer is not None
     host.buffer.copy_(torch.randint(0, 256, host.buffer.shape, dtype=torch.uint8))
-    src = torch.tensor([3, 4, 5, 9, 0, 39, 17], dtype=torch.int64)
-    dst = torch.tensor([10, 11, 12, 2, 30, 0, 31], dtype=torch.int64)
+    src, dst = (torch.tensor(v, dtype=torch.int64) for v in INDEX_SETS[indices])
     cached = DeviceKVPool(spec, 32, device="cuda")
     plain = DeviceKVPool(spec, 32, device="cuda")
     for pool in (cached, plain):
@@ -37,3 +45,27 @@ def test_cached_plan_matches_per_call_plans(layout: str) -> None:
     assert torch.equal(cached.buffer, plain.buffer)
     for li, lid in enumerate(spec.attention_layer_ids):
         assert torch.equal(cached.layer_items(lid)[dst.cuda()].cpu(), host.layer_items(lid)[src])
+
+
+def test_a_per_layer_load_of_consecutive_pages_is_one_strided_call_per_layer() -> None:
+    """page_first host → device, consecutive indices: ``auto`` issues one 2D memcpy per layer
+    (through the cached plan, shifted per layer), and the pages land exactly."""
+    spec = HybridSpec.preset("qwen3-next-80b", page_size=64)
+    host = HostKVPool(spec, num_pages=40, layout="page_first")
+    dev = DeviceKVPool(spec, 32, device="cuda")
+    assert host.buffer is not None and dev.buffer is not None
+    host.buffer.copy_(torch.randint(0, 256, host.buffer.shape, dtype=torch.uint8))
+    dev.buffer.fill_(0x5A)
+    src, dst = torch.arange(8, 38), torch.arange(1, 31)
+    cache: dict = {}
+    stream = torch.cuda.Stream()
+    for li in range(spec.num_attention_layers):
+        launch = launch_dma(host, dev, src, dst, li, li + 1, stream=stream, plan_cache=cache)
+        assert launch is not None and launch.engine == "strided"
+        assert (launch.num_copies, launch.num_calls) == (30, 1)
+    stream.synchronize()
+    untouched = torch.ones(32, dtype=torch.bool)
+    untouched[dst] = False
+    for lid in spec.attention_layer_ids:
+        assert torch.equal(dev.layer_items(lid)[dst.cuda()].cpu(), host.layer_items(lid)[src])
+        assert bool((dev.layer_items(lid)[untouched.cuda()] == 0x5A).all())

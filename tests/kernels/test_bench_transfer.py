@@ -41,9 +41,19 @@ def test_cpu_run_writes_the_documented_json(tmp_path: Path, capsys: pytest.Captu
         assert r["gbps"] > 0 and r["ratio"] > 0
     (load,) = report["per_layer_load"]
     assert load["launches"] == 48 and load["gbps"] > 0 and load["method"] == "torch" and load["issue_ms"] > 0
+    assert load["indices"] == "random"
     printed = capsys.readouterr().out
     assert "torch-indexing path" in printed
     assert "per-layer load" in printed
+
+
+def test_per_layer_load_with_consecutive_indices(tmp_path: Path) -> None:
+    out = tmp_path / "t.json"
+    args = _args("--device", "cpu", "--sizes", "4096", "--states", "2", "--tokens", "256", "--consecutive",
+                 "--json", str(out))  # fmt: skip
+    assert transfer.run(args) == 0
+    (load,) = json.loads(out.read_text())["per_layer_load"]
+    assert load["indices"] == "consecutive" and load["gbps"] > 0
 
 
 def test_unknown_method_is_rejected() -> None:

@@ -15,7 +15,7 @@ from asynccache.errors import TransferError
 from asynccache.pools.base import ItemPool, PoolLayout
 from kernels import copy_items
 from kernels.api import COPY_METHODS, select_method
-from kernels.dma_copy import launch_dma, plan_segments
+from kernels.dma_copy import launch_dma, plan_segments, plan_strided_runs
 from kernels.plan import DMA_MIN_RUN_BYTES, dma_run_bytes
 from kernels.testing import LAYOUT_PAIRS, CopyCase, assert_copied, index_pairs, make_item_pool, snapshot
 
@@ -45,6 +45,21 @@ def _apply(src: ItemPool, dst: ItemPool, si: torch.Tensor, di: torch.Tensor, lb:
     return seg.num_copies
 
 
+def _apply_runs(src: ItemPool, dst: ItemPool, si: torch.Tensor, di: torch.Tensor, lb: int, le: int) -> int:
+    """Copy through the strided runs of the planned segments, row by row; returns the run count."""
+    runs = plan_strided_runs(_segments(src, dst, si, di, lb, le))
+    assert src.buffer is not None and dst.buffer is not None
+    s, d = src.buffer.view(-1), dst.buffer.view(-1)
+    cols = (runs.src_offsets, runs.dst_offsets, runs.widths, runs.heights, runs.src_pitches, runs.dst_pitches)
+    for so, do, w, h, sp, dp in zip(*(c.tolist() for c in cols), strict=True):
+        assert h >= 1 and sp >= w and dp >= w  # rows of a run never overlap
+        for r in range(h):
+            d[do + r * dp : do + r * dp + w] = s[so + r * sp : so + r * sp + w]
+    assert int((runs.widths * runs.heights).sum()) == si.numel() * (le - lb) * src.item_bytes
+    return runs.num_runs
+
+
+@pytest.mark.parametrize("apply", ["segments", "strided runs"])
 @settings(max_examples=60, deadline=None)
 @given(
     layouts=st.sampled_from(LAYOUT_PAIRS),
@@ -52,19 +67,23 @@ def _apply(src: ItemPool, dst: ItemPool, si: torch.Tensor, di: torch.Tensor, lb:
     num_layers=st.integers(1, 4),
     data=st.data(),
 )
-def test_segments_copy_exactly_the_mapped_items(
-    layouts: tuple[PoolLayout, PoolLayout], item_bytes: int, num_layers: int, data: st.DataObject
+def test_segments_and_runs_copy_exactly_the_mapped_items(
+    apply: str, layouts: tuple[PoolLayout, PoolLayout], item_bytes: int, num_layers: int, data: st.DataObject
 ) -> None:
     case = CopyCase(item_bytes, torch.uint8)
     src = make_item_pool(num_layers=num_layers, num_items=9, case=case, layout=layouts[0], seed=1)
     dst = make_item_pool(num_layers=num_layers, num_items=11, case=case, layout=layouts[1], seed=2)
     count = data.draw(st.integers(0, 9))
-    si = torch.tensor(data.draw(st.permutations(range(9)))[:count], dtype=torch.int64)
-    di = torch.tensor(data.draw(st.permutations(range(11)))[:count], dtype=torch.int64)
+    if data.draw(st.booleans()):  # consecutive indices on both sides: the runs a load produces
+        s0, d0 = data.draw(st.integers(0, 9 - count)), data.draw(st.integers(0, 11 - count))
+        si, di = torch.arange(s0, s0 + count), torch.arange(d0, d0 + count)
+    else:
+        si = torch.tensor(data.draw(st.permutations(range(9)))[:count], dtype=torch.int64)
+        di = torch.tensor(data.draw(st.permutations(range(11)))[:count], dtype=torch.int64)
     lb = data.draw(st.integers(0, num_layers))
     le = data.draw(st.integers(lb, num_layers))
     src_before, dst_before = snapshot(src), snapshot(dst)
-    _apply(src, dst, si, di, lb, le)
+    (_apply if apply == "segments" else _apply_runs)(src, dst, si, di, lb, le)
     assert_copied(
         src=src, dst=dst, src_before=src_before, dst_before=dst_before,
         src_indices=si, dst_indices=di, layer_begin=lb, layer_end=le,
@@ -112,6 +131,36 @@ def test_offsets_are_int64_past_4_gib() -> None:
     assert seg.src_offsets.dtype == torch.int64
     assert seg.src_offsets.tolist() == [(4608 + 4607) << 20]
     assert seg.dst_offsets.tolist() == [(1 + 2) << 20]
+
+
+def test_one_layer_of_consecutive_pages_is_one_strided_run() -> None:
+    """A per-layer load, page_first host → layer_first device, consecutive indices on both sides:
+    every page is its own segment, and all of them are one run (rows = pages)."""
+    case = CopyCase(4096, torch.uint8)
+    host = make_item_pool(num_layers=4, num_items=40, case=case, layout=PoolLayout.PAGE_FIRST, seed=1)
+    dev = make_item_pool(num_layers=4, num_items=40, case=case, layout=PoolLayout.LAYER_FIRST, seed=2)
+    si, di = torch.arange(5, 37), torch.arange(2, 34)
+    seg = _segments(host, dev, si, di, 2, 3)
+    runs = plan_strided_runs(seg)
+    assert seg.num_copies == 32 and runs.num_runs == 1
+    assert runs.heights.tolist() == [32] and runs.widths.tolist() == [4096]
+    assert runs.src_pitches.tolist() == [host.item_stride_bytes] and runs.dst_pitches.tolist() == [4096]
+    # A gap on one side starts a new run; a lone segment is a run of one row.
+    si2 = torch.cat((torch.arange(0, 10), torch.tensor([20]), torch.arange(30, 40)))
+    runs = plan_strided_runs(_segments(host, dev, si2, torch.arange(21), 0, 1))
+    assert runs.heights.tolist() == [10, 1, 10]
+    none = torch.empty(0, dtype=torch.int64)
+    assert plan_strided_runs(_segments(host, dev, none, none, 0, 1)).num_runs == 0
+
+
+def test_strided_runs_respect_the_pitch_limit() -> None:
+    seg = plan_segments(
+        item_bytes=16, src_layer_stride_bytes=16, src_item_stride_bytes=1 << 20,
+        dst_layer_stride_bytes=16, dst_item_stride_bytes=16,
+        src_indices=torch.arange(4), dst_indices=torch.arange(4), layer_begin=0, layer_end=1,
+    )  # fmt: skip
+    assert plan_strided_runs(seg).num_runs == 1
+    assert plan_strided_runs(seg, max_pitch=(1 << 20) - 1).heights.tolist() == [1, 1, 1, 1]
 
 
 # ---- the method choice ----------------------------------------------------------------------------

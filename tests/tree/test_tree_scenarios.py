@@ -350,6 +350,25 @@ def test_lru_scan_evicts_leaves_before_their_ancestors() -> None:
     tree.check_integrity()
 
 
+def test_one_eviction_call_takes_an_ancestor_offered_before_its_leaf() -> None:
+    """The LRU order offers an older parent before its newer child (backing up only the child
+    touched it last): once the child is gone, the same call takes the parent too (device and
+    host), so flushing a tier empties it."""
+    tree, transfer = make_tree()
+    base = seq(1, 2 * PAGE)
+    transfer.backup(put(tree, base).backup_nodes)
+    long = base + seq(2, 2 * PAGE)
+    transfer.backup(put(tree, long).backup_nodes)
+    assert [n.end_tokens for n in tree.eviction.candidates(tree.device_kv_lru, now=0.0)] == [2 * PAGE, 4 * PAGE]
+    ev = tree.evict_device(num_kv_pages=tree.device_kv.num_items, num_states=tree.device_mamba.num_items)
+    assert ev.num_kv_pages == 4 and tree.device_kv.num_free == tree.device_kv.num_items
+    m = tree.match_prefix(long)
+    assert (m.num_tokens, m.num_device_tokens, m.num_host_tokens) == (4 * PAGE, 0, 4 * PAGE)
+    ev = tree.evict_host(num_kv_pages=tree.host_kv.num_items, num_states=tree.host_mamba.num_items)
+    assert ev.num_kv_pages == 4 and tree.stats().num_nodes == 0
+    tree.check_integrity()
+
+
 class ShallowFirst(ScoredEviction):
     """A deliberately odd order through the utility hook: shallowest nodes first."""
 
