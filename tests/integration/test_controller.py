@@ -383,3 +383,51 @@ async def test_start_loading_requires_the_async_context() -> None:
     cache = make_cache()
     with pytest.raises(RuntimeError, match="async with"):
         cache.controller.start_loading()
+
+
+class _Tail:
+    """The part of a TailRestore that ``load_tail`` uses: host pages, a host state slot, release."""
+
+    def __init__(self, cache: HybridCache, num_pages: int) -> None:
+        assert cache.host_kv is not None and cache.host_mamba is not None
+        kv, slot = cache.host_kv.alloc(num_pages), cache.host_mamba.alloc(1)
+        assert kv is not None and slot is not None
+        self.host_kv, self.host_slot = kv, slot
+        self.released = 0
+
+    def release(self) -> None:
+        self.released += 1
+
+
+async def test_load_tail_lands_layer_by_layer_and_releases_the_tail_once() -> None:
+    async with make_cache() as cache:
+        assert cache.host_kv is not None and cache.host_mamba is not None
+        g = torch.Generator().manual_seed(5)
+        for pool in (cache.host_kv, cache.host_mamba):
+            assert pool.buffer is not None
+            pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, generator=g, dtype=torch.uint8))
+        ctrl = cache.controller
+        tail = _Tail(cache, 3)
+        pages, slots = cache.device_kv.alloc(3), cache.device_mamba.alloc(2)
+        assert pages is not None and slots is not None
+        op = ctrl.load_tail(tail, pages, slots)
+        counter = ctrl.start_loading()
+        for lid in cache.spec.cached_layer_ids:
+            await counter.wait(lid)
+        await op
+        await asyncio.sleep(0)  # done callbacks run on the next loop iteration
+        assert tail.released == 1 and op.state is OpState.DONE
+        for lid in cache.spec.attention_layer_ids:
+            assert torch.equal(cache.device_kv.layer_items(lid)[pages], cache.host_kv.layer_items(lid)[tail.host_kv])
+        for lid in cache.spec.mamba_layer_ids:
+            want = cache.host_mamba.layer_items(lid)[tail.host_slot]
+            assert torch.equal(cache.device_mamba.layer_items(lid)[slots], want.expand(2, -1))
+        # The device pages and slots stay the caller's; the tree never saw them.
+        assert cache.device_kv.allocator.is_allocated(int(pages[0]))
+        # A queued tail load that is cancelled never copies, and still releases its tail.
+        tail2 = _Tail(cache, 2)
+        op2 = ctrl.load_tail(tail2, cache.device_kv.alloc(2), cache.device_mamba.alloc(1))
+        assert ctrl.cancel(op2)
+        await asyncio.sleep(0)
+        assert tail2.released == 1 and op2.state is OpState.CANCELLED
+        assert ctrl.start_loading().layer_ids == ()
