@@ -205,6 +205,22 @@ def plan_strided_runs(segments: CopySegments, *, max_pitch: int = MAX_2D_PITCH) 
     return StridedRuns(src_offsets=t[0], dst_offsets=t[1], widths=t[2], heights=t[3], src_pitches=t[4], dst_pitches=t[5])
 
 
+def _runs_may_pay(segments: CopySegments, max_pitch: int = MAX_2D_PITCH) -> bool:
+    """Whether strided runs could cut the calls ``STRIDED_MIN_GAIN``-fold: a vectorized bound
+    that spares scattered copies the per-segment planning loop. Each run of ``h`` rows uses
+    ``h - 1`` links between neighbours (same size, both strides fit), so there are at least
+    ``segments - links`` runs."""
+    n = segments.num_copies
+    if n < STRIDED_MIN_GAIN:
+        return False
+    size = segments.sizes[:-1]
+    ds = segments.src_offsets.diff()
+    dd = segments.dst_offsets.diff()
+    fits = (ds >= size) & (ds <= max_pitch) & (dd >= size) & (dd <= max_pitch)
+    links = int(((segments.sizes[1:] == size) & fits).sum())
+    return (n - links) * STRIDED_MIN_GAIN <= n
+
+
 def _strides(src: list[int], dst: list[int], k: int) -> tuple[int, int]:
     """Source and destination distance from segment ``k`` to segment ``k + 1``."""
     return src[k + 1] - src[k], dst[k + 1] - dst[k]
@@ -384,10 +400,11 @@ def _prepare(
     fits_2d = max(src.layer_stride_bytes, dst.layer_stride_bytes, src.item_bytes) <= MAX_2D_PITCH
     assert device.index is not None
     chosen = engine
-    runs = plan_strided_runs(segments) if engine in ("auto", "strided") else None
+    runs = None
+    if engine == "strided" or (engine == "auto" and _runs_may_pay(segments)):
+        runs = plan_strided_runs(segments)
     if engine == "auto":
-        assert runs is not None
-        if runs.num_runs * STRIDED_MIN_GAIN <= segments.num_copies:
+        if runs is not None and runs.num_runs * STRIDED_MIN_GAIN <= segments.num_copies:
             chosen = "strided"
         elif batch_check(device.index) == "ok":
             chosen = "batch"

@@ -10,16 +10,15 @@ from typing import Any
 
 import pytest
 import torch
+from serving import PAGE, device_of, serving_config, tiny_model, tiny_spec
 
 from asynccache.cache import HybridCache
-from asynccache.config import HybridCacheConfig
 from asynccache.policy import EndsAdmission
 from asynccache.pools import DeviceKVPool, DeviceMambaPool
 from asynccache.reference.model import ForwardBatch, HybridModel, SequenceInput
 from asynccache.reference.scheduler import Scheduler, SchedulerConfig
 from asynccache.spec import HybridSpec
 
-PAGE = 4
 OUT = 8
 P1 = [(7 * t + 3) % 250 + 1 for t in range(41)]
 Q2 = [(11 * t + 5) % 250 + 1 for t in range(13)]
@@ -27,29 +26,12 @@ Q2 = [(11 * t + 5) % 250 + 1 for t in range(13)]
 
 @pytest.fixture(scope="module")
 def spec() -> HybridSpec:
-    return HybridSpec.preset("tiny", page_size=PAGE)
+    return tiny_spec()
 
 
 @pytest.fixture(scope="module")
 def model(spec: HybridSpec, model_device: str) -> HybridModel:
-    """fp32 on CPU, bf16 on CUDA."""
-    dtype = torch.bfloat16 if model_device == "cuda" else torch.float32
-    return HybridModel(spec, device=model_device, dtype=dtype, seed=3)
-
-
-def device_of(model: HybridModel) -> str:
-    return next(model.parameters()).device.type
-
-
-def make_config(spec: HybridSpec, storage_uri: str | None = None) -> HybridCacheConfig:
-    return HybridCacheConfig(
-        device_kv_pages=128,
-        device_state_slots=32,
-        host_kv_bytes=256 * spec.kv_page_bytes,
-        host_state_bytes=32 * spec.state_bytes,
-        storage_uri=storage_uri,
-        prefetch_policy="wait_complete",
-    )
+    return tiny_model(spec, model_device, seed=3)
 
 
 def snapshot_positions(spec: HybridSpec, prompt_len: int, computed_len: int, cached: int) -> list[int]:
@@ -105,7 +87,7 @@ async def cold_same_segmentation(model: HybridModel, spec: HybridSpec, out1: lis
 async def serve_two_turns(
     model: HybridModel, spec: HybridSpec, tier: str, storage_uri: str | None, *, corrupt: Any = None
 ) -> dict[str, Any]:
-    async with HybridCache(spec, make_config(spec, storage_uri), device=device_of(model)) as cache, Scheduler(
+    async with HybridCache(spec, serving_config(spec, storage_uri), device=device_of(model)) as cache, Scheduler(
         model, cache, SchedulerConfig(chunk_size=4096)
     ) as sched:
         r1 = await sched.generate(P1, OUT)
@@ -130,7 +112,7 @@ async def serve_two_turns(
 
 
 async def cold_unsegmented(model: HybridModel, spec: HybridSpec, p2: list[int]) -> list[int]:
-    async with HybridCache(spec, make_config(spec), device=device_of(model)) as cache, Scheduler(
+    async with HybridCache(spec, serving_config(spec), device=device_of(model)) as cache, Scheduler(
         model, cache, SchedulerConfig(chunk_size=4096, use_cache=False)
     ) as sched:
         return (await sched.generate(p2, OUT)).output_ids

@@ -8,15 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from serving import PAGE, device_of, serving_config, tiny_model, tiny_spec
 
 from asynccache.cache import HybridCache
-from asynccache.config import HybridCacheConfig
 from asynccache.reference.model import HybridModel
 from asynccache.reference.scheduler import RequestResult, Scheduler, SchedulerConfig
 from asynccache.spec import HybridSpec
 from asynccache.tiering import RestoreCost
 
-PAGE = 4
 OUT = 4
 P1 = [(7 * t + 3) % 250 + 1 for t in range(48)]
 Q2 = [(11 * t + 5) % 250 + 1 for t in range(9)]
@@ -27,29 +26,12 @@ SEGMENTATION = SchedulerConfig(chunk_size=PAGE, max_batch_tokens=4096)
 
 @pytest.fixture(scope="module")
 def spec() -> HybridSpec:
-    return HybridSpec.preset("tiny", page_size=PAGE)
+    return tiny_spec()
 
 
 @pytest.fixture(scope="module")
 def model(spec: HybridSpec, model_device: str) -> HybridModel:
-    """fp32 on CPU, bf16 on CUDA."""
-    dtype = torch.bfloat16 if model_device == "cuda" else torch.float32
-    return HybridModel(spec, device=model_device, dtype=dtype, seed=5)
-
-
-def device_of(model: HybridModel) -> str:
-    return next(model.parameters()).device.type
-
-
-def config(spec: HybridSpec, uri: str | None) -> HybridCacheConfig:
-    return HybridCacheConfig(
-        device_kv_pages=128,
-        device_state_slots=32,
-        host_kv_bytes=256 * spec.kv_page_bytes,
-        host_state_bytes=32 * spec.state_bytes,
-        storage_uri=uri,
-        prefetch_policy="wait_complete",
-    )
+    return tiny_model(spec, model_device, seed=5)
 
 
 def split_cost(spec: HybridSpec) -> RestoreCost:
@@ -62,7 +44,7 @@ def split_cost(spec: HybridSpec) -> RestoreCost:
 async def serve_split(
     model: HybridModel, spec: HybridSpec, root: Path, *, corrupt_tail: bool = False
 ) -> tuple[RequestResult, list[int], dict[str, int]]:
-    cache_cm = HybridCache(spec, config(spec, root.as_uri()), device=device_of(model))
+    cache_cm = HybridCache(spec, serving_config(spec, root.as_uri()), device=device_of(model))
     async with cache_cm as cache, Scheduler(model, cache, SEGMENTATION) as sched:
         r1 = await sched.generate(P1, OUT)
         p2 = P1 + r1.output_ids + Q2
@@ -97,7 +79,7 @@ async def cold(model: HybridModel, spec: HybridSpec, prompt: list[int]) -> Reque
     cfg = SchedulerConfig(
         chunk_size=SEGMENTATION.chunk_size, max_batch_tokens=SEGMENTATION.max_batch_tokens, use_cache=False
     )
-    cache_cm = HybridCache(spec, config(spec, None), device=device_of(model))
+    cache_cm = HybridCache(spec, serving_config(spec), device=device_of(model))
     async with cache_cm as cache, Scheduler(model, cache, cfg) as sched:
         return await sched.generate(prompt, OUT)
 

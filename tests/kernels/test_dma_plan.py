@@ -15,7 +15,7 @@ from asynccache.errors import TransferError
 from asynccache.pools.base import ItemPool, PoolLayout
 from kernels import copy_items
 from kernels.api import COPY_METHODS, select_method
-from kernels.dma_copy import launch_dma, plan_segments, plan_strided_runs
+from kernels.dma_copy import STRIDED_MIN_GAIN, _runs_may_pay, launch_dma, plan_segments, plan_strided_runs
 from kernels.plan import DMA_MIN_RUN_BYTES, dma_run_bytes
 from kernels.testing import LAYOUT_PAIRS, CopyCase, assert_copied, index_pairs, make_item_pool, snapshot
 
@@ -151,6 +151,24 @@ def test_one_layer_of_consecutive_pages_is_one_strided_run() -> None:
     assert runs.heights.tolist() == [10, 1, 10]
     none = torch.empty(0, dtype=torch.int64)
     assert plan_strided_runs(_segments(host, dev, none, none, 0, 1)).num_runs == 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_the_quick_bound_never_rejects_runs_that_pay(data: st.DataObject) -> None:
+    """``auto`` skips planning runs when the vectorized bound says they cannot pay: it must never
+    say so where the planner would have found them."""
+    case = CopyCase(4096, torch.uint8)
+    host = make_item_pool(num_layers=2, num_items=64, case=case, layout=PoolLayout.PAGE_FIRST, seed=1)
+    dev = make_item_pool(num_layers=2, num_items=64, case=case, layout=PoolLayout.LAYER_FIRST, seed=2)
+    count = data.draw(st.integers(1, 32))
+    scattered = torch.tensor(data.draw(st.permutations(range(64)))[:count])
+    si = scattered if data.draw(st.booleans()) else torch.arange(count)
+    di = torch.tensor(sorted(data.draw(st.permutations(range(64)))[:count]))
+    seg = _segments(host, dev, si, di, 0, data.draw(st.integers(1, 2)))
+    if plan_strided_runs(seg).num_runs * STRIDED_MIN_GAIN <= seg.num_copies:
+        assert _runs_may_pay(seg)
+    assert _runs_may_pay(_segments(host, dev, torch.arange(32), torch.arange(32), 0, 1))
 
 
 def test_strided_runs_respect_the_pitch_limit() -> None:

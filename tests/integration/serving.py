@@ -1,0 +1,38 @@
+"""Set-up shared by the end-to-end model tests: the tiny hybrid spec, its reference model on the
+test's device, and the cache budgets they serve through."""
+
+from __future__ import annotations
+
+import torch
+
+from asynccache.config import HybridCacheConfig
+from asynccache.reference.model import HybridModel
+from asynccache.spec import HybridSpec
+
+PAGE = 4
+
+
+def tiny_spec() -> HybridSpec:
+    return HybridSpec.preset("tiny", page_size=PAGE)
+
+
+def tiny_model(spec: HybridSpec, device: str, *, seed: int) -> HybridModel:
+    """fp32 on CPU, bf16 on CUDA."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return HybridModel(spec, device=device, dtype=dtype, seed=seed)
+
+
+def device_of(model: HybridModel) -> str:
+    return next(model.parameters()).device.type
+
+
+def serving_config(spec: HybridSpec, storage_uri: str | None = None) -> HybridCacheConfig:
+    """Room for every test prompt on the device and host; prefetches waited for to completion."""
+    return HybridCacheConfig(
+        device_kv_pages=128,
+        device_state_slots=32,
+        host_kv_bytes=256 * spec.kv_page_bytes,
+        host_state_bytes=32 * spec.state_bytes,
+        storage_uri=storage_uri,
+        prefetch_policy="wait_complete",
+    )
