@@ -45,10 +45,13 @@ if TYPE_CHECKING:
 
 __all__ = ["HybridCacheController"]
 
-#: Layers of a step's load enqueued on the loop thread (in ``start_loading``, before the forward
-#: starts) before a worker thread takes the rest. The forward needs the first layers within a
-#: millisecond or two, sooner than a worker that shares the GIL with it reliably gets them out.
-LOAD_LAYERS_ON_LOOP = 8
+#: Host time a step's load may spend on the loop thread (in ``start_loading``, before the forward
+#: starts) enqueueing layers in order; a worker thread takes the layers left when it runs out.
+#: Copies that are cheap to issue (a cached per-layer plan of a few strided memcpys: tens of
+#: microseconds a layer) are then all enqueued before the forward, and no thread contends with
+#: the forward — CPU-bound at small chunks — for the GIL. Costly ones (thousands of scattered
+#: pages per layer) start on the loop and continue on the worker, running ahead of the forward.
+LOAD_ENQUEUE_BUDGET_S = 0.002
 
 log = logging.getLogger(__name__)
 
@@ -202,10 +205,10 @@ class HybridCacheController:
     def start_loading(self) -> LayerTransferCounter:
         """Issue every queued load (merged per pool, one launch per layer) for this step.
 
-        Returns the step's counter once the first ``LOAD_LAYERS_ON_LOOP`` layers are enqueued
-        (here, on the loop thread, so the copy engines start before the forward does); a worker
-        thread enqueues the other layers in order, running ahead of the forward, and the counter
-        is set layer by layer.
+        Returns the step's counter once the first layers are enqueued (here, on the loop thread,
+        within ``LOAD_ENQUEUE_BUDGET_S`` of host time, so the copy engines start before the
+        forward does); a worker thread enqueues the layers left in order, running ahead of the
+        forward, and the counter is set layer by layer.
         """
         tg = self._require_started()
         ops = [op for op in self._load_queue if op.state is OpState.QUEUED]
@@ -233,9 +236,10 @@ class HybridCacheController:
         layer_ids: Sequence[int],
         counter: LayerTransferCounter,
     ) -> Coroutine[Any, Any, None]:
-        """Enqueue the step's loads layer by layer: the first ``LOAD_LAYERS_ON_LOOP`` now, on the
-        loop thread, the rest from a worker thread started now. The returned coroutine waits for
-        the worker and completes the operations.
+        """Enqueue the step's loads layer by layer: now, on the loop thread, while the host time
+        spent stays within ``LOAD_ENQUEUE_BUDGET_S`` (at least one layer), then the rest from a
+        worker thread started now. The returned coroutine waits for the worker and completes the
+        operations.
 
         Issuing a layer's copies costs host time (planning, driver calls that release the GIL);
         doing it on the loop thread in lock-step with the forward would leave the GPU idle
@@ -253,9 +257,13 @@ class HybridCacheController:
         last: list[torch.cuda.Event | None] = [None]
         plan_cache: dict[Any, Any] = {}  # one layer's copy plan, reused for the others
 
-        def issue(lids: Sequence[int], *, yield_gil: bool) -> None:
+        def issue(lids: Sequence[int], *, yield_gil: bool, budget_s: float | None = None) -> int:
+            """Enqueue ``lids`` in order; returns how many, fewer once ``budget_s`` is spent."""
+            start = time.perf_counter()
             with torch.cuda.device(self.device) if stream is not None else contextlib.nullcontext():
-                for lid in lids:
+                for k, lid in enumerate(lids):
+                    if budget_s is not None and k and time.perf_counter() - start > budget_s:
+                        return k
                     for name, m in merged.items():
                         dev, host = self.pools[name]
                         if lid not in dev._layer_index:
@@ -284,20 +292,20 @@ class HybridCacheController:
                         time.sleep(0)  # let the loop thread take the GIL between layers
                     else:
                         counter.mark_enqueued(lid, last[0])
+            return len(lids)
 
         # The first layers are enqueued here, on the loop thread: the forward waits for them at
-        # once, and a worker handoff would only add its latency. The worker takes the rest —
-        # unless nothing is copied (accounting-mode pools): then the loop thread does it all.
+        # once, and a worker handoff would only add its latency. The worker takes what the budget
+        # leaves — nothing when nothing is copied (accounting-mode pools).
         accounting = all(self.pools[name][0].buffer is None for name in merged)
-        head = layer_ids if accounting else layer_ids[:LOAD_LAYERS_ON_LOOP]
-        worker: asyncio.Future[None]
+        worker: asyncio.Future[Any]
         try:
-            issue(head, yield_gil=False)
-            if accounting:
+            done = issue(layer_ids, yield_gil=False, budget_s=None if accounting else LOAD_ENQUEUE_BUDGET_S)
+            if done == len(layer_ids):
                 worker = loop.create_future()
                 worker.set_result(None)
             else:
-                worker = loop.run_in_executor(None, functools.partial(issue, layer_ids[len(head) :], yield_gil=True))
+                worker = loop.run_in_executor(None, functools.partial(issue, layer_ids[done:], yield_gil=True))
         except Exception as e:
             worker = loop.create_future()
             worker.set_exception(e)
@@ -308,7 +316,7 @@ class HybridCacheController:
         ops: list[CacheOperation],
         merged: dict[PoolName, MergedTransfer],
         counter: LayerTransferCounter,
-        worker: asyncio.Future[None],
+        worker: asyncio.Future[Any],
         issued: list[tuple[PoolName, int]],
         last: list[torch.cuda.Event | None],
     ) -> None:

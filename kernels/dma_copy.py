@@ -27,7 +27,8 @@ Engines (how the memcpys are issued; all on the caller's stream, in stream order
   layers, pitches = the two layer strides): ``num_pairs`` calls. For mixed layouts, where an
   item's layers are contiguous on one side only.
 - ``loop``: one ``cudaMemcpyAsync`` per segment (about a microsecond of host time each).
-- ``auto``: ``strided`` when its runs are at most a quarter of the segments
+- ``auto``: ``loop`` for a single segment (one plain memcpy), ``strided`` when its runs are at
+  most a quarter of the segments
   (``STRIDED_MIN_GAIN``), else ``batch`` where it passed its self-check, else ``2d`` when that
   needs fewer calls than ``loop`` (and both pitches fit in 31 bits), else ``loop``.
 
@@ -45,9 +46,12 @@ index tensors are read during the call only and may change right after it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from asynccache.errors import TransferError
@@ -91,7 +95,7 @@ class CopySegments:
 
     @property
     def num_bytes(self) -> int:
-        return int(self.sizes.sum())
+        return int(self.sizes.numpy().sum())
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -112,15 +116,11 @@ class StridedRuns:
     def num_runs(self) -> int:
         return self.widths.numel()
 
-    def shifted(self, src_bytes: int, dst_bytes: int) -> StridedRuns:
-        return StridedRuns(
-            src_offsets=self.src_offsets + src_bytes,
-            dst_offsets=self.dst_offsets + dst_bytes,
-            widths=self.widths,
-            heights=self.heights,
-            src_pitches=self.src_pitches,
-            dst_pitches=self.dst_pitches,
-        )
+    def rows(self) -> tuple[tuple[int, int, int, int, int, int], ...]:
+        """The runs as Python ints, ``(src_offset, dst_offset, width, height, src_pitch,
+        dst_pitch)`` each: what :func:`_issue_strided` passes to the runtime."""
+        cols = (self.src_offsets, self.dst_offsets, self.widths, self.heights, self.src_pitches, self.dst_pitches)
+        return tuple(zip(*(c.tolist() for c in cols), strict=True))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -151,9 +151,16 @@ def plan_segments(
     Pure host arithmetic (vectorized; int64 throughout). Every copied byte is in exactly one
     segment; a segment never spans a gap on either side.
     """
-    layers = torch.arange(layer_begin, layer_end, dtype=torch.int64)
-    si = src_indices.to(torch.int64)
-    di = dst_indices.to(torch.int64)
+    if src_indices.numel() * (layer_end - layer_begin) <= _SMALL_PLAN:
+        return _plan_small(
+            item_bytes, src_layer_stride_bytes, src_item_stride_bytes, dst_layer_stride_bytes, dst_item_stride_bytes,
+            src_indices.tolist(), dst_indices.tolist(), range(layer_begin, layer_end),
+        )  # fmt: skip
+    # numpy on the index tensors' memory: a few short vector ops, each about a microsecond here
+    # against several through torch's dispatcher.
+    layers = np.arange(layer_begin, layer_end, dtype=np.int64)
+    si = src_indices.to(torch.int64).numpy()
+    di = dst_indices.to(torch.int64).numpy()
     if src_layer_stride_bytes == dst_layer_stride_bytes == item_bytes:  # an item's layers are adjacent
         src = si[:, None] * src_item_stride_bytes + layers[None, :] * src_layer_stride_bytes
         dst = di[:, None] * dst_item_stride_bytes + layers[None, :] * dst_layer_stride_bytes
@@ -161,19 +168,48 @@ def plan_segments(
         src = layers[:, None] * src_layer_stride_bytes + si[None, :] * src_item_stride_bytes
         dst = layers[:, None] * dst_layer_stride_bytes + di[None, :] * dst_item_stride_bytes
     src, dst = src.reshape(-1), dst.reshape(-1)
-    n = src.numel()
-    if n == 0:
-        empty = torch.empty(0, dtype=torch.int64)
-        return CopySegments(src_offsets=empty, dst_offsets=empty, sizes=empty)
-    starts = torch.ones(n, dtype=torch.bool)
+    n = src.size
+    starts = np.ones(n, dtype=bool)
     starts[1:] = (src[1:] != src[:-1] + item_bytes) | (dst[1:] != dst[:-1] + item_bytes)
-    first = starts.nonzero().squeeze(1)
-    ends = torch.cat((first[1:], torch.tensor([n], dtype=torch.int64)))
+    first = np.flatnonzero(starts)
+    sizes = np.diff(first, append=n) * item_bytes
     return CopySegments(
-        src_offsets=src[first].contiguous(),
-        dst_offsets=dst[first].contiguous(),
-        sizes=((ends - first) * item_bytes).contiguous(),
+        src_offsets=torch.from_numpy(np.ascontiguousarray(src[first], dtype=np.int64)),
+        dst_offsets=torch.from_numpy(np.ascontiguousarray(dst[first], dtype=np.int64)),
+        sizes=torch.from_numpy(np.ascontiguousarray(sizes, dtype=np.int64)),
     )
+
+
+#: Copies of at most this many (layer, pair) items are planned in plain Python (a state slot's
+#: layer is one item): cheaper than the vector ops' fixed costs.
+_SMALL_PLAN = 8
+
+
+def _plan_small(
+    item_bytes: int,
+    src_layer_stride: int,
+    src_item_stride: int,
+    dst_layer_stride: int,
+    dst_item_stride: int,
+    src_indices: list[int],
+    dst_indices: list[int],
+    layers: range,
+) -> CopySegments:
+    """:func:`plan_segments` for a handful of items, item by item in the same order."""
+    if src_layer_stride == dst_layer_stride == item_bytes:
+        order = [(s, d, la) for s, d in zip(src_indices, dst_indices, strict=True) for la in layers]
+    else:
+        order = [(s, d, la) for la in layers for s, d in zip(src_indices, dst_indices, strict=True)]
+    segs: list[list[int]] = []
+    for s, d, la in order:
+        so, do = la * src_layer_stride + s * src_item_stride, la * dst_layer_stride + d * dst_item_stride
+        if segs and segs[-1][0] + segs[-1][2] == so and segs[-1][1] + segs[-1][2] == do:
+            segs[-1][2] += item_bytes
+        else:
+            segs.append([so, do, item_bytes])
+    cols = list(zip(*segs, strict=True)) if segs else [(), (), ()]
+    src, dst, size = (torch.tensor(c, dtype=torch.int64) for c in cols)
+    return CopySegments(src_offsets=src, dst_offsets=dst, sizes=size)
 
 
 def plan_strided_runs(segments: CopySegments, *, max_pitch: int = MAX_2D_PITCH) -> StridedRuns:
@@ -183,23 +219,38 @@ def plan_strided_runs(segments: CopySegments, *, max_pitch: int = MAX_2D_PITCH) 
     and at most ``max_pitch``. A pair whose second segment could start a run of its own is not
     a run (the second starts one); a segment that starts no run is a run of height 1.
     Every byte of ``segments`` is in exactly one row of one run."""
-    src, dst, size = (t.tolist() for t in (segments.src_offsets, segments.dst_offsets, segments.sizes))
+    src, dst, size = (t.numpy() for t in (segments.src_offsets, segments.dst_offsets, segments.sizes))
+    n = size.size
+    if n == 0:
+        return _runs_from_rows([])
+    # Vectorized link tests; the walk below then costs one step per run, not per segment.
+    ds, dd = np.diff(src), np.diff(dst)
+    # link[k]: segments k and k+1 can be two rows of one run (same width, both strides fit).
+    link = (size[1:] == size[:-1]) & (ds >= size[:-1]) & (ds <= max_pitch) & (dd >= size[:-1]) & (dd <= max_pitch)
+    # cont[j]: link j continues the run of link j-1 (same strides, same width); cont[0] is False.
+    cont = np.zeros(max(n - 1, 0), dtype=bool)
+    cont[1:] = (ds[1:] == ds[:-1]) & (dd[1:] == dd[:-1]) & (size[2:] == size[1:-1])
+    breaks = np.flatnonzero(~cont)  # links that start afresh (sorted; contains 0 when n > 1)
     runs: list[tuple[int, int, int, int, int, int]] = []
-    k, n = 0, len(size)
+    k = 0
     while k < n:
-        w, h, sp, dp = size[k], 1, 0, 0
-        if k + 1 < n and size[k + 1] == w:
-            sp, dp = _strides(src, dst, k)
-            if _pitches_fit(src, dst, k, w, max_pitch):
-                h = 2
-                while k + h < n and size[k + h] == w and _strides(src, dst, k + h - 1) == (sp, dp):
-                    h += 1
-                if h == 2 and k + 2 < n and size[k + 2] == w and _pitches_fit(src, dst, k + 1, w, max_pitch):
-                    h = 1  # the second segment starts a run of its own: leave it to that run
-        if h == 1:
-            sp = dp = w
-        runs.append((src[k], dst[k], w, h, sp, dp))
+        w = int(size[k])
+        h, sp, dp = 1, w, w
+        if k + 1 < n and link[k]:
+            # the run takes links k, k+1, … up to the next link that does not continue it
+            nxt = np.searchsorted(breaks, k + 1)
+            end = int(breaks[nxt]) if nxt < breaks.size else n - 1  # first link not taken
+            h = end - k + 1
+            if h == 2 and k + 2 < n and link[k + 1]:
+                h = 1  # the second segment starts a run of its own: leave it to that run
+            else:
+                sp, dp = int(ds[k]), int(dd[k])
+        runs.append((int(src[k]), int(dst[k]), w, h, sp, dp))
         k += h
+    return _runs_from_rows(runs)
+
+
+def _runs_from_rows(runs: list[tuple[int, int, int, int, int, int]]) -> StridedRuns:
     cols = list(zip(*runs, strict=True)) if runs else [()] * 6
     t = [torch.tensor(c, dtype=torch.int64) for c in cols]
     return StridedRuns(src_offsets=t[0], dst_offsets=t[1], widths=t[2], heights=t[3], src_pitches=t[4], dst_pitches=t[5])
@@ -213,22 +264,13 @@ def _runs_may_pay(segments: CopySegments, max_pitch: int = MAX_2D_PITCH) -> bool
     n = segments.num_copies
     if n < STRIDED_MIN_GAIN:
         return False
-    size = segments.sizes[:-1]
-    ds = segments.src_offsets.diff()
-    dd = segments.dst_offsets.diff()
+    sizes = segments.sizes.numpy()
+    size = sizes[:-1]
+    ds = np.diff(segments.src_offsets.numpy())
+    dd = np.diff(segments.dst_offsets.numpy())
     fits = (ds >= size) & (ds <= max_pitch) & (dd >= size) & (dd <= max_pitch)
-    links = int(((segments.sizes[1:] == size) & fits).sum())
+    links = int(np.count_nonzero((sizes[1:] == size) & fits))
     return (n - links) * STRIDED_MIN_GAIN <= n
-
-
-def _strides(src: list[int], dst: list[int], k: int) -> tuple[int, int]:
-    """Source and destination distance from segment ``k`` to segment ``k + 1``."""
-    return src[k + 1] - src[k], dst[k + 1] - dst[k]
-
-
-def _pitches_fit(src: list[int], dst: list[int], k: int, width: int, max_pitch: int) -> bool:
-    """Whether segments ``k`` and ``k + 1`` can be two rows of one run."""
-    return all(width <= p <= max_pitch for p in _strides(src, dst, k))
 
 
 @functools.cache
@@ -288,26 +330,17 @@ def _side_stream(device_index: int) -> torch.cuda.Stream:
 
 @dataclass(frozen=True, slots=True)
 class _Prepared:
-    """A validated copy, ready to issue: its segments (and strided runs for that engine),
-    engine, direction and device."""
+    """A validated copy, ready to issue: its segments (and, for the strided engine, its runs as
+    Python ints), engine, direction, device and byte count. Offsets are relative to the pools'
+    buffers, so the plan of one layer issues any other layer by moving the two base addresses
+    (no per-layer host arithmetic on tensors)."""
 
     segments: CopySegments
     engine: str
     direction: str
     device: torch.device
-    runs: StridedRuns | None = None
-
-    def shifted(self, src_bytes: int, dst_bytes: int) -> _Prepared:
-        segs = self.segments
-        return _Prepared(
-            segments=CopySegments(
-                src_offsets=segs.src_offsets + src_bytes, dst_offsets=segs.dst_offsets + dst_bytes, sizes=segs.sizes
-            ),
-            engine=self.engine,
-            direction=self.direction,
-            device=self.device,
-            runs=None if self.runs is None else self.runs.shifted(src_bytes, dst_bytes),
-        )
+    num_bytes: int
+    run_rows: tuple[tuple[int, int, int, int, int, int], ...] = ()
 
 
 def launch_dma(
@@ -320,7 +353,7 @@ def launch_dma(
     *,
     stream: torch.cuda.Stream | None = None,
     engine: str = "auto",
-    plan_cache: dict[tuple[object, ...], tuple[_Prepared | None, torch.Tensor, torch.Tensor]] | None = None,
+    plan_cache: dict[tuple[object, ...], tuple[object, ...]] | None = None,
 ) -> DmaLaunch | None:
     """Enqueue ``src[l, src_indices[i]] → dst[l, dst_indices[i]]`` for ``l`` in the layer range
     as memcpys on ``stream`` (default: the current stream of the CUDA buffer's device).
@@ -333,26 +366,59 @@ def launch_dma(
 
     ``plan_cache``: a dict the caller owns for a series of one-layer calls over the *same*
     index tensors (a per-layer load). The first call validates and plans one layer; later
-    calls reuse that plan shifted by the layer strides, skipping the per-call host work. The
-    cache keeps the index tensors alive; they must not be modified while it is in use.
+    calls reuse that plan shifted by the layer strides, skipping the per-call host work (for the
+    ``strided`` and ``loop`` engines on an explicit stream, everything but the runtime calls).
+    The cache keeps the index tensors and the stream alive; the tensors must not be modified
+    while it is in use.
     """
     layer_end = src.num_layers if layer_end is None else layer_end
     if plan_cache is not None and layer_end - layer_begin == 1 and 0 <= layer_begin < src.num_layers:
-        key = (id(src), id(dst), id(src_indices), id(dst_indices), engine)
+        key = (id(src), id(dst), id(src_indices), id(dst_indices), engine, id(stream))
         entry = plan_cache.get(key)
         if entry is None:
-            entry = (_prepare(src, dst, src_indices, dst_indices, 0, 1, stream, engine), src_indices, dst_indices)
+            base = _prepare(src, dst, src_indices, dst_indices, 0, 1, stream, engine)
+            entry = (base, src_indices, dst_indices, stream, _layer_issuer(base, src, dst, stream))
             plan_cache[key] = entry
-        base = entry[0]
+        base, issuer = entry[0], entry[4]
         if base is None:
             return None
+        if issuer is not None:
+            return issuer(layer_begin)
         _check_stream(stream, base.device)
-        prepared = base.shifted(layer_begin * src.layer_stride_bytes, layer_begin * dst.layer_stride_bytes)
-        return _issue(prepared, src, dst, src_indices, dst_indices, layer_begin, 1, stream)
+        shift = (layer_begin * src.layer_stride_bytes, layer_begin * dst.layer_stride_bytes)
+        return _issue(base, src, dst, src_indices, dst_indices, layer_begin, 1, stream, shift=shift)
     prepared = _prepare(src, dst, src_indices, dst_indices, layer_begin, layer_end, stream, engine)
     if prepared is None:
         return None
     return _issue(prepared, src, dst, src_indices, dst_indices, layer_begin, layer_end - layer_begin, stream)
+
+
+def _layer_issuer(
+    prepared: _Prepared | None, src: PoolBufferLike, dst: PoolBufferLike, stream: torch.cuda.Stream | None
+) -> Callable[[int], DmaLaunch] | None:
+    """For a cached one-layer plan of the ``strided`` or ``loop`` engine on an explicit stream:
+    a function that issues the plan for a given layer with nothing but the runtime calls (the
+    checks ran when it was planned). ``None`` for the other cases, which take :func:`_issue`."""
+    if prepared is None or prepared.engine not in ("strided", "loop") or stream is None:
+        return None
+    assert src.buffer is not None and dst.buffer is not None and prepared.device.index is not None
+    rt, handle, rows, index = cuda_runtime(), stream.cuda_stream, prepared.run_rows, prepared.device.index
+    src_base, dst_base = src.buffer.data_ptr(), dst.buffer.data_ptr()
+    src_stride, dst_stride = src.layer_stride_bytes, dst.layer_stride_bytes
+    launch = DmaLaunch(
+        direction=prepared.direction,
+        engine=prepared.engine,
+        num_copies=prepared.segments.num_copies,
+        num_calls=len(rows),
+        num_bytes=prepared.num_bytes,
+    )
+
+    def issue(layer: int) -> DmaLaunch:
+        with contextlib.nullcontext() if torch.cuda.current_device() == index else torch.cuda.device(index):
+            _issue_strided(rt, rows, src_base + layer * src_stride, dst_base + layer * dst_stride, handle)
+        return launch
+
+    return issue
 
 
 def _check_stream(stream: torch.cuda.Stream | None, device: torch.device) -> None:
@@ -404,7 +470,9 @@ def _prepare(
     if engine == "strided" or (engine == "auto" and _runs_may_pay(segments)):
         runs = plan_strided_runs(segments)
     if engine == "auto":
-        if runs is not None and runs.num_runs * STRIDED_MIN_GAIN <= segments.num_copies:
+        if segments.num_copies == 1:
+            chosen = "loop"  # one plain memcpy: nothing to batch or group
+        elif runs is not None and runs.num_runs * STRIDED_MIN_GAIN <= segments.num_copies:
             chosen = "strided"
         elif batch_check(device.index) == "ok":
             chosen = "batch"
@@ -417,8 +485,25 @@ def _prepare(
     elif engine == "batch" and (why := batch_check(device.index)) != "ok":
         raise TransferError(f"the batch engine is unusable on {device}: {why}")
     return _Prepared(
-        segments=segments, engine=chosen, direction=direction, device=device, runs=runs if chosen == "strided" else None
+        segments=segments,
+        engine=chosen,
+        direction=direction,
+        device=device,
+        num_bytes=segments.num_bytes,
+        run_rows=_rows(chosen, runs, segments),
     )
+
+
+def _rows(engine: str, runs: StridedRuns | None, segments: CopySegments) -> tuple[tuple[int, int, int, int, int, int], ...]:
+    """The Python-int rows :func:`_issue_strided` issues for the ``strided`` engine (its runs) and
+    the ``loop`` engine (one row per segment); empty for the others."""
+    if engine == "strided":
+        assert runs is not None
+        return runs.rows()
+    if engine == "loop":
+        cols = (segments.src_offsets.tolist(), segments.dst_offsets.tolist(), segments.sizes.tolist())
+        return tuple((so, do, n, 1, n, n) for so, do, n in zip(*cols, strict=True))
+    return ()
 
 
 def _issue(
@@ -430,37 +515,31 @@ def _issue(
     layer_begin: int,
     num_layers: int,
     stream: torch.cuda.Stream | None,
+    *,
+    shift: tuple[int, int] = (0, 0),
 ) -> DmaLaunch:
+    """Enqueue ``prepared``; ``shift``: bytes added to the source and destination base addresses
+    (a one-layer plan issued for another layer; the ``2d`` engine takes ``layer_begin`` instead)."""
     assert src.buffer is not None and dst.buffer is not None
     segments, chosen, device = prepared.segments, prepared.engine, prepared.device
     assert device.index is not None
     rt = cuda_runtime()
-    with torch.cuda.device(device):
+    with torch.cuda.device(device.index):
         caller = torch.cuda.current_stream(device) if stream is None else stream
         issue_on = caller
         if chosen == "batch" and caller.cuda_stream in _LEGACY_STREAMS:
             issue_on = _side_stream(device.index)
             issue_on.wait_stream(caller)
         handle = issue_on.cuda_stream
-        src_base, dst_base = src.buffer.data_ptr(), dst.buffer.data_ptr()
+        src_base, dst_base = src.buffer.data_ptr() + shift[0], dst.buffer.data_ptr() + shift[1]
         if chosen == "batch":
             calls = _issue_batch(
                 rt, segments.src_offsets + src_base, segments.dst_offsets + dst_base, segments.sizes, handle
             )
-        elif chosen == "strided":
-            assert prepared.runs is not None
-            calls = _issue_strided(rt, prepared.runs, src_base, dst_base, handle)
         elif chosen == "2d":
             calls = _issue_2d(rt, src, dst, src_indices, dst_indices, layer_begin, num_layers, handle)
         else:
-            calls = segments.num_copies
-            for s, d, n in zip(
-                (segments.src_offsets + src_base).tolist(),
-                (segments.dst_offsets + dst_base).tolist(),
-                segments.sizes.tolist(),
-                strict=True,
-            ):
-                rt.memcpy_async(d, s, n, handle)
+            calls = _issue_strided(rt, prepared.run_rows, src_base, dst_base, handle)
         if issue_on is not caller:
             caller.wait_stream(issue_on)
     return DmaLaunch(
@@ -468,19 +547,21 @@ def _issue(
         engine=chosen,
         num_copies=segments.num_copies,
         num_calls=calls,
-        num_bytes=segments.num_bytes,
+        num_bytes=prepared.num_bytes,
     )
 
 
-def _issue_strided(rt: CudaRuntime, runs: StridedRuns, src_base: int, dst_base: int, stream: int) -> int:
-    """One ``cudaMemcpy2DAsync`` per run (a plain memcpy for a run of one row)."""
-    cols = (runs.src_offsets, runs.dst_offsets, runs.widths, runs.heights, runs.src_pitches, runs.dst_pitches)
-    for so, do, w, h, sp, dp in zip(*(c.tolist() for c in cols), strict=True):
+def _issue_strided(
+    rt: CudaRuntime, rows: tuple[tuple[int, int, int, int, int, int], ...], src_base: int, dst_base: int, stream: int
+) -> int:
+    """One ``cudaMemcpy2DAsync`` per row ``(src_offset, dst_offset, width, height, src_pitch,
+    dst_pitch)`` (:func:`_rows`), a plain ``cudaMemcpyAsync`` for a row of height one."""
+    for so, do, w, h, sp, dp in rows:
         if h == 1:
             rt.memcpy_async(dst_base + do, src_base + so, w, stream)
         else:
             rt.memcpy_2d_async(dst_base + do, dp, src_base + so, sp, w, h, stream)
-    return runs.num_runs
+    return len(rows)
 
 
 def _issue_2d(

@@ -37,6 +37,8 @@ Contract with the cache (see docs/architecture.md, "Scheduler conventions"):
 
 from __future__ import annotations
 
+import asyncio
+from collections import deque
 from os import PathLike
 
 import torch
@@ -53,7 +55,16 @@ from asynccache.reference.layers import DecoderLayer, RMSNorm
 from asynccache.reference.weights import init_random_, load_tensors_, read_safetensors, save_safetensors
 from asynccache.spec import HybridSpec
 
-__all__ = ["HybridModel", "SequenceInput", "ForwardBatch"]
+__all__ = ["HybridModel", "SequenceInput", "ForwardBatch", "LAUNCH_WINDOW_LAYERS", "LAUNCH_WINDOW_MIN_TOKENS"]
+
+#: On CUDA, a pass of at least ``LAUNCH_WINDOW_MIN_TOKENS`` tokens keeps at most this many layers
+#: launched ahead of the GPU: before launching more, the forward awaits (in a thread, the GIL
+#: released) the end of the layer that many back. Unthrottled, a long prefill fills the CUDA
+#: launch queue, and the launching thread then blocks inside the driver *holding the GIL* — for
+#: as long as the GPU needs — so storage reader threads and the event loop stall behind it.
+LAUNCH_WINDOW_LAYERS = 2
+#: Passes below this many tokens are launch-bound on the host and are never throttled.
+LAUNCH_WINDOW_MIN_TOKENS = 1024
 
 
 class _Backbone(nn.Module):
@@ -163,6 +174,7 @@ class HybridModel(nn.Module):
             ctx = build_pass_context(segments, page_size=spec.page_size, head_dim=spec.head_dim, device=self.device)
             h = F.embedding(ctx.token_ids, self.model.embed_tokens.weight)
             graphed = None if self.layer_graphs is None else self.layer_graphs.bind(ctx, h, state_pool)
+            window = _LaunchWindow.for_pass(self.device, ctx.token_ids.numel())
             for layer in self.model.layers:
                 if pass_index == 0 and counter is not None and layer.layer_id in self._cached_layer_ids:
                     await counter.wait(layer.layer_id)
@@ -170,6 +182,8 @@ class HybridModel(nn.Module):
                     h = graphed.run(layer, h, ctx, kv_pool, state_pool)
                 else:
                     h = layer(h, ctx, kv_pool, state_pool)
+                if window is not None:
+                    await window.launched()
             if ctx.logit_seq_indices:
                 last = self.model.norm(h[ctx.logit_rows])
                 logits[list(ctx.logit_seq_indices)] = self.lm_head(last).float()
@@ -191,6 +205,29 @@ class HybridModel(nn.Module):
                 raise ConfigError(f"{pool.name}: the model needs a materialized pool")
             if pool.device.type != self.device.type:
                 raise ConfigError(f"{pool.name} is on {pool.device}, the model on {self.device}")
+
+
+class _LaunchWindow:
+    """Keeps a long pass at most ``LAUNCH_WINDOW_LAYERS`` layers ahead of the GPU (see there)."""
+
+    def __init__(self) -> None:
+        self._events: deque[torch.cuda.Event] = deque()
+
+    @classmethod
+    def for_pass(cls, device: torch.device, num_tokens: int) -> _LaunchWindow | None:
+        if device.type != "cuda" or num_tokens < LAUNCH_WINDOW_MIN_TOKENS:
+            return None
+        return cls()
+
+    async def launched(self) -> None:
+        """Mark the end of a layer's launches; wait while the window is full."""
+        event = torch.cuda.Event(blocking=True)
+        event.record()
+        self._events.append(event)
+        if len(self._events) > LAUNCH_WINDOW_LAYERS:
+            oldest = self._events.popleft()
+            if not oldest.query():
+                await asyncio.to_thread(oldest.synchronize)
 
 
 def _check_spec(spec: HybridSpec) -> None:

@@ -49,7 +49,7 @@ def test_cached_plan_matches_per_call_plans(layout: str, indices: str) -> None:
 
 def test_a_per_layer_load_of_consecutive_pages_is_one_strided_call_per_layer() -> None:
     """page_first host → device, consecutive indices: ``auto`` issues one 2D memcpy per layer
-    (through the cached plan, shifted per layer), and the pages land exactly."""
+    (through the cached plan, issued for each layer), and the pages land exactly."""
     spec = HybridSpec.preset("qwen3-next-80b", page_size=64)
     host = HostKVPool(spec, num_pages=40, layout="page_first")
     dev = DeviceKVPool(spec, 32, device="cuda")

@@ -126,6 +126,53 @@ async def test_load_restores_exact_bytes_and_merges_to_one_launch_per_layer() ->
         assert stats.bytes_total("h2d") == 5 * (6 * spec.kv_page_bytes + spec.state_bytes)
 
 
+@pytest.mark.parametrize("budget_s", [0.0, 10.0])
+async def test_load_enqueue_budget_splits_layers_between_loop_and_worker(
+    budget_s: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``start_loading`` enqueues layers on the loop while its host-time budget lasts — all of
+    them with a generous budget, only the first with none (a worker thread takes the rest) —
+    and either way every layer lands, in order, with the saved bytes."""
+    import threading
+
+    import asynccache.controller as controller_module
+
+    monkeypatch.setattr(controller_module, "LOAD_ENQUEUE_BUDGET_S", budget_s)
+    async with make_cache() as cache:
+        fill_random(cache)
+        saved = await back_up_and_demote(cache, prompt(0))
+        cache.flush_device()
+        fill_random(cache, seed=7)
+        ctrl = cache.controller
+        loop_thread = threading.get_ident()
+        threads: list[int] = []
+        inner = ctrl.copy
+
+        def recording(*args: Any, **kw: Any) -> int:
+            threads.append(threading.get_ident())
+            return inner(*args, **kw)
+
+        ctrl.copy = recording
+        op = ctrl.load(cache.tree.match_prefix(prompt(0)))
+        assert op is not None
+        counter = ctrl.start_loading()
+        layer_ids = cache.spec.cached_layer_ids
+        on_loop = sum(t == loop_thread for t in threads)
+        if budget_s:
+            assert all(counter.is_enqueued(lid) for lid in layer_ids)
+            assert on_loop == len(threads) == cache.spec.num_attention_layers + cache.spec.num_mamba_layers
+        else:
+            assert counter.is_enqueued(layer_ids[0]) and on_loop == 1
+        for lid in layer_ids:
+            await counter.wait(lid)
+        await op
+        if not budget_s:
+            assert sum(t != loop_thread for t in threads) == len(threads) - 1
+        m = cache.tree.match_prefix(prompt(0))
+        assert not m.needs_load and snapshot_bytes(cache, m) == saved
+        cache.tree.check_integrity()
+
+
 async def test_writes_merge_into_one_launch_for_all_layers() -> None:
     async with make_cache() as cache:
         fill_random(cache)

@@ -13,9 +13,17 @@ from hypothesis import strategies as st
 
 from asynccache.errors import TransferError
 from asynccache.pools.base import ItemPool, PoolLayout
-from kernels import copy_items
+from kernels import copy_items, dma_copy
 from kernels.api import COPY_METHODS, select_method
-from kernels.dma_copy import STRIDED_MIN_GAIN, _runs_may_pay, launch_dma, plan_segments, plan_strided_runs
+from kernels.dma_copy import (
+    STRIDED_MIN_GAIN,
+    CopySegments,
+    _plan_small,
+    _runs_may_pay,
+    launch_dma,
+    plan_segments,
+    plan_strided_runs,
+)
 from kernels.plan import DMA_MIN_RUN_BYTES, dma_run_bytes
 from kernels.testing import LAYOUT_PAIRS, CopyCase, assert_copied, index_pairs, make_item_pool, snapshot
 
@@ -169,6 +177,84 @@ def test_the_quick_bound_never_rejects_runs_that_pay(data: st.DataObject) -> Non
     if plan_strided_runs(seg).num_runs * STRIDED_MIN_GAIN <= seg.num_copies:
         assert _runs_may_pay(seg)
     assert _runs_may_pay(_segments(host, dev, torch.arange(32), torch.arange(32), 0, 1))
+
+
+def _greedy_runs(src: list[int], dst: list[int], size: list[int], max_pitch: int) -> list[tuple[int, ...]]:
+    """The run grouping written as the plain per-segment loop of its definition
+    (``plan_strided_runs``' docstring): the reference the vectorized planner must equal."""
+
+    def fits(k: int, w: int) -> bool:
+        return all(w <= p <= max_pitch for p in (src[k + 1] - src[k], dst[k + 1] - dst[k]))
+
+    runs, k, n = [], 0, len(size)
+    while k < n:
+        w, h, sp, dp = size[k], 1, size[k], size[k]
+        if k + 1 < n and size[k + 1] == w and fits(k, w):
+            sp, dp = src[k + 1] - src[k], dst[k + 1] - dst[k]
+            h = 2
+            while k + h < n and size[k + h] == w and (src[k + h] - src[k + h - 1], dst[k + h] - dst[k + h - 1]) == (sp, dp):
+                h += 1
+            if h == 2 and k + 2 < n and size[k + 2] == w and fits(k + 1, w):
+                h, sp, dp = 1, w, w
+        runs.append((src[k], dst[k], w, h, sp, dp))
+        k += h
+    return runs
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_strided_runs_equal_the_greedy_definition(data: st.DataObject) -> None:
+    """The vectorized planner groups exactly as the per-segment greedy loop does: segments built
+    from short strided pieces with random widths, strides and gaps (ties, pairs, lone segments,
+    pitches at and past the limit)."""
+    src, dst, size = [], [], []
+    s = d = 0
+    for _ in range(data.draw(st.integers(0, 8))):
+        w = data.draw(st.sampled_from([8, 16, 24]))
+        sp, dp = data.draw(st.sampled_from([8, 16, 24, 40])), data.draw(st.sampled_from([8, 16, 24, 40]))
+        for _ in range(data.draw(st.integers(1, 5))):
+            src.append(s), dst.append(d), size.append(w)
+            s, d = s + sp, d + dp
+        s += data.draw(st.sampled_from([0, 8, 64]))
+        d += data.draw(st.sampled_from([0, 8, 64]))
+    max_pitch = data.draw(st.sampled_from([16, 24, 1 << 20]))
+    seg = CopySegments(
+        src_offsets=torch.tensor(src, dtype=torch.int64),
+        dst_offsets=torch.tensor(dst, dtype=torch.int64),
+        sizes=torch.tensor(size, dtype=torch.int64),
+    )
+    runs = plan_strided_runs(seg, max_pitch=max_pitch)
+    cols = (runs.src_offsets, runs.dst_offsets, runs.widths, runs.heights, runs.src_pitches, runs.dst_pitches)
+    assert list(zip(*(c.tolist() for c in cols), strict=True)) == _greedy_runs(src, dst, size, max_pitch)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_small_copies_are_planned_as_the_vector_planner_plans_them(data: st.DataObject) -> None:
+    """Copies of a few items take a plain-Python planner: the same segments, in the same order,
+    as the vectorized one, for both item orders (an item's layers adjacent or not)."""
+    item = data.draw(st.sampled_from([16, 48]))
+    items = 12
+    adjacent = data.draw(st.booleans())
+    layers = 3
+    src_ls, src_is = (item, layers * item) if adjacent else (items * item, item)
+    dst_ls, dst_is = (item, layers * item) if adjacent or data.draw(st.booleans()) else (items * item, item)
+    n = data.draw(st.integers(0, 4))
+    si = torch.tensor(data.draw(st.permutations(range(items)))[:n], dtype=torch.int64)
+    di = torch.tensor(data.draw(st.permutations(range(items)))[:n], dtype=torch.int64)
+    lb = data.draw(st.integers(0, layers - 1))
+    le = data.draw(st.integers(lb, layers))
+    strides = (item, src_ls, src_is, dst_ls, dst_is)
+    small = _plan_small(*strides, si.tolist(), di.tolist(), range(lb, le))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(dma_copy, "_SMALL_PLAN", -1)  # every copy through the vector ops
+        vector = plan_segments(
+            item_bytes=item, src_layer_stride_bytes=src_ls, src_item_stride_bytes=src_is,
+            dst_layer_stride_bytes=dst_ls, dst_item_stride_bytes=dst_is,
+            src_indices=si, dst_indices=di, layer_begin=lb, layer_end=le,
+        )  # fmt: skip
+    for a, b in ((small.src_offsets, vector.src_offsets), (small.dst_offsets, vector.dst_offsets), (small.sizes, vector.sizes)):
+        assert a.dtype == b.dtype == torch.int64 and a.tolist() == b.tolist()
 
 
 def test_strided_runs_respect_the_pitch_limit() -> None:
