@@ -19,7 +19,8 @@
   two: ``min over b of max(compute(head b), read(tail from b))``. Read estimates are corrected
   by the read times observed, separately for whole restores and for tails read beside a head's
   computation (:class:`ReadTimeCorrection`): the two share the host's CPU, so a split overlaps
-  less than perfectly, and the model learns by how much.
+  less than perfectly, and the model learns by how much. While splits are not chosen, their
+  correction fades back toward the whole-restore one, so a split is tried again.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -64,13 +65,19 @@ class RestoreCost:
 class ReadTimeCorrection:
     """Observed ÷ estimated read time (``bytes / read_bytes_per_s``), a moving average of the
     last few restores (weight ``alpha`` on the newest); 1 until a read has been observed.
-    Reads shorter than ``min_bytes`` are not observed (their time is mostly latency)."""
+    Reads shorter than ``min_bytes`` are not observed (their time is mostly latency).
+    ``ratios`` keeps the last ``keep`` observed ratios, newest last (for reports).
 
-    def __init__(self, *, alpha: float = 0.5, min_bytes: int = 64 << 20) -> None:
+    :meth:`relax` moves the factor part of the way back toward a reference when the plans it
+    makes look worse stop being tried, so that one slow observation does not rule a plan out
+    for good: the plan is tried again after a few restores, and observed again."""
+
+    def __init__(self, *, alpha: float = 0.5, min_bytes: int = 64 << 20, keep: int = 32) -> None:
         self.alpha = alpha
         self.min_bytes = min_bytes
         self.factor = 1.0
         self.samples = 0
+        self.ratios: deque[float] = deque(maxlen=keep)
 
     def observe(self, nbytes: int, elapsed_s: float, read_bytes_per_s: float) -> None:
         if nbytes < self.min_bytes or elapsed_s <= 0:
@@ -78,6 +85,12 @@ class ReadTimeCorrection:
         ratio = elapsed_s * read_bytes_per_s / nbytes
         self.factor = ratio if not self.samples else self.alpha * ratio + (1 - self.alpha) * self.factor
         self.samples += 1
+        self.ratios.append(ratio)
+
+    def relax(self, toward: float, *, keep: float = 0.5) -> None:
+        """``factor ← toward + keep · (factor − toward)`` when the factor is above ``toward``."""
+        if self.factor > toward:
+            self.factor = toward + keep * (self.factor - toward)
 
 
 @dataclass(slots=True, kw_only=True, eq=False)
@@ -299,6 +312,10 @@ class StorageTier:
         best = min(plans, key=lambda p: (plan_cost(*p), -p[1], p[0]))
         if best != (start_page, n):
             self.counts["prefetch_split"] += 1
+        elif len(plans) > 2:
+            # A split was possible but not chosen, so its correction is not observed this time:
+            # let a pessimism learnt from a few slow tails fade toward the whole-read figure.
+            self.read_beside_compute.relax(self.read_alone.factor)
         return best
 
     def _start_tail(self, match: Any, keys: list[str], begin: int, n: int) -> PrefetchResult:

@@ -330,8 +330,8 @@ def _side_stream(device_index: int) -> torch.cuda.Stream:
 
 @dataclass(frozen=True, slots=True)
 class _Prepared:
-    """A validated copy, ready to issue: its segments (and, for the strided engine, its runs as
-    Python ints), engine, direction, device and byte count. Offsets are relative to the pools'
+    """A validated copy, ready to issue: its segments (and, for the ``strided`` and ``loop``
+    engines, the rows to issue as Python ints), engine, direction, device and byte count. Offsets are relative to the pools'
     buffers, so the plan of one layer issues any other layer by moving the two base addresses
     (no per-layer host arithmetic on tensors)."""
 

@@ -169,6 +169,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         out["read_time_correction"] = {
             "alone": tier.read_alone.factor,
             "beside_compute": tier.read_beside_compute.factor,
+            "alone_observed": list(tier.read_alone.ratios),
+            "beside_compute_observed": list(tier.read_beside_compute.ratios),
         }
     tmp.cleanup()
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -236,6 +238,8 @@ def run(args: argparse.Namespace) -> int:
     print("cost model, each repeat (TTFT ms / tokens restored): " + ", ".join(f"{t:.0f} / {c}" for t, c in reps))
     corr = res["read_time_correction"]
     print(f"observed / estimated read time: {corr['alone']:.2f} alone, {corr['beside_compute']:.2f} beside a head's computation")
+    seen = ", ".join(f"{r:.2f}" for r in corr["beside_compute_observed"]) or "none"
+    print(f"  each tail read beside a head (observed / estimated): {seen}")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(res, indent=2))
     return 0

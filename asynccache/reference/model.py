@@ -59,9 +59,10 @@ __all__ = ["HybridModel", "SequenceInput", "ForwardBatch", "LAUNCH_WINDOW_LAYERS
 
 #: On CUDA, a pass of at least ``LAUNCH_WINDOW_MIN_TOKENS`` tokens keeps at most this many layers
 #: launched ahead of the GPU: before launching more, the forward awaits (in a thread, the GIL
-#: released) the end of the layer that many back. Unthrottled, a long prefill fills the CUDA
-#: launch queue, and the launching thread then blocks inside the driver *holding the GIL* — for
-#: as long as the GPU needs — so storage reader threads and the event loop stall behind it.
+#: released) the end of the layer that many back. Unthrottled, a long prefill runs far ahead of
+#: the GPU until the CUDA launch queue is full, and the loop thread then sits inside kernel
+#: launches for as long as the GPU needs: nothing else on the loop (storage completions, other
+#: requests' admission) runs meanwhile.
 LAUNCH_WINDOW_LAYERS = 2
 #: Passes below this many tokens are launch-bound on the host and are never throttled.
 LAUNCH_WINDOW_MIN_TOKENS = 1024

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -208,4 +209,44 @@ async def test_observed_slow_tail_reads_turn_a_split_into_a_whole_restore() -> N
         res = await tier.prefetch(TOKENS, cache.tree.match_prefix(TOKENS), allow_tail=True)
         assert res.tail is None and res.num_pages_fetched == NUM_PAGES
         assert tier.read_alone.samples == 1
+        cache.tree.check_integrity()
+
+
+def test_a_correction_relaxes_toward_a_reference_from_above_only() -> None:
+    c = ReadTimeCorrection(alpha=0.5, min_bytes=0)
+    c.factor = 3.0
+    c.relax(1.0)
+    assert c.factor == 2.0
+    c.relax(1.0, keep=0.25)
+    assert c.factor == 1.25
+    c.factor = 0.8
+    c.relax(1.0)  # faster than the reference: nothing to forget
+    assert c.factor == 0.8
+    c.observe(10, 2.0, 10.0)
+    assert list(c.ratios) == [2.0]
+
+
+async def test_splits_are_tried_again_after_slow_tails_stop_being_observed() -> None:
+    """One slow tail must not rule splits out for good: while whole restores are chosen, the
+    tail correction fades toward the whole-read one, a split is chosen again within a few
+    restores — and every restore along the way is complete."""
+    async with balanced_tier() as (cache, tier):
+        tier.read_beside_compute.min_bytes = 0  # the tiny spec's tail reads count
+        tier.read_alone.min_bytes = 1 << 60  # whole reads keep the estimate (factor 1)
+        tier.read_beside_compute.factor = 4.0  # as if the last tail read 4× slower than estimated
+        factors, tails = [], []
+        for _ in range(6):
+            cache.flush_device()
+            cache.flush_host()
+            res = await tier.prefetch(TOKENS, cache.tree.match_prefix(TOKENS), allow_tail=True)
+            factors.append(tier.read_beside_compute.factor)
+            tails.append(res.tail is not None)
+            if res.tail is not None:
+                assert await res.tail.fetch
+                res.tail.release()
+                break
+            assert res.num_pages_fetched == NUM_PAGES
+        assert tails[0] is False and tails[-1] is True
+        assert all(a > b for a, b in itertools.pairwise(factors[:-1]))  # fading while not observed
+        assert tier.read_beside_compute.samples == 1  # the split was observed again
         cache.tree.check_integrity()
