@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -47,8 +48,8 @@ from storage_backends.local_disk import LocalDiskBackend
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="hybrid-3b", help="model preset (default hybrid-3b)")
-    p.add_argument("--prefix-tokens", type=int, default=32768)
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prefix-tokens", type=int, default=32768, help="cached prefix length, a multiple of --page-size")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens after the prefix, 1 … --page-size (default 64)")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -209,7 +210,28 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def check_arguments(args: argparse.Namespace) -> str | None:
+    """Why the arguments cannot measure what the bench reports (``None`` when they can).
+
+    The prefix must end on a page boundary and the new tokens must fit in one page: the state
+    the cache keeps before a prompt's end is at its last page boundary, so that boundary has to
+    be the prefix's end for a request with new tokens to hit the whole prefix."""
+    if args.page_size < 1 or args.prefix_tokens < args.page_size or args.repeats < 1:
+        return "need --page-size >= 1, --prefix-tokens >= --page-size and --repeats >= 1"
+    if args.prefix_tokens % args.page_size:
+        return f"--prefix-tokens ({args.prefix_tokens}) must be a multiple of --page-size ({args.page_size})"
+    if not 1 <= args.new_tokens <= args.page_size:
+        return (
+            f"--new-tokens ({args.new_tokens}) must be between 1 and --page-size ({args.page_size}): the state "
+            "kept before a prompt's end is at its last page boundary, which must be the prefix's end"
+        )
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
+    if (why := check_arguments(args)) is not None:
+        print(why, file=sys.stderr)
+        return 2
     res = uvloop.run(_run(args))
     print(
         f"prefix TTFT on {res['device']}: {res['preset']}, {res['prefix_tokens']}-token prefix "
