@@ -21,6 +21,7 @@ from kernels.plan import DEFAULT_MAX_CTAS, DMA_MIN_RUN_BYTES, dma_run_bytes
 
 __all__ = [
     "COPY_METHODS",
+    "COPY_METHOD_HELP",
     "PoolBufferLike",
     "check_device_buffers",
     "check_overlap",
@@ -36,6 +37,8 @@ __all__ = [
 COPY_METHODS: tuple[str, ...] = ("auto", "triton", "dma")
 #: Copy-engine variants selectable as ``method="dma:ENGINE"`` (see ``kernels.dma_copy``).
 DMA_ENGINES: tuple[str, ...] = ("auto", "batch", "strided", "2d", "loop")
+#: Those values as command-line help: ``auto | triton | dma | dma:batch | …``.
+COPY_METHOD_HELP = " | ".join([*COPY_METHODS, *(f"dma:{e}" for e in DMA_ENGINES if e != "auto")])
 
 
 class PoolBufferLike(Protocol):

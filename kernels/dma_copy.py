@@ -79,6 +79,10 @@ STRIDED_MIN_GAIN = 4
 _LEGACY_STREAMS = (0, 1)  # cudaStreamLegacy: the null stream and its explicit handle
 
 
+#: One strided run as Python ints: ``(src_offset, dst_offset, width, height, src_pitch, dst_pitch)``.
+_Row = tuple[int, int, int, int, int, int]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CopySegments:
     """Contiguous byte ranges of one copy: ``dst[dst_offsets[k] : +sizes[k]] = src[src_offsets[k] : +sizes[k]]``.
@@ -115,12 +119,6 @@ class StridedRuns:
     @property
     def num_runs(self) -> int:
         return self.widths.numel()
-
-    def rows(self) -> tuple[tuple[int, int, int, int, int, int], ...]:
-        """The runs as Python ints, ``(src_offset, dst_offset, width, height, src_pitch,
-        dst_pitch)`` each: what :func:`_issue_strided` passes to the runtime."""
-        cols = (self.src_offsets, self.dst_offsets, self.widths, self.heights, self.src_pitches, self.dst_pitches)
-        return tuple(zip(*(c.tolist() for c in cols), strict=True))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -219,19 +217,31 @@ def plan_strided_runs(segments: CopySegments, *, max_pitch: int = MAX_2D_PITCH) 
     and at most ``max_pitch``. A pair whose second segment could start a run of its own is not
     a run (the second starts one); a segment that starts no run is a run of height 1.
     Every byte of ``segments`` is in exactly one row of one run."""
+    return _runs_from_rows(_strided_rows(segments, max_pitch))
+
+
+def _links(segments: CopySegments, max_pitch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(ds, dd, link)``: the source and destination distance from each segment to the next,
+    and whether the two can be neighbouring rows of one run (same width, both strides fit)."""
+    src, dst, size = (t.numpy() for t in (segments.src_offsets, segments.dst_offsets, segments.sizes))
+    ds, dd = np.diff(src), np.diff(dst)
+    width = size[:-1]
+    link = (size[1:] == width) & (ds >= width) & (ds <= max_pitch) & (dd >= width) & (dd <= max_pitch)
+    return ds, dd, link
+
+
+def _strided_rows(segments: CopySegments, max_pitch: int = MAX_2D_PITCH) -> list[_Row]:
+    """:func:`plan_strided_runs` as rows: vectorized link tests, then one step per run."""
     src, dst, size = (t.numpy() for t in (segments.src_offsets, segments.dst_offsets, segments.sizes))
     n = size.size
     if n == 0:
-        return _runs_from_rows([])
-    # Vectorized link tests; the walk below then costs one step per run, not per segment.
-    ds, dd = np.diff(src), np.diff(dst)
-    # link[k]: segments k and k+1 can be two rows of one run (same width, both strides fit).
-    link = (size[1:] == size[:-1]) & (ds >= size[:-1]) & (ds <= max_pitch) & (dd >= size[:-1]) & (dd <= max_pitch)
+        return []
+    ds, dd, link = _links(segments, max_pitch)
     # cont[j]: link j continues the run of link j-1 (same strides, same width); cont[0] is False.
-    cont = np.zeros(max(n - 1, 0), dtype=bool)
+    cont = np.zeros(n - 1, dtype=bool)
     cont[1:] = (ds[1:] == ds[:-1]) & (dd[1:] == dd[:-1]) & (size[2:] == size[1:-1])
     breaks = np.flatnonzero(~cont)  # links that start afresh (sorted; contains 0 when n > 1)
-    runs: list[tuple[int, int, int, int, int, int]] = []
+    rows: list[_Row] = []
     k = 0
     while k < n:
         w = int(size[k])
@@ -245,31 +255,25 @@ def plan_strided_runs(segments: CopySegments, *, max_pitch: int = MAX_2D_PITCH) 
                 h = 1  # the second segment starts a run of its own: leave it to that run
             else:
                 sp, dp = int(ds[k]), int(dd[k])
-        runs.append((int(src[k]), int(dst[k]), w, h, sp, dp))
+        rows.append((int(src[k]), int(dst[k]), w, h, sp, dp))
         k += h
-    return _runs_from_rows(runs)
+    return rows
 
 
-def _runs_from_rows(runs: list[tuple[int, int, int, int, int, int]]) -> StridedRuns:
-    cols = list(zip(*runs, strict=True)) if runs else [()] * 6
+def _runs_from_rows(rows: list[_Row]) -> StridedRuns:
+    cols = list(zip(*rows, strict=True)) if rows else [()] * 6
     t = [torch.tensor(c, dtype=torch.int64) for c in cols]
     return StridedRuns(src_offsets=t[0], dst_offsets=t[1], widths=t[2], heights=t[3], src_pitches=t[4], dst_pitches=t[5])
 
 
 def _runs_may_pay(segments: CopySegments, max_pitch: int = MAX_2D_PITCH) -> bool:
     """Whether strided runs could cut the calls ``STRIDED_MIN_GAIN``-fold: a vectorized bound
-    that spares scattered copies the per-segment planning loop. Each run of ``h`` rows uses
-    ``h - 1`` links between neighbours (same size, both strides fit), so there are at least
-    ``segments - links`` runs."""
+    that spares scattered copies the per-run walk. Each run of ``h`` rows uses ``h - 1`` links
+    between neighbours, so there are at least ``segments - links`` runs."""
     n = segments.num_copies
     if n < STRIDED_MIN_GAIN:
         return False
-    sizes = segments.sizes.numpy()
-    size = sizes[:-1]
-    ds = np.diff(segments.src_offsets.numpy())
-    dd = np.diff(segments.dst_offsets.numpy())
-    fits = (ds >= size) & (ds <= max_pitch) & (dd >= size) & (dd <= max_pitch)
-    links = int(np.count_nonzero((sizes[1:] == size) & fits))
+    links = int(np.count_nonzero(_links(segments, max_pitch)[2]))
     return (n - links) * STRIDED_MIN_GAIN <= n
 
 
@@ -340,7 +344,7 @@ class _Prepared:
     direction: str
     device: torch.device
     num_bytes: int
-    run_rows: tuple[tuple[int, int, int, int, int, int], ...] = ()
+    run_rows: tuple[_Row, ...] = ()
 
 
 def launch_dma(
@@ -468,11 +472,11 @@ def _prepare(
     chosen = engine
     runs = None
     if engine == "strided" or (engine == "auto" and _runs_may_pay(segments)):
-        runs = plan_strided_runs(segments)
+        runs = _strided_rows(segments)
     if engine == "auto":
         if segments.num_copies == 1:
             chosen = "loop"  # one plain memcpy: nothing to batch or group
-        elif runs is not None and runs.num_runs * STRIDED_MIN_GAIN <= segments.num_copies:
+        elif runs is not None and len(runs) * STRIDED_MIN_GAIN <= segments.num_copies:
             chosen = "strided"
         elif batch_check(device.index) == "ok":
             chosen = "batch"
@@ -494,12 +498,12 @@ def _prepare(
     )
 
 
-def _rows(engine: str, runs: StridedRuns | None, segments: CopySegments) -> tuple[tuple[int, int, int, int, int, int], ...]:
-    """The Python-int rows :func:`_issue_strided` issues for the ``strided`` engine (its runs) and
-    the ``loop`` engine (one row per segment); empty for the others."""
+def _rows(engine: str, runs: list[_Row] | None, segments: CopySegments) -> tuple[_Row, ...]:
+    """The rows :func:`_issue_strided` issues for the ``strided`` engine (its runs) and the
+    ``loop`` engine (one row per segment); empty for the others."""
     if engine == "strided":
         assert runs is not None
-        return runs.rows()
+        return tuple(runs)
     if engine == "loop":
         cols = (segments.src_offsets.tolist(), segments.dst_offsets.tolist(), segments.sizes.tolist())
         return tuple((so, do, n, 1, n, n) for so, do, n in zip(*cols, strict=True))
@@ -551,9 +555,7 @@ def _issue(
     )
 
 
-def _issue_strided(
-    rt: CudaRuntime, rows: tuple[tuple[int, int, int, int, int, int], ...], src_base: int, dst_base: int, stream: int
-) -> int:
+def _issue_strided(rt: CudaRuntime, rows: tuple[_Row, ...], src_base: int, dst_base: int, stream: int) -> int:
     """One ``cudaMemcpy2DAsync`` per row ``(src_offset, dst_offset, width, height, src_pitch,
     dst_pitch)`` (:func:`_rows`), a plain ``cudaMemcpyAsync`` for a row of height one."""
     for so, do, w, h, sp, dp in rows:

@@ -29,6 +29,7 @@ import torch
 from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
 from asynccache.spec import HybridSpec
+from kernels.api import COPY_METHOD_HELP
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed repetitions per variant (median reported)")
     p.add_argument("--max-ctas", type=int, default=8, help="CTA cap of the copy kernels")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--copy-method", default="auto", help="auto | triton | dma | dma:batch | dma:strided | dma:2d | dma:loop")
+    p.add_argument("--copy-method", default="auto", help=COPY_METHOD_HELP)
     p.add_argument("--json", dest="json_path", default=None)
 
 

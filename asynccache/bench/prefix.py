@@ -43,6 +43,7 @@ from asynccache.reference.model import HybridModel
 from asynccache.reference.scheduler import Scheduler, SchedulerConfig
 from asynccache.spec import HybridSpec
 from asynccache.tiering import RestoreCost
+from kernels.api import COPY_METHOD_HELP
 from storage_backends.local_disk import LocalDiskBackend
 
 
@@ -53,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--copy-method", default="auto", help="auto | triton | dma | dma:batch | dma:strided | dma:2d | dma:loop")
+    p.add_argument("--copy-method", default="auto", help=COPY_METHOD_HELP)
     p.add_argument("--storage-dir", default=None, help="local directory for the disk tier (default: temp)")
     p.add_argument("--json", dest="json_path", default=None)
 
