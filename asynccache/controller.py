@@ -4,9 +4,11 @@ The tree decides what moves; the controller moves it without blocking the event 
 
 - ``load(match)`` allocates device pages / a state slot (evicting device memory through the tree),
   attaches them to the match's host-only nodes (``tree.begin_load``) and queues the copy. The
-  next ``start_loading()`` merges every queued load into one transfer per pool and enqueues
-  **one launch per layer** on the load stream, in layer order, setting the step's
-  :class:`LayerTransferCounter` layer by layer; the forward ``await``s each layer.
+  next ``start_loading()`` merges every queued load into one transfer per pool, validates and
+  plans it once per pool (``kernels.layer_copier``) and enqueues **one launch per layer** on the
+  load stream, in layer order — consecutive small layers of one pool (a few recurrent layers'
+  states) as one launch — setting the step's :class:`LayerTransferCounter` layer by layer; the
+  forward ``await``s each layer.
 - ``write(nodes)`` allocates host pages / slots (evicting host memory through the tree) and
   queues a device → host backup; ``start_writing()`` issues every queued write as **one launch
   for all layers** per pool on the write stream, after waiting on the compute stream.
@@ -38,7 +40,7 @@ from asynccache.ops import CacheOperation, MergedTransfer, OpKind, OpState
 from asynccache.pools.base import ItemPool
 from asynccache.stats import ControllerStats, StatsRecorder
 from asynccache.storage import PoolName, PoolTransfer, StorageBackend
-from kernels import copy_items
+from kernels import LayerCopy, copy_items, layer_copier
 
 if TYPE_CHECKING:
     from asynccache.tree import HybridRadixTree
@@ -52,6 +54,11 @@ __all__ = ["HybridCacheController"]
 #: the forward — CPU-bound at small chunks — for the GIL. Costly ones (thousands of scattered
 #: pages per layer) start on the loop and continue on the worker, running ahead of the forward.
 LOAD_ENQUEUE_BUDGET_S = 0.002
+#: Consecutive layers of one pool are loaded as one copy (one call, one CUDA event) while their
+#: bytes stay within this: ~0.15 ms of PCIe Gen5 — the states of a few recurrent layers of one
+#: request between two attention layers — so a group costs its first layer little latency and
+#: halves the host time of issuing a hybrid model's load.
+LOAD_GROUP_MAX_BYTES = 8 << 20
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +68,39 @@ def _release_late_tail(task: asyncio.Task[Any]) -> None:
         tail = getattr(task.result(), "tail", None)
         if tail is not None:
             tail.release()
+
+
+#: A step's copy: (pool, copier, first local layer, number of layers).
+_StepCopy = tuple[PoolName, "LayerCopy", int, int]
+#: One step of a load: the global layer ids it makes ready (one CUDA event), and its copies.
+_LoadStep = tuple[list[int], list[_StepCopy]]
+
+
+def _group_layers(
+    layer_ids: Sequence[int], copiers: dict[PoolName, tuple[LayerCopy, dict[int, int], int]]
+) -> list[_LoadStep]:
+    """The load's steps in layer order. Consecutive layers of one pool whose local positions
+    follow on are grouped — one call and one event for the group — while the group's bytes stay
+    within ``LOAD_GROUP_MAX_BYTES``, so a group is ready a few tens of microseconds after its
+    first layer could have been. ``copiers[pool] = (copier, global → local layer, bytes a layer)``."""
+    steps: list[_LoadStep] = []
+    group_bytes = 0
+    for lid in layer_ids:
+        copies = [(name, c, index[lid], 1) for name, (c, index, _) in copiers.items() if lid in index]
+        if len(copies) == 1 and steps:
+            name, _, li, _ = copies[0]
+            layer_bytes = copiers[name][2]
+            prev_lids, prev = steps[-1]
+            if len(prev) == 1:
+                p_name, p_copier, p_first, p_count = prev[0]
+                if p_name == name and p_first + p_count == li and group_bytes + layer_bytes <= LOAD_GROUP_MAX_BYTES:
+                    prev[0] = (name, p_copier, p_first, p_count + 1)
+                    prev_lids.append(lid)
+                    group_bytes += layer_bytes
+                    continue
+        steps.append(([lid], copies))
+        group_bytes = sum(copiers[name][2] for name, *_ in copies)
+    return steps
 
 
 def _slot_tensor(slot: int | None) -> torch.Tensor:
@@ -105,8 +145,10 @@ class HybridCacheController:
         self._tg: asyncio.TaskGroup | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._loaders: set[asyncio.Task[None]] = set()
-        #: The copy function (replaceable in tests to inject failures).
+        #: The copy function of backups, and the copier factory of layer-by-layer loads
+        #: (replaceable in tests to count calls or inject failures).
         self.copy: Callable[..., int] = copy_items
+        self.layer_copier: Callable[..., LayerCopy] = layer_copier
         self.tiering: Any = None  # set in __aenter__ when a backend is configured
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -253,46 +295,55 @@ class HybridCacheController:
         if stream is not None:
             # Freshly allocated device pages may still be read by earlier compute.
             stream.wait_stream(torch.cuda.current_stream(self.device))
-        issued: list[tuple[PoolName, int]] = []
+        issued: dict[PoolName, list[int]] = {name: [0, 0] for name in merged}  # bytes, launches
         last: list[torch.cuda.Event | None] = [None]
-        plan_cache: dict[Any, Any] = {}  # one layer's copy plan, reused for the others
+        steps: list[_LoadStep] = []
 
-        def issue(lids: Sequence[int], *, yield_gil: bool, budget_s: float | None = None) -> int:
-            """Enqueue ``lids`` in order; returns how many, fewer once ``budget_s`` is spent."""
+        def plan() -> None:
+            """Validate each pool's transfer once (and plan it on the copy engines): one copier
+            per pool; then the steps, each a layer or a group of layers (``_group_layers``)."""
+            copiers: dict[PoolName, tuple[LayerCopy, dict[int, int], int]] = {}
+            for name, m in merged.items():
+                dev, host = self.pools[name]
+                assert host is not None
+                copier = self.layer_copier(
+                    host,
+                    dev,
+                    m.host_indices,
+                    m.device_indices,
+                    max_ctas=self.config.max_ctas,
+                    stream=stream,
+                    method=self.config.copy_method,
+                )
+                copiers[name] = (copier, dev._layer_index, m.host_indices.numel() * dev.item_bytes)
+            steps.extend(_group_layers(layer_ids, copiers))
+
+        def issue(begin: int, *, yield_gil: bool, budget_s: float | None = None) -> int:
+            """Enqueue ``steps[begin:]`` in order; returns where it stopped (early once
+            ``budget_s`` of host time is spent, after at least one layer)."""
             start = time.perf_counter()
+            k = begin
             with torch.cuda.device(self.device) if stream is not None else contextlib.nullcontext():
-                for k, lid in enumerate(lids):
-                    if budget_s is not None and k and time.perf_counter() - start > budget_s:
+                for k in range(begin, len(steps)):
+                    if budget_s is not None and k > begin and time.perf_counter() - start > budget_s:
                         return k
-                    for name, m in merged.items():
-                        dev, host = self.pools[name]
-                        if lid not in dev._layer_index:
-                            continue
-                        assert host is not None
-                        li = dev.layer_index(lid)
-                        nbytes = self.copy(
-                            host,
-                            dev,
-                            m.host_indices,
-                            m.device_indices,
-                            layer_begin=li,
-                            layer_end=li + 1,
-                            max_ctas=self.config.max_ctas,
-                            method=self.config.copy_method,
-                            stream=stream,
-                            plan_cache=plan_cache,
-                        )
-                        issued.append((name, nbytes))
+                    lids, copies = steps[k]
+                    for name, copier, li, count in copies:
+                        total = issued[name]
+                        total[0] += copier(li, count)
+                        total[1] += 1
                     if stream is not None:
                         ev = torch.cuda.Event(blocking=True, enable_timing=True)
                         ev.record(stream)
                         last[0] = ev
                     if yield_gil:
-                        loop.call_soon_threadsafe(counter.mark_enqueued, lid, last[0])
-                        time.sleep(0)  # let the loop thread take the GIL between layers
+                        for lid in lids:
+                            loop.call_soon_threadsafe(counter.mark_enqueued, lid, last[0])
+                        time.sleep(0)  # let the loop thread take the GIL between steps
                     else:
-                        counter.mark_enqueued(lid, last[0])
-            return len(lids)
+                        for lid in lids:
+                            counter.mark_enqueued(lid, last[0])
+            return len(steps)
 
         # The first layers are enqueued here, on the loop thread: the forward waits for them at
         # once, and a worker handoff would only add its latency. The worker takes what the budget
@@ -300,12 +351,13 @@ class HybridCacheController:
         accounting = all(self.pools[name][0].buffer is None for name in merged)
         worker: asyncio.Future[Any]
         try:
-            done = issue(layer_ids, yield_gil=False, budget_s=None if accounting else LOAD_ENQUEUE_BUDGET_S)
-            if done == len(layer_ids):
+            plan()
+            done = issue(0, yield_gil=False, budget_s=None if accounting else LOAD_ENQUEUE_BUDGET_S)
+            if done == len(steps):
                 worker = loop.create_future()
                 worker.set_result(None)
             else:
-                worker = loop.run_in_executor(None, functools.partial(issue, layer_ids[done:], yield_gil=True))
+                worker = loop.run_in_executor(None, functools.partial(issue, done, yield_gil=True))
         except Exception as e:
             worker = loop.create_future()
             worker.set_exception(e)
@@ -317,7 +369,7 @@ class HybridCacheController:
         merged: dict[PoolName, MergedTransfer],
         counter: LayerTransferCounter,
         worker: asyncio.Future[Any],
-        issued: list[tuple[PoolName, int]],
+        issued: dict[PoolName, list[int]],
         last: list[torch.cuda.Event | None],
     ) -> None:
         """Wait for the load worker (never abandoning it), then account and complete ``ops``."""
@@ -330,9 +382,9 @@ class HybridCacheController:
                 await worker  # let the worker finish enqueuing before anything is released
         except Exception as e:
             error = e
-        for name, nbytes in issued:
+        for name, (nbytes, launches) in issued.items():
             self._stats.bytes_moved("h2d", name, nbytes)
-            self._stats.count(f"h2d_launches_{name.value}")
+            self._stats.count(f"h2d_launches_{name.value}", launches)
         if error is not None:
             counter.fail(error)
             self._finish_ops(ops, merged, last[0], self._load_completion, error=error)

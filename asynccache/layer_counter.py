@@ -2,14 +2,18 @@
 
 Primitives:
 
-- ``LayerTransferCounter(layer_ids)`` — one asyncio event per *global* layer id (attention and
-  recurrent layers share one id space; ids may be sparse, e.g. Nemotron-H's MLP-only layers).
+- ``LayerTransferCounter(layer_ids)`` — tracks *global* layer ids (attention and recurrent
+  layers share one id space; ids may be sparse, e.g. Nemotron-H's MLP-only layers); an asyncio
+  event is made only for a layer awaited before it is marked.
 - ``mark_enqueued(layer_id, cuda_event)`` — the controller calls it once that layer's copy has
   been enqueued on the load stream, with the CUDA event recorded after the copy (``None`` on CPU,
   where copies are synchronous).
 - ``await wait(layer_id)`` — returns once the layer is enqueued, and makes the caller's current
-  CUDA stream wait on the layer's event: stream-ordered, the host never synchronises. A layer the
-  counter does not track (nothing to load, or another pipeline stage's layer) returns at once.
+  CUDA stream wait on the layer's event unless the copy has already finished (or the stream
+  already waits on that event: layers copied together share one): stream-ordered, the host
+  never synchronises. A layer the counter does not track (nothing to load, or another
+  pipeline stage's layer) returns at once.
+- ``cuda_event(layer_id)`` — the event recorded after that layer's copy (benchmarks time it).
 - ``fail(exc)`` — a failed step releases every waiter with a :class:`TransferError`.
 
 Pipeline parallelism: each stage builds its counter over the global ids of the layers it owns
@@ -29,11 +33,43 @@ from asynccache.errors import TransferError
 __all__ = ["LayerTransferCounter"]
 
 
+_get_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
+_streams: dict[tuple[int, int, int], torch.cuda.Stream] = {}
+
+
+def _current_stream() -> tuple[object, torch.cuda.Stream]:
+    """``(key, stream)`` of the caller's current CUDA stream. ``torch.cuda.current_stream()``
+    builds a new ``Stream`` object on every call (~5-15 µs, most of a layer's wait); the
+    objects are kept here by torch's stream id instead."""
+    if _get_stream is None:
+        stream = torch.cuda.current_stream()
+        return stream.cuda_stream, stream
+    key = _get_stream(torch.cuda.current_device())
+    stream = _streams.get(key)
+    if stream is None:
+        if len(_streams) > 64:
+            _streams.clear()
+        stream = _streams[key] = torch.cuda.current_stream()
+    return key, stream
+
+
+class _State:
+    """What a counter and its stage views share: the marks, the waiters, the failure, and the
+    last (event, stream) dependency made (the layers of one copy share an event)."""
+
+    __slots__ = ("cuda_events", "error", "last_wait", "waiters")
+
+    def __init__(self) -> None:
+        self.cuda_events: dict[int, torch.cuda.Event | None] = {}  # marked layers
+        self.waiters: dict[int, asyncio.Event] = {}  # created on the first wait for an unmarked layer
+        self.error: BaseException | None = None
+        self.last_wait: tuple[torch.cuda.Event, object] | None = None
+
+
 class LayerTransferCounter:
     def __init__(self, layer_ids: Iterable[int] = ()) -> None:
-        self._events: dict[int, asyncio.Event] = {int(i): asyncio.Event() for i in layer_ids}
-        self._cuda_events: dict[int, torch.cuda.Event | None] = {}
-        self._error: BaseException | None = None
+        self._tracked = frozenset(int(i) for i in layer_ids)
+        self._state = _State()
 
     @classmethod
     def completed(cls) -> LayerTransferCounter:
@@ -42,42 +78,57 @@ class LayerTransferCounter:
 
     @property
     def layer_ids(self) -> tuple[int, ...]:
-        return tuple(sorted(self._events))
+        return tuple(sorted(self._tracked))
 
     def for_layers(self, layer_ids: Iterable[int]) -> LayerTransferCounter:
-        """A view restricted to the given global ids (a pipeline stage's layers); shares events."""
+        """A view restricted to the given global ids (a pipeline stage's layers); shares the
+        marks, the waiters and a failure with this counter."""
         view = LayerTransferCounter.__new__(LayerTransferCounter)
-        wanted = set(layer_ids)
-        view._events = {i: e for i, e in self._events.items() if i in wanted}
-        view._cuda_events = self._cuda_events
-        view._error = None
+        view._tracked = self._tracked & frozenset(int(i) for i in layer_ids)
+        view._state = self._state
         return view
 
     def mark_enqueued(self, layer_id: int, cuda_event: torch.cuda.Event | None = None) -> None:
-        ev = self._events.get(layer_id)
-        if ev is None:
+        if layer_id not in self._tracked:
             raise KeyError(f"layer {layer_id} is not tracked by this counter {self.layer_ids}")
-        self._cuda_events[layer_id] = cuda_event
-        ev.set()
+        state = self._state
+        state.cuda_events[layer_id] = cuda_event
+        waiter = state.waiters.get(layer_id)
+        if waiter is not None:
+            waiter.set()
 
     def is_enqueued(self, layer_id: int) -> bool:
-        ev = self._events.get(layer_id)
-        return ev is None or ev.is_set()
+        return layer_id not in self._tracked or layer_id in self._state.cuda_events
+
+    def cuda_event(self, layer_id: int) -> torch.cuda.Event | None:
+        """The event recorded after ``layer_id``'s copy (``None``: not marked, or on CPU)."""
+        return self._state.cuda_events.get(layer_id)
 
     def fail(self, exc: BaseException) -> None:
         """Release every waiter; their ``wait`` raises TransferError from ``exc``."""
-        self._error = exc
-        for ev in self._events.values():
-            ev.set()
+        state = self._state
+        state.error = exc
+        for waiter in state.waiters.values():
+            waiter.set()
 
     async def wait(self, layer_id: int) -> None:
-        ev = self._events.get(layer_id)
-        if ev is None:
+        if layer_id not in self._tracked:
             return
-        if not ev.is_set():
-            await ev.wait()
-        if self._error is not None:
-            raise TransferError(f"load of layer {layer_id} failed") from self._error
-        cuda_event = self._cuda_events.get(layer_id)
-        if cuda_event is not None:
-            torch.cuda.current_stream().wait_event(cuda_event)
+        state = self._state
+        if state.error is None and layer_id not in state.cuda_events:
+            waiter = state.waiters.get(layer_id)
+            if waiter is None:
+                waiter = state.waiters[layer_id] = asyncio.Event()
+            await waiter.wait()
+        if state.error is not None:
+            raise TransferError(f"load of layer {layer_id} failed") from state.error
+        cuda_event = state.cuda_events[layer_id]
+        # A copy that has already finished needs no stream dependency: one query instead.
+        if cuda_event is None or cuda_event.query():
+            return
+        key, stream = _current_stream()
+        last = state.last_wait
+        if last is not None and last[0] is cuda_event and last[1] == key:
+            return  # this stream already waits on this event (a layer of the same copy)
+        stream.wait_event(cuda_event)
+        state.last_wait = (cuda_event, key)

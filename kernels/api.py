@@ -4,7 +4,8 @@ A pool buffer is anything with ``buffer`` (uint8 tensor or ``None`` in accountin
 ``num_layers``, ``num_items``, ``item_bytes``, ``layer_stride_bytes`` and ``item_stride_bytes``:
 item ``(layer, index)`` lives at byte ``layer·layer_stride + index·item_stride`` of the buffer.
 
-Primitives: ``copy_items`` (the entry point), ``select_method`` (Triton kernel or copy engines
+Primitives: ``copy_items`` (the entry point), ``layer_copier`` (the same copy, validated once
+and issued layer by layer), ``select_method (Triton kernel or copy engines
 for a CUDA copy), and the checks both CUDA paths share: ``validate_copy`` (geometry, indices,
 buffers), ``check_device_buffers`` (devices, pinning), ``check_overlap`` (in-pool copies),
 ``resolve_max_ctas``.
@@ -12,7 +13,7 @@ buffers), ``check_device_buffers`` (devices, pinning), ``check_overlap`` (in-poo
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -22,11 +23,13 @@ from kernels.plan import DEFAULT_MAX_CTAS, DMA_MIN_RUN_BYTES, dma_run_bytes
 __all__ = [
     "COPY_METHODS",
     "COPY_METHOD_HELP",
+    "LayerCopy",
     "PoolBufferLike",
     "check_device_buffers",
     "check_overlap",
     "copy_direction",
     "copy_items",
+    "layer_copier",
     "resolve_max_ctas",
     "select_method",
     "strided_view",
@@ -39,6 +42,13 @@ COPY_METHODS: tuple[str, ...] = ("auto", "triton", "dma")
 DMA_ENGINES: tuple[str, ...] = ("auto", "batch", "strided", "2d", "loop")
 #: Those values as command-line help: ``auto | triton | dma | dma:batch | …``.
 COPY_METHOD_HELP = " | ".join([*COPY_METHODS, *(f"dma:{e}" for e in DMA_ENGINES if e != "auto")])
+
+
+class LayerCopy(Protocol):
+    """A layer-by-layer copy (:func:`layer_copier`): copies layers ``[layer, layer + count)``,
+    returns the bytes copied."""
+
+    def __call__(self, layer: int, count: int = 1) -> int: ...
 
 
 class PoolBufferLike(Protocol):
@@ -88,10 +98,11 @@ def validate_copy(
             raise TransferError(f"{name}_indices must be 1-D, got shape {tuple(idx.shape)}")
         if idx.device.type != "cpu":
             raise TransferError(f"{name}_indices must be a CPU tensor (they are range-checked before launch)")
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= pool.num_items):
-            raise TransferError(
-                f"{name}_indices out of range 0..{pool.num_items - 1}: min {int(idx.min())}, max {int(idx.max())}"
-            )
+        if idx.numel():
+            values = idx.numpy()  # numpy reductions: ~1 µs here against ~3 µs through the dispatcher
+            lo, hi = int(values.min()), int(values.max())
+            if lo < 0 or hi >= pool.num_items:
+                raise TransferError(f"{name}_indices out of range 0..{pool.num_items - 1}: min {lo}, max {hi}")
     if src_indices.numel() != dst_indices.numel():
         raise TransferError(f"index count mismatch: {src_indices.numel()} vs {dst_indices.numel()}")
     if (src.buffer is None) != (dst.buffer is None):
@@ -196,7 +207,6 @@ def copy_items(
     max_ctas: int | None = None,
     stream: torch.cuda.Stream | None = None,
     method: str | None = None,
-    plan_cache: dict[Any, Any] | None = None,
 ) -> int:
     """Copy items ``src[l, src_indices[i]] → dst[l, dst_indices[i]]`` for ``l`` in the layer range.
 
@@ -213,9 +223,8 @@ def copy_items(
     is checked and does not change it. Returns the number of bytes copied (counted also in accounting mode,
     where nothing is copied). Layer positions are *local* to the pools (0 … num_layers-1).
     Everything is validated before anything is enqueued (:class:`TransferError`); destination
-    indices must be distinct. ``plan_cache`` (a dict the caller owns, e.g. one per load step)
-    lets the copy-engine path reuse one layer's plan for the other layers of the same index
-    tensors (``kernels.dma_copy.launch_dma``); other paths ignore it.
+    indices must be distinct. A layer-by-layer copy of the same index lists is cheaper through
+    :func:`layer_copier`.
     """
     layer_end = src.num_layers if layer_end is None else layer_end
     if _on_cuda(src) or _on_cuda(dst):
@@ -225,9 +234,7 @@ def copy_items(
             from kernels.dma_copy import launch_dma
 
             engine = method[4:] if method and method.startswith("dma:") else "auto"
-            launch_dma(
-                src, dst, src_indices, dst_indices, layer_begin, layer_end, stream=stream, engine=engine, plan_cache=plan_cache
-            )
+            launch_dma(src, dst, src_indices, dst_indices, layer_begin, layer_end, stream=stream, engine=engine)
         else:
             # The launcher validates (the same checks plus device, pinning and overlap rules).
             from kernels.triton_copy import launch_copy
@@ -242,6 +249,71 @@ def copy_items(
     assert dst.buffer is not None
     _copy_torch(src, dst, src_indices, dst_indices, layer_begin, layer_end)
     return nbytes
+
+
+def layer_copier(
+    src: PoolBufferLike,
+    dst: PoolBufferLike,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    *,
+    max_ctas: int | None = None,
+    stream: torch.cuda.Stream | None = None,
+    method: str | None = None,
+) -> LayerCopy:
+    """A layer-by-layer :func:`copy_items` of fixed index lists: ``copy(layer, count=1)``
+    copies ``src[l, src_indices[i]] → dst[l, dst_indices[i]]`` for the local layer positions
+    ``l`` in ``[layer, layer + count)`` and returns the bytes, exactly as
+    ``copy_items(..., layer_begin=layer, layer_end=layer + count)``.
+
+    The copy is validated here, once (:class:`TransferError`, before anything is enqueued); a
+    layer range outside the pools raises at its call. On the copy engines one layer is planned
+    here and every call issues that plan for its layers (``kernels.dma_copy.dma_layer_copier``):
+    the per-layer host cost of a load is the runtime calls. The index tensors must not change
+    while the copier is in use.
+    """
+    chosen = "cpu"
+    if _on_cuda(src) or _on_cuda(dst):
+        chosen = select_method(src, dst, method=method, layer_begin=0, layer_end=min(1, src.num_layers))
+        resolve_max_ctas(max_ctas)
+    else:
+        select_method(src, dst, method=method)
+    if chosen != "dma":  # the copy-engine copier validates as it plans
+        validate_copy(src, dst, src_indices, dst_indices, 0, src.num_layers)
+    num_layers, layer_bytes = src.num_layers, src_indices.numel() * src.item_bytes
+
+    def check_range(layer: int, count: int) -> None:
+        if not (0 <= layer and count >= 1 and layer + count <= num_layers):
+            raise TransferError(f"layers [{layer}, {layer + count}) outside 0..{num_layers - 1}")
+
+    if chosen == "dma":
+        from kernels.dma_copy import dma_layer_copier
+
+        engine = method[4:] if method and method.startswith("dma:") else "auto"
+        issue = dma_layer_copier(src, dst, src_indices, dst_indices, stream=stream, engine=engine)
+
+        def copy_dma(layer: int, count: int = 1) -> int:
+            issue(layer, count)
+            return layer_bytes * count
+
+        return copy_dma
+    if chosen == "triton":
+        from kernels.triton_copy import launch_copy
+
+        def copy_triton(layer: int, count: int = 1) -> int:
+            check_range(layer, count)
+            launch_copy(src, dst, src_indices, dst_indices, layer, layer + count, max_ctas=max_ctas, stream=stream)
+            return layer_bytes * count
+
+        return copy_triton
+
+    def copy_cpu(layer: int, count: int = 1) -> int:
+        check_range(layer, count)
+        if layer_bytes and src.buffer is not None:
+            _copy_torch(src, dst, src_indices, dst_indices, layer, layer + count)
+        return layer_bytes * count
+
+    return copy_cpu
 
 
 def _on_cuda(pool: PoolBufferLike) -> bool:

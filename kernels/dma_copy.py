@@ -6,8 +6,13 @@ Primitives:
   (host-side arithmetic on the CPU index tensors).
 - ``launch_dma(src, dst, src_indices, dst_indices, layer_begin, layer_end, *, stream=, engine=)
   -> DmaLaunch | None`` — validate, plan, enqueue.
+- ``dma_layer_copier(src, dst, src_indices, dst_indices, *, stream=, engine=) -> issue(layer,
+  count=1)`` — validate and plan once, then enqueue a layer (or a few) per call (a
+  layer-by-layer load).
 - ``plan_strided_runs(segments) -> StridedRuns`` — those segments grouped into runs at constant
   source and destination strides (one ``cudaMemcpy2DAsync`` each).
+- ``progression_rows(...)`` — the same plan, without the vector planner, for index lists made
+  of a few pieces consecutive on both sides (a load): one memcpy or 2D copy per piece.
 - ``batch_check(device_index) -> str`` — ``"ok"`` when ``cudaMemcpyBatchAsync`` is present and
   passed its self-check on that GPU, else the reason (checked once per device).
 - ``DMA_ENGINES`` — ``"auto"``, ``"batch"``, ``"strided"``, ``"2d"``, ``"loop"``.
@@ -46,7 +51,6 @@ index tensors are read during the call only and may change right after it.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,9 +71,11 @@ __all__ = [
     "STRIDED_MIN_GAIN",
     "StridedRuns",
     "batch_check",
+    "dma_layer_copier",
     "launch_dma",
     "plan_segments",
     "plan_strided_runs",
+    "progression_rows",
 ]
 
 #: Largest row pitch the ``2d`` engine passes to ``cudaMemcpy2DAsync`` (the device limit).
@@ -260,6 +266,82 @@ def _strided_rows(segments: CopySegments, max_pitch: int = MAX_2D_PITCH) -> list
     return rows
 
 
+def _pieces(
+    src_indices: torch.Tensor, dst_indices: torch.Tensor, limit: int
+) -> tuple[list[int], list[int], list[int]] | None:
+    """``(src starts, dst starts, lengths)`` of the maximal pieces where both index lists
+    advance by one (``7 8 9 | 3`` → ``[7, 3]``), or ``None`` past ``limit`` pieces: a handful
+    of vector ops, then a Python step per piece."""
+    si, di = src_indices.numpy(), dst_indices.numpy()
+    n = si.size
+    if n == 1:
+        return [int(si[0])], [int(di[0])], [1]
+    cut = np.flatnonzero((np.diff(si) != 1) | (np.diff(di) != 1))
+    if cut.size + 1 > limit:
+        return None
+    starts = [0, *(int(c) + 1 for c in cut)]
+    lengths = [b - a for a, b in zip(starts, [*starts[1:], n], strict=True)]
+    return [int(si[i]) for i in starts], [int(di[i]) for i in starts], lengths
+
+
+def progression_rows(
+    src: PoolBufferLike,
+    dst: PoolBufferLike,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    layer_begin: int,
+    layer_end: int,
+    *,
+    max_pitch: int = MAX_2D_PITCH,
+) -> tuple[str, tuple[_Row, ...], int] | None:
+    """``(engine, rows, segments)`` of a copy whose index lists are made of a few pieces that
+    are consecutive on both sides — what the allocators give a load, more pieces the more the
+    device pool is fragmented — planned without the vector planner: a piece of one layer is one
+    strided run (or, adjacent on both sides, one segment), and a layer range stacks those.
+    ``None`` when the pieces are too many to pay (more than one row per ``STRIDED_MIN_GAIN``
+    items) or the geometry is one the planner handles (both pools page_first over several
+    layers). The rows move exactly the bytes of :func:`plan_segments`'s segments
+    (``tests/kernels/test_dma_plan.py`` checks it).
+    """
+    n, k, w = src_indices.numel(), layer_end - layer_begin, src.item_bytes
+    s_item, d_item = src.item_stride_bytes, dst.item_stride_bytes
+    s_layer, d_layer = src.layer_stride_bytes, dst.layer_stride_bytes
+    if n == 0 or k <= 0 or (s_layer == d_layer == w and k > 1):
+        return None
+    limit = max(1, n * k // STRIDED_MIN_GAIN)
+    pieces = _pieces(src_indices, dst_indices, limit)
+    if pieces is None:
+        return None
+    src_starts, dst_starts, lengths = pieces
+    merged = s_item == d_item == w  # a piece's items are one segment per layer
+    if not merged and not w <= min(s_item, d_item) <= max(s_item, d_item) <= max_pitch:
+        return None
+    rows: list[_Row] = []
+    segments = 0
+    base_s, base_d = layer_begin * s_layer, layer_begin * d_layer
+    for s0, d0, m in zip(src_starts, dst_starts, lengths, strict=True):
+        so, do = base_s + s0 * s_item, base_d + d0 * d_item
+        if merged or m == 1:
+            # One segment per layer, the layers at the two layer strides: one memcpy, or one
+            # 2D copy of k rows.
+            width = m * w
+            if k == 1:
+                rows.append((so, do, width, 1, width, width))
+            elif width <= min(s_layer, d_layer) and max(s_layer, d_layer) <= max_pitch:
+                rows.append((so, do, width, k, s_layer, d_layer))
+            else:
+                return None
+            segments += k
+        else:
+            # Per layer, m segments of one item at the two item strides: one 2D copy a layer.
+            rows.extend((so + la * s_layer, do + la * d_layer, w, m, s_item, d_item) for la in range(k))
+            segments += m * k
+        if len(rows) > limit:
+            return None
+    engine = "loop" if len(rows) == 1 and rows[0][3] == 1 else "strided"
+    return engine, tuple(rows), segments
+
+
 def _runs_from_rows(rows: list[_Row]) -> StridedRuns:
     cols = list(zip(*rows, strict=True)) if rows else [()] * 6
     t = [torch.tensor(c, dtype=torch.int64) for c in cols]
@@ -339,11 +421,12 @@ class _Prepared:
     buffers, so the plan of one layer issues any other layer by moving the two base addresses
     (no per-layer host arithmetic on tensors)."""
 
-    segments: CopySegments
+    segments: CopySegments | None  # None when planned from index progressions (rows only)
     engine: str
     direction: str
     device: torch.device
     num_bytes: int
+    num_copies: int
     run_rows: tuple[_Row, ...] = ()
 
 
@@ -357,7 +440,6 @@ def launch_dma(
     *,
     stream: torch.cuda.Stream | None = None,
     engine: str = "auto",
-    plan_cache: dict[tuple[object, ...], tuple[object, ...]] | None = None,
 ) -> DmaLaunch | None:
     """Enqueue ``src[l, src_indices[i]] → dst[l, dst_indices[i]]`` for ``l`` in the layer range
     as memcpys on ``stream`` (default: the current stream of the CUDA buffer's device).
@@ -367,44 +449,73 @@ def launch_dma(
     :class:`TransferError`, also for a failing runtime call (named CUDA error). Returns ``None``
     when there is nothing to copy. Asynchronous: the caller orders later work on the stream.
     The first ``batch`` use on a device runs :func:`batch_check` (one stream synchronisation).
-
-    ``plan_cache``: a dict the caller owns for a series of one-layer calls over the *same*
-    index tensors (a per-layer load). The first call validates and plans one layer; later
-    calls reuse that plan shifted by the layer strides, skipping the per-call host work (for the
-    ``strided`` and ``loop`` engines on an explicit stream, everything but the runtime calls).
-    The cache keeps the index tensors and the stream alive; the tensors must not be modified
-    while it is in use.
     """
     layer_end = src.num_layers if layer_end is None else layer_end
-    if plan_cache is not None and layer_end - layer_begin == 1 and 0 <= layer_begin < src.num_layers:
-        key = (id(src), id(dst), id(src_indices), id(dst_indices), engine, id(stream))
-        entry = plan_cache.get(key)
-        if entry is None:
-            base = _prepare(src, dst, src_indices, dst_indices, 0, 1, stream, engine)
-            entry = (base, src_indices, dst_indices, stream, _layer_issuer(base, src, dst, stream))
-            plan_cache[key] = entry
-        base, issuer = entry[0], entry[4]
-        if base is None:
-            return None
-        if issuer is not None:
-            return issuer(layer_begin)
-        _check_stream(stream, base.device)
-        shift = (layer_begin * src.layer_stride_bytes, layer_begin * dst.layer_stride_bytes)
-        return _issue(base, src, dst, src_indices, dst_indices, layer_begin, 1, stream, shift=shift)
     prepared = _prepare(src, dst, src_indices, dst_indices, layer_begin, layer_end, stream, engine)
     if prepared is None:
         return None
     return _issue(prepared, src, dst, src_indices, dst_indices, layer_begin, layer_end - layer_begin, stream)
 
 
-def _layer_issuer(
-    prepared: _Prepared | None, src: PoolBufferLike, dst: PoolBufferLike, stream: torch.cuda.Stream | None
-) -> Callable[[int], DmaLaunch] | None:
-    """For a cached one-layer plan of the ``strided`` or ``loop`` engine on an explicit stream:
-    a function that issues the plan for a given layer with nothing but the runtime calls (the
-    checks ran when it was planned). ``None`` for the other cases, which take :func:`_issue`."""
-    if prepared is None or prepared.engine not in ("strided", "loop") or stream is None:
-        return None
+def dma_layer_copier(
+    src: PoolBufferLike,
+    dst: PoolBufferLike,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    *,
+    stream: torch.cuda.Stream | None = None,
+    engine: str = "auto",
+) -> Callable[..., DmaLaunch | None]:
+    """A layer-by-layer copy of fixed index lists: ``issue(layer, count=1)`` enqueues
+    ``src[l, src_indices[i]] → dst[l, dst_indices[i]]`` for ``l`` in ``[layer, layer + count)``
+    like :func:`launch_dma`, and returns its :class:`DmaLaunch` (``None`` when there is nothing
+    to copy).
+
+    Everything is checked and one layer is planned here, once (a range of ``count`` layers is
+    planned at its first use); later calls issue that plan with the two base addresses moved by
+    the layer strides. For the ``strided`` and ``loop`` engines on an explicit stream, a call
+    makes nothing but the runtime calls: a few microseconds of host time. The copier keeps the
+    index tensors and the stream alive; the tensors must not change while it is in use.
+    """
+    num_layers = src.num_layers
+    checked = _validate(src, dst, src_indices, dst_indices, 0, num_layers, stream, engine)
+    issuers = {1: _range_issuer(src, dst, src_indices, dst_indices, min(1, num_layers), stream, engine, checked)}
+
+    def issue(layer: int, count: int = 1) -> DmaLaunch | None:
+        if not (0 <= layer and count >= 1 and layer + count <= num_layers):
+            raise TransferError(f"layers [{layer}, {layer + count}) outside 0..{num_layers - 1}")
+        issuer = issuers.get(count)
+        if issuer is None:
+            issuer = issuers[count] = _range_issuer(src, dst, src_indices, dst_indices, count, stream, engine, checked)
+        return issuer(layer)
+
+    return issue
+
+
+def _range_issuer(
+    src: PoolBufferLike,
+    dst: PoolBufferLike,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    count: int,
+    stream: torch.cuda.Stream | None,
+    engine: str,
+    checked: tuple[str, torch.device],
+) -> Callable[[int], DmaLaunch | None]:
+    """Plan the copy of layers ``[0, count)`` (validated: ``checked`` is what :func:`_validate`
+    returned); the function returned issues it for ``[layer, layer + count)`` (the caller checks
+    the range)."""
+    prepared = _plan(src, dst, src_indices, dst_indices, 0, count, engine, *checked)
+    if prepared is None:
+        return lambda layer: None
+    if prepared.engine not in ("strided", "loop") or stream is None:
+
+        def general(layer: int) -> DmaLaunch:
+            _check_stream(stream, prepared.device)
+            shift = (layer * src.layer_stride_bytes, layer * dst.layer_stride_bytes)
+            return _issue(prepared, src, dst, src_indices, dst_indices, layer, count, stream, shift=shift)
+
+        return general
     assert src.buffer is not None and dst.buffer is not None and prepared.device.index is not None
     rt, handle, rows, index = cuda_runtime(), stream.cuda_stream, prepared.run_rows, prepared.device.index
     src_base, dst_base = src.buffer.data_ptr(), dst.buffer.data_ptr()
@@ -412,14 +523,19 @@ def _layer_issuer(
     launch = DmaLaunch(
         direction=prepared.direction,
         engine=prepared.engine,
-        num_copies=prepared.segments.num_copies,
+        num_copies=prepared.num_copies,
         num_calls=len(rows),
         num_bytes=prepared.num_bytes,
     )
+    keep = (src_indices, dst_indices, stream)  # alive as long as the copier is
 
     def issue(layer: int) -> DmaLaunch:
-        with contextlib.nullcontext() if torch.cuda.current_device() == index else torch.cuda.device(index):
+        assert keep
+        if torch.cuda.current_device() == index:
             _issue_strided(rt, rows, src_base + layer * src_stride, dst_base + layer * dst_stride, handle)
+        else:
+            with torch.cuda.device(index):
+                _issue_strided(rt, rows, src_base + layer * src_stride, dst_base + layer * dst_stride, handle)
         return launch
 
     return issue
@@ -444,6 +560,22 @@ def _prepare(
     engine: str,
 ) -> _Prepared | None:
     """Validate a copy and plan its segments and engine; ``None`` when there is nothing to copy."""
+    direction, device = _validate(src, dst, src_indices, dst_indices, layer_begin, layer_end, stream, engine)
+    return _plan(src, dst, src_indices, dst_indices, layer_begin, layer_end, engine, direction, device)
+
+
+def _validate(
+    src: PoolBufferLike,
+    dst: PoolBufferLike,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    layer_begin: int,
+    layer_end: int,
+    stream: torch.cuda.Stream | None,
+    engine: str,
+) -> tuple[str, torch.device]:
+    """Every check of a copy (``kernels.api``, the stream, the engine); returns the direction
+    and the GPU."""
     validate_copy(src, dst, src_indices, dst_indices, layer_begin, layer_end)
     if src.buffer is None or dst.buffer is None:
         raise TransferError("launch_dma needs materialized pools (accounting mode goes through copy_items)")
@@ -452,9 +584,37 @@ def _prepare(
         raise TransferError(f"unknown DMA engine {engine!r}; known: {list(DMA_ENGINES)}")
     device = dst.buffer.device if dst.buffer.device.type == "cuda" else src.buffer.device
     _check_stream(stream, device)
+    if src_indices.numel() and layer_end > layer_begin:
+        check_overlap(src, dst, src_indices, dst_indices)
+    return direction, device
+
+
+def _plan(
+    src: PoolBufferLike,
+    dst: PoolBufferLike,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    layer_begin: int,
+    layer_end: int,
+    engine: str,
+    direction: str,
+    device: torch.device,
+) -> _Prepared | None:
+    """Plan a validated copy (:func:`_validate`): segments, engine, rows."""
     if src_indices.numel() == 0 or layer_end == layer_begin:
         return None
-    check_overlap(src, dst, src_indices, dst_indices)
+    assert src.buffer is not None and dst.buffer is not None
+    if engine in ("auto", "strided") and (fast := progression_rows(src, dst, src_indices, dst_indices, layer_begin, layer_end)):
+        chosen, rows, num_copies = fast
+        return _Prepared(
+            segments=None,
+            engine=chosen if engine == "auto" else engine,
+            direction=direction,
+            device=device,
+            num_bytes=src_indices.numel() * (layer_end - layer_begin) * src.item_bytes,
+            num_copies=num_copies,
+            run_rows=rows,
+        )
     segments = plan_segments(
         item_bytes=src.item_bytes,
         src_layer_stride_bytes=src.layer_stride_bytes,
@@ -494,6 +654,7 @@ def _prepare(
         direction=direction,
         device=device,
         num_bytes=segments.num_bytes,
+        num_copies=segments.num_copies,
         run_rows=_rows(chosen, runs, segments),
     )
 
@@ -525,7 +686,7 @@ def _issue(
     """Enqueue ``prepared``; ``shift``: bytes added to the source and destination base addresses
     (a one-layer plan issued for another layer; the ``2d`` engine takes ``layer_begin`` instead)."""
     assert src.buffer is not None and dst.buffer is not None
-    segments, chosen, device = prepared.segments, prepared.engine, prepared.device
+    chosen, device = prepared.engine, prepared.device
     assert device.index is not None
     rt = cuda_runtime()
     with torch.cuda.device(device.index):
@@ -537,6 +698,8 @@ def _issue(
         handle = issue_on.cuda_stream
         src_base, dst_base = src.buffer.data_ptr() + shift[0], dst.buffer.data_ptr() + shift[1]
         if chosen == "batch":
+            segments = prepared.segments
+            assert segments is not None
             calls = _issue_batch(
                 rt, segments.src_offsets + src_base, segments.dst_offsets + dst_base, segments.sizes, handle
             )
@@ -549,7 +712,7 @@ def _issue(
     return DmaLaunch(
         direction=prepared.direction,
         engine=chosen,
-        num_copies=segments.num_copies,
+        num_copies=prepared.num_copies,
         num_calls=calls,
         num_bytes=prepared.num_bytes,
     )

@@ -133,7 +133,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             prev = t0
             durations = []
             for lid in layer_ids:
-                ev = counter._cuda_events.get(lid)
+                ev = counter.cuda_event(lid)
                 if ev is not None:
                     durations.append(prev.elapsed_time(ev))
                     prev = ev

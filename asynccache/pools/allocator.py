@@ -48,7 +48,9 @@ class IndexAllocator:
             return torch.empty(0, dtype=torch.int64)
         taken = self._free[-n:]
         del self._free[-n:]
-        taken.reverse()
+        # Ascending: runs of consecutive indices stay together whatever order they were freed
+        # in, so a copy into (or out of) them takes few calls (``kernels.dma_copy``).
+        taken.sort()
         arr = np.asarray(taken, dtype=np.int64)
         self._allocated[arr] = True
         return torch.from_numpy(arr)

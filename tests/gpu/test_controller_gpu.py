@@ -138,7 +138,7 @@ async def test_loading_layer_i_plus_1_overlaps_computing_layer_i() -> None:
         await op
         torch.cuda.synchronize()
         ids = list(spec.cached_layer_ids)
-        load_end = {lid: counter._cuda_events[lid] for lid in ids}
+        load_end = {lid: counter.cuda_event(lid) for lid in ids}
         rows = []
         hidden = 0
         for i, lid in enumerate(ids[:-1]):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -81,6 +82,33 @@ def snapshot_bytes(cache: HybridCache, match: Any) -> bytes:
     return kv.numpy().tobytes() + st.numpy().tobytes()
 
 
+def stats_launches(ctrl: Any) -> tuple[int, int]:
+    counts = ctrl.statistics().counts
+    return counts.get("h2d_launches_kv", 0), counts.get("h2d_launches_mamba", 0)
+
+
+class CountingCopier:
+    """Wraps ``ctrl.layer_copier``: records ``(pool, first layer, layers, items, thread)`` for
+    every call of a layer-by-layer copy."""
+
+    def __init__(self, inner: Callable[..., Any]) -> None:
+        self.inner = inner
+        self.calls: list[tuple[str, int, int, int, int]] = []
+
+    def __call__(self, src: Any, dst: Any, si: torch.Tensor, di: torch.Tensor, **kw: Any) -> Callable[..., int]:
+        copy = self.inner(src, dst, si, di, **kw)
+
+        def counted(layer: int, count: int = 1) -> int:
+            self.calls.append((dst.name, layer, count, si.numel(), threading.get_ident()))
+            return copy(layer, count)
+
+        return counted
+
+    def layers(self, pool: str) -> list[int]:
+        """The local layers copied into ``pool``, in call order."""
+        return [la for name, first, n, _, _ in self.calls if name == pool for la in range(first, first + n)]
+
+
 class CountingCopy:
     def __init__(self, inner: Callable[..., int]) -> None:
         self.inner = inner
@@ -100,8 +128,8 @@ async def test_load_restores_exact_bytes_and_merges_to_one_launch_per_layer() ->
         # Scribble over the freed device memory: a load must bring back the host bytes.
         fill_random(cache, seed=99)
         ctrl = cache.controller
-        counting = CountingCopy(ctrl.copy)
-        ctrl.copy = counting
+        counting = CountingCopier(ctrl.layer_copier)
+        ctrl.layer_copier = counting
         matches = [cache.tree.match_prefix(prompt(i)) for i in range(5)]
         assert all(m.needs_load and m.num_tokens == 6 * PAGE for m in matches)
         ops = [ctrl.load(m) for m in matches]
@@ -111,11 +139,12 @@ async def test_load_restores_exact_bytes_and_merges_to_one_launch_per_layer() ->
             await counter.wait(lid)
         await asyncio.gather(*ops)
         spec = cache.spec
-        # One launch per layer per pool for all five operations together.
-        assert len(counting.calls) == spec.num_attention_layers + spec.num_mamba_layers
-        assert all(le - lb == 1 for lb, le, _ in counting.calls)
-        kv_calls = [c for c in counting.calls if c[2] == 5 * 6]
-        assert len(kv_calls) == spec.num_attention_layers
+        # One launch per layer per pool for all five operations together (consecutive small
+        # layers of one pool grouped): every layer once, in order.
+        assert counting.layers("device_kv") == list(range(spec.num_attention_layers))
+        assert counting.layers("device_mamba") == list(range(spec.num_mamba_layers))
+        assert {items for name, *_, items, _ in counting.calls if name == "device_kv"} == {5 * 6}
+        assert sum(stats_launches(ctrl)) == len(counting.calls) <= spec.num_attention_layers + spec.num_mamba_layers
         for i in range(5):
             m = cache.tree.match_prefix(prompt(i))
             assert not m.needs_load
@@ -133,8 +162,6 @@ async def test_load_enqueue_budget_splits_layers_between_loop_and_worker(
     """``start_loading`` enqueues layers on the loop while its host-time budget lasts — all of
     them with a generous budget, only the first with none (a worker thread takes the rest) —
     and either way every layer lands, in order, with the saved bytes."""
-    import threading
-
     import asynccache.controller as controller_module
 
     monkeypatch.setattr(controller_module, "LOAD_ENQUEUE_BUDGET_S", budget_s)
@@ -145,27 +172,25 @@ async def test_load_enqueue_budget_splits_layers_between_loop_and_worker(
         fill_random(cache, seed=7)
         ctrl = cache.controller
         loop_thread = threading.get_ident()
-        threads: list[int] = []
-        inner = ctrl.copy
-
-        def recording(*args: Any, **kw: Any) -> int:
-            threads.append(threading.get_ident())
-            return inner(*args, **kw)
-
-        ctrl.copy = recording
+        counting = CountingCopier(ctrl.layer_copier)
+        ctrl.layer_copier = counting
         op = ctrl.load(cache.tree.match_prefix(prompt(0)))
         assert op is not None
         counter = ctrl.start_loading()
         layer_ids = cache.spec.cached_layer_ids
+        threads = [t for *_, t in counting.calls]
         on_loop = sum(t == loop_thread for t in threads)
         if budget_s:
             assert all(counter.is_enqueued(lid) for lid in layer_ids)
-            assert on_loop == len(threads) == cache.spec.num_attention_layers + cache.spec.num_mamba_layers
+            assert on_loop == len(threads)
+            assert counting.layers("device_kv") == list(range(cache.spec.num_attention_layers))
+            assert counting.layers("device_mamba") == list(range(cache.spec.num_mamba_layers))
         else:
             assert counter.is_enqueued(layer_ids[0]) and on_loop == 1
         for lid in layer_ids:
             await counter.wait(lid)
         await op
+        threads = [t for *_, t in counting.calls]
         if not budget_s:
             assert sum(t != loop_thread for t in threads) == len(threads) - 1
         m = cache.tree.match_prefix(prompt(0))
@@ -328,17 +353,22 @@ async def test_failed_copy_rolls_back_and_frees_everything() -> None:
         cache.flush_device()
         before = free_counts(cache)
         ctrl = cache.controller
-        real = ctrl.copy
+        real = ctrl.layer_copier
         calls = 0
 
-        def failing(*args: Any, **kwargs: Any) -> int:
-            nonlocal calls
-            calls += 1
-            if calls == 2:  # fail in the middle of the per-layer loop
-                raise TransferError("injected copy failure")
-            return real(*args, **kwargs)
+        def failing(*args: Any, **kwargs: Any) -> Callable[..., int]:
+            copy = real(*args, **kwargs)
 
-        ctrl.copy = failing
+            def layer(li: int, count: int = 1) -> int:
+                nonlocal calls
+                calls += 1
+                if calls == 2:  # fail in the middle of the per-layer loop
+                    raise TransferError("injected copy failure")
+                return copy(li, count)
+
+            return layer
+
+        ctrl.layer_copier = failing
         ops = [ctrl.load(cache.tree.match_prefix(prompt(i))) for i in range(3)]
         counter = ctrl.start_loading()
         with pytest.raises(TransferError):
@@ -352,7 +382,7 @@ async def test_failed_copy_rolls_back_and_frees_everything() -> None:
         assert free_counts(cache) == before
         cache.tree.check_integrity()
         # The data is still on host and loads fine once copies work again.
-        ctrl.copy = real
+        ctrl.layer_copier = real
         m = cache.tree.match_prefix(prompt(0))
         assert m.needs_load
         op = ctrl.load(m)

@@ -7,7 +7,7 @@ import torch
 
 from asynccache.errors import TransferError
 from asynccache.pools.base import ItemPool, PoolLayout
-from kernels import copy_items
+from kernels import copy_items, layer_copier
 from kernels.testing import COPY_CASES, LAYOUT_PAIRS, CopyCase, assert_copied, index_pairs, make_item_pool, snapshot
 
 NUM_LAYERS = 3
@@ -142,3 +142,45 @@ def test_launcher_rejects_cpu_buffers_without_the_interpreter() -> None:
     dst = make_item_pool(num_layers=1, num_items=2, case=case, layout=PoolLayout.LAYER_FIRST)
     with pytest.raises(TransferError, match="CUDA buffer"):
         triton_copy.launch_copy(src, dst, torch.tensor([0]), torch.tensor([1]))
+
+
+@pytest.mark.parametrize("layouts", LAYOUT_PAIRS, ids=lambda p: f"{p[0].value}->{p[1].value}")
+def test_layer_copier_copies_each_layer_like_copy_items(layouts: tuple[PoolLayout, PoolLayout]) -> None:
+    """A layer-by-layer copier issues, per call, exactly ``copy_items`` of that one layer."""
+    case = CopyCase(48, torch.float32)
+    src = make_item_pool(num_layers=NUM_LAYERS, num_items=7, case=case, layout=layouts[0], seed=1)
+    dst = make_item_pool(num_layers=NUM_LAYERS, num_items=9, case=case, layout=layouts[1], seed=2)
+    si, di = index_pairs("scattered", src_items=7, dst_items=9, seed=3)
+    src_before, dst_before = snapshot(src), snapshot(dst)
+    copy = layer_copier(src, dst, si, di)
+    assert copy(1) == si.numel() * case.item_bytes
+    assert_copied(
+        src=src, dst=dst, src_before=src_before, dst_before=dst_before,
+        src_indices=si, dst_indices=di, layer_begin=1, layer_end=2,
+    )  # fmt: skip
+    for layer in (0, 2):
+        copy(layer)
+    assert_copied(
+        src=src, dst=dst, src_before=src_before, dst_before=dst_before,
+        src_indices=si, dst_indices=di, layer_begin=0, layer_end=NUM_LAYERS,
+    )  # fmt: skip
+
+
+def test_layer_copier_validates_once_up_front_and_each_layer_position() -> None:
+    src, dst = _pools()
+    before = snapshot(dst)
+    with pytest.raises(TransferError, match="out of range"):
+        layer_copier(src, dst, torch.tensor([0, 4]), torch.tensor([1, 2]))
+    with pytest.raises(TransferError, match="unknown copy method"):
+        layer_copier(src, dst, torch.tensor([0]), torch.tensor([1]), method="fastest")
+    copy = layer_copier(src, dst, torch.tensor([0]), torch.tensor([1]))
+    for layer in (-1, src.num_layers):
+        with pytest.raises(TransferError, match="outside"):
+            copy(layer)
+    assert torch.equal(snapshot(dst), before)  # nothing was copied by a rejected call
+
+
+def test_layer_copier_in_accounting_mode_counts_bytes() -> None:
+    a = ItemPool(name="a", layer_ids=(0, 1), num_items=4, item_bytes=24, materialize=False)
+    b = ItemPool(name="b", layer_ids=(0, 1), num_items=4, item_bytes=24, materialize=False)
+    assert layer_copier(a, b, torch.tensor([0, 3]), torch.tensor([1, 2]))(1) == 2 * 24

@@ -23,6 +23,7 @@ from kernels.dma_copy import (
     launch_dma,
     plan_segments,
     plan_strided_runs,
+    progression_rows,
 )
 from kernels.plan import DMA_MIN_RUN_BYTES, dma_run_bytes
 from kernels.testing import LAYOUT_PAIRS, CopyCase, assert_copied, index_pairs, make_item_pool, snapshot
@@ -96,6 +97,74 @@ def test_segments_and_runs_copy_exactly_the_mapped_items(
         src=src, dst=dst, src_before=src_before, dst_before=dst_before,
         src_indices=si, dst_indices=di, layer_begin=lb, layer_end=le,
     )  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    layouts=st.sampled_from(LAYOUT_PAIRS),
+    item_bytes=st.sampled_from([1, 3, 16, 48]),
+    num_layers=st.integers(1, 5),
+    data=st.data(),
+)
+def test_progression_rows_copy_exactly_the_mapped_items(
+    layouts: tuple[PoolLayout, PoolLayout], item_bytes: int, num_layers: int, data: st.DataObject
+) -> None:
+    """Index lists made of pieces consecutive on both sides (a load) are planned without the
+    vector planner: the rows, applied on CPU buffers, copy exactly the mapped items; lists of
+    too many pieces are left to the planner."""
+    case = CopyCase(item_bytes, torch.uint8)
+    src = make_item_pool(num_layers=num_layers, num_items=24, case=case, layout=layouts[0], seed=1)
+    dst = make_item_pool(num_layers=num_layers, num_items=24, case=case, layout=layouts[1], seed=2)
+    # Pieces: split a permutation of runs of consecutive indices on each side.
+    count = data.draw(st.integers(1, 24))
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, max(1, count - 1)), max_size=4)))) if count > 1 else []
+    bounds = [0, *[c for c in cuts if c < count], count]
+    pieces = [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+    order = data.draw(st.permutations(range(len(pieces))))
+    si = torch.cat([torch.arange(*pieces[i]) for i in order])  # each piece consecutive
+    di = torch.arange(24 - count, 24) if data.draw(st.booleans()) else torch.arange(count)
+    lb = data.draw(st.integers(0, num_layers - 1))
+    le = data.draw(st.integers(lb + 1, num_layers))
+    planned = progression_rows(src, dst, si, di, lb, le)
+    if planned is None:  # too many pieces, or both pools page_first over several layers
+        return
+    engine, rows, _ = planned
+    assert engine in ("loop", "strided") and len(rows) <= max(1, count * (le - lb) // STRIDED_MIN_GAIN)
+    assert src.buffer is not None and dst.buffer is not None
+    src_before, dst_before = snapshot(src), snapshot(dst)
+    s, d = src.buffer.view(-1), dst.buffer.view(-1)
+    for so, do, w, h, sp, dp in rows:
+        assert sp >= w and dp >= w  # rows never overlap
+        for r in range(h):
+            d[do + r * dp : do + r * dp + w] = s[so + r * sp : so + r * sp + w]
+    assert sum(w * h for _, _, w, h, _, _ in rows) == count * (le - lb) * item_bytes
+    assert_copied(
+        src=src, dst=dst, src_before=src_before, dst_before=dst_before,
+        src_indices=si, dst_indices=di, layer_begin=lb, layer_end=le,
+    )  # fmt: skip
+
+
+def test_scattered_indices_are_left_to_the_planner() -> None:
+    case = CopyCase(16, torch.uint8)
+    host = make_item_pool(num_layers=2, num_items=32, case=case, layout=PoolLayout.PAGE_FIRST, seed=1)
+    dev = make_item_pool(num_layers=2, num_items=32, case=case, layout=PoolLayout.LAYER_FIRST, seed=2)
+    si = torch.tensor([5, 3, 9, 1, 30, 12, 7, 20])
+    assert progression_rows(host, dev, si, torch.arange(8), 0, 1) is None
+
+
+def test_a_load_after_a_flush_is_planned_as_one_call_per_layer_range() -> None:
+    """The copies of a long-prefix load: a layer of 512 consecutive KV pages from a page_first
+    host pool is one 2D copy (two when the device pages come in two pieces); the states of
+    three consecutive layers of one slot are one 2D copy too."""
+    case = CopyCase(64, torch.uint8)
+    host = make_item_pool(num_layers=8, num_items=600, case=case, layout=PoolLayout.PAGE_FIRST, seed=1)
+    dev = make_item_pool(num_layers=8, num_items=700, case=case, layout=PoolLayout.LAYER_FIRST, seed=2)
+    pages = progression_rows(host, dev, torch.arange(20, 532), torch.arange(100, 612), 3, 4)
+    assert pages == ("strided", ((3 * 64 + 20 * 8 * 64, 3 * 700 * 64 + 100 * 64, 64, 512, 8 * 64, 64),), 512)
+    two = progression_rows(host, dev, torch.arange(20, 532), torch.cat((torch.arange(300, 312), torch.arange(500))), 0, 1)
+    assert two == ("strided", ((20 * 8 * 64, 300 * 64, 64, 12, 8 * 64, 64), (32 * 8 * 64, 0, 64, 500, 8 * 64, 64)), 512)
+    states = progression_rows(host, dev, torch.tensor([5]), torch.tensor([9]), 0, 3)
+    assert states == ("strided", ((5 * 8 * 64, 9 * 64, 64, 3, 64, 700 * 64),), 3)
 
 
 @pytest.mark.parametrize(

@@ -200,3 +200,16 @@ def test_random_alloc_free_sequences_match_a_model_set(size: int, ops: list[tupl
         assert alloc.num_used == len(model)
         assert alloc.num_free == size - len(model)
         assert set(alloc.allocated_indices().tolist()) == model
+
+
+def test_an_allocation_comes_back_ascending_whatever_the_free_order() -> None:
+    """Runs of consecutive indices stay runs: a copy into them is one call per run."""
+    a = IndexAllocator(16)
+    first, second = a.alloc(6), a.alloc(6)
+    assert first is not None and second is not None
+    a.free(second[3:])  # freed in pieces, newest first
+    a.free(first)
+    a.free(second[:3])
+    got = a.alloc(12)
+    assert got is not None
+    assert got.tolist() == sorted(got.tolist()) == list(range(12))

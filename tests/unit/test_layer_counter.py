@@ -56,3 +56,23 @@ def test_marking_an_unknown_layer_raises() -> None:
     counter = LayerTransferCounter([0])
     with pytest.raises(KeyError):
         counter.mark_enqueued(9)
+
+
+async def test_a_stage_view_sees_a_failure_of_the_full_counter() -> None:
+    counter = LayerTransferCounter(range(4))
+    stage = counter.for_layers([2, 3])
+    waiter = asyncio.ensure_future(stage.wait(3))
+    await asyncio.sleep(0)
+    counter.fail(RuntimeError("boom"))
+    with pytest.raises(TransferError):
+        await waiter
+    with pytest.raises(TransferError):  # also a layer nobody waited for before the failure
+        await stage.wait(2)
+
+
+async def test_marked_layers_need_no_waiter_and_keep_their_event() -> None:
+    counter = LayerTransferCounter([1, 2])
+    counter.mark_enqueued(1)
+    assert counter.is_enqueued(1) and not counter.is_enqueued(2) and counter.is_enqueued(9)
+    assert counter.cuda_event(1) is None and counter.cuda_event(2) is None
+    await asyncio.wait_for(counter.wait(1), timeout=1)  # already marked: returns at once

@@ -1,5 +1,6 @@
-"""The copy-engine path's per-step plan cache: per-layer copies through one cached plan land
-exactly where uncached copies do, for every layer and layout."""
+"""Layer-by-layer copiers on the GPU: per-layer copies through one plan (copy engines) or one
+launch per layer (kernel) land exactly where per-call ``copy_items`` copies do, for every layer,
+layout and method."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import torch
 
 from asynccache.pools import DeviceKVPool, HostKVPool
 from asynccache.spec import HybridSpec
-from kernels import copy_items
-from kernels.dma_copy import launch_dma
+from kernels import copy_items, layer_copier
+from kernels.dma_copy import dma_layer_copier
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -21,9 +22,10 @@ INDEX_SETS = {
 }
 
 
+@pytest.mark.parametrize("method", ["dma", "triton", "dma:batch"])
 @pytest.mark.parametrize("indices", sorted(INDEX_SETS))
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
-def test_cached_plan_matches_per_call_plans(layout: str, indices: str) -> None:
+def test_layer_copier_matches_per_call_copies(layout: str, indices: str, method: str) -> None:
     spec = HybridSpec.preset("qwen3-next-80b", page_size=64)
     host = HostKVPool(spec, num_pages=40, layout=layout)
     assert host.buffer is not None
@@ -34,13 +36,12 @@ def test_cached_plan_matches_per_call_plans(layout: str, indices: str) -> None:
     for pool in (cached, plain):
         assert pool.buffer is not None
         pool.buffer.fill_(0x5A)
-    cache: dict = {}
     stream = torch.cuda.Stream()
+    copy = layer_copier(host, cached, src, dst, stream=stream, method=method)
     for li in range(spec.num_attention_layers):
-        copy_items(host, cached, src, dst, layer_begin=li, layer_end=li + 1, stream=stream, method="dma", plan_cache=cache)
-        copy_items(host, plain, src, dst, layer_begin=li, layer_end=li + 1, stream=stream, method="dma")
+        assert copy(li) == src.numel() * host.item_bytes
+        copy_items(host, plain, src, dst, layer_begin=li, layer_end=li + 1, stream=stream, method=method)
     stream.synchronize()
-    assert len(cache) == 1
     assert cached.buffer is not None and plain.buffer is not None
     assert torch.equal(cached.buffer, plain.buffer)
     for li, lid in enumerate(spec.attention_layer_ids):
@@ -49,7 +50,7 @@ def test_cached_plan_matches_per_call_plans(layout: str, indices: str) -> None:
 
 def test_a_per_layer_load_of_consecutive_pages_is_one_strided_call_per_layer() -> None:
     """page_first host → device, consecutive indices: ``auto`` issues one 2D memcpy per layer
-    (through the cached plan, issued for each layer), and the pages land exactly."""
+    (one plan, issued for each layer), and the pages land exactly."""
     spec = HybridSpec.preset("qwen3-next-80b", page_size=64)
     host = HostKVPool(spec, num_pages=40, layout="page_first")
     dev = DeviceKVPool(spec, 32, device="cuda")
@@ -57,10 +58,10 @@ def test_a_per_layer_load_of_consecutive_pages_is_one_strided_call_per_layer() -
     host.buffer.copy_(torch.randint(0, 256, host.buffer.shape, dtype=torch.uint8))
     dev.buffer.fill_(0x5A)
     src, dst = torch.arange(8, 38), torch.arange(1, 31)
-    cache: dict = {}
     stream = torch.cuda.Stream()
+    issue = dma_layer_copier(host, dev, src, dst, stream=stream)
     for li in range(spec.num_attention_layers):
-        launch = launch_dma(host, dev, src, dst, li, li + 1, stream=stream, plan_cache=cache)
+        launch = issue(li)
         assert launch is not None and launch.engine == "strided"
         assert (launch.num_copies, launch.num_calls) == (30, 1)
     stream.synchronize()

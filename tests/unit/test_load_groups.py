@@ -1,0 +1,50 @@
+"""How a load's layers become steps: small consecutive layers of one pool share a call and an event."""
+
+from __future__ import annotations
+
+from asynccache.controller import LOAD_GROUP_MAX_BYTES, _group_layers
+from asynccache.storage import PoolName
+
+
+def _copier(layer: int, count: int = 1) -> int:
+    return 0
+
+
+def _steps(layer_ids: list[int], attention: list[int], state_bytes: int, kv_bytes: int = 64 << 20) -> list[tuple]:
+    mamba = [lid for lid in layer_ids if lid not in attention]
+    copiers = {
+        PoolName.KV: (_copier, {lid: i for i, lid in enumerate(attention)}, kv_bytes),
+        PoolName.MAMBA: (_copier, {lid: i for i, lid in enumerate(mamba)}, state_bytes),
+    }
+    return [(lids, [(name.value, first, count) for name, _, first, count in copies]) for lids, copies in _group_layers(layer_ids, copiers)]
+
+
+def test_the_states_between_two_attention_layers_are_one_step() -> None:
+    steps = _steps(list(range(8)), attention=[3, 7], state_bytes=2 << 20)
+    assert steps == [
+        ([0, 1, 2], [("mamba", 0, 3)]),
+        ([3], [("kv", 0, 1)]),
+        ([4, 5, 6], [("mamba", 3, 3)]),
+        ([7], [("kv", 1, 1)]),
+    ]
+
+
+def test_a_group_stops_at_the_byte_limit_and_large_layers_stay_alone() -> None:
+    per = LOAD_GROUP_MAX_BYTES // 2
+    steps = _steps(list(range(6)), attention=[5], state_bytes=per)
+    assert [lids for lids, _ in steps] == [[0, 1], [2, 3], [4], [5]]
+    big = _steps(list(range(4)), attention=[3], state_bytes=LOAD_GROUP_MAX_BYTES + 1)
+    assert [lids for lids, _ in big] == [[0], [1], [2], [3]]
+
+
+def test_only_consecutive_local_layers_of_one_pool_group() -> None:
+    # Layer 2 is not loaded (another stage's, or an MLP-only layer): 1 and 3 are not adjacent
+    # globally but are locally; layers are grouped in the order given, by local position.
+    steps = _steps([0, 1, 3, 4], attention=[4], state_bytes=1 << 20)
+    assert steps == [([0, 1, 3], [("mamba", 0, 3)]), ([4], [("kv", 0, 1)])]
+    # A layer with copies in both pools is a step of its own.
+    copiers = {
+        PoolName.KV: (_copier, {0: 0, 1: 1}, 1),
+        PoolName.MAMBA: (_copier, {1: 0, 2: 1}, 1),
+    }
+    assert [lids for lids, _ in _group_layers([0, 1, 2], copiers)] == [[0], [1], [2]]
