@@ -98,7 +98,9 @@ class LayerTransferCounter:
             waiter.set()
 
     def is_enqueued(self, layer_id: int) -> bool:
-        return layer_id not in self._tracked or layer_id in self._state.cuda_events
+        """True once the layer is marked (or the counter failed, or it is not tracked)."""
+        state = self._state
+        return layer_id not in self._tracked or layer_id in state.cuda_events or state.error is not None
 
     def cuda_event(self, layer_id: int) -> torch.cuda.Event | None:
         """The event recorded after ``layer_id``'s copy (``None``: not marked, or on CPU)."""

@@ -5,8 +5,8 @@ A pool buffer is anything with ``buffer`` (uint8 tensor or ``None`` in accountin
 item ``(layer, index)`` lives at byte ``layer·layer_stride + index·item_stride`` of the buffer.
 
 Primitives: ``copy_items`` (the entry point), ``layer_copier`` (the same copy, validated once
-and issued layer by layer), ``select_method (Triton kernel or copy engines
-for a CUDA copy), and the checks both CUDA paths share: ``validate_copy`` (geometry, indices,
+and issued layer by layer), ``select_method`` (Triton kernel or copy engines for a CUDA copy),
+and the checks both CUDA paths share: ``validate_copy`` (geometry, indices,
 buffers), ``check_device_buffers`` (devices, pinning), ``check_overlap`` (in-pool copies),
 ``resolve_max_ctas``.
 """

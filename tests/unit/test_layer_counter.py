@@ -76,3 +76,9 @@ async def test_marked_layers_need_no_waiter_and_keep_their_event() -> None:
     assert counter.is_enqueued(1) and not counter.is_enqueued(2) and counter.is_enqueued(9)
     assert counter.cuda_event(1) is None and counter.cuda_event(2) is None
     await asyncio.wait_for(counter.wait(1), timeout=1)  # already marked: returns at once
+
+
+def test_a_failed_counter_reports_every_layer_as_done_for_pollers() -> None:
+    counter = LayerTransferCounter([0, 1])
+    counter.fail(RuntimeError("boom"))
+    assert counter.is_enqueued(0) and counter.is_enqueued(1)
