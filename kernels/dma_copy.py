@@ -451,7 +451,8 @@ def launch_dma(
     The first ``batch`` use on a device runs :func:`batch_check` (one stream synchronisation).
     """
     layer_end = src.num_layers if layer_end is None else layer_end
-    prepared = _prepare(src, dst, src_indices, dst_indices, layer_begin, layer_end, stream, engine)
+    direction, device = _validate(src, dst, src_indices, dst_indices, layer_begin, layer_end, stream, engine)
+    prepared = _plan(src, dst, src_indices, dst_indices, layer_begin, layer_end, engine, direction, device)
     if prepared is None:
         return None
     return _issue(prepared, src, dst, src_indices, dst_indices, layer_begin, layer_end - layer_begin, stream)
@@ -478,6 +479,8 @@ def dma_layer_copier(
     index tensors and the stream alive; the tensors must not change while it is in use.
     """
     num_layers = src.num_layers
+    # ``issue`` below plans further ranges from the index tensors and the stream, so the copier
+    # keeps them alive (the raw stream handle and the plans' offsets stay valid).
     checked = _validate(src, dst, src_indices, dst_indices, 0, num_layers, stream, engine)
     issuers = {1: _range_issuer(src, dst, src_indices, dst_indices, min(1, num_layers), stream, engine, checked)}
 
@@ -511,7 +514,6 @@ def _range_issuer(
     if prepared.engine not in ("strided", "loop") or stream is None:
 
         def general(layer: int) -> DmaLaunch:
-            _check_stream(stream, prepared.device)
             shift = (layer * src.layer_stride_bytes, layer * dst.layer_stride_bytes)
             return _issue(prepared, src, dst, src_indices, dst_indices, layer, count, stream, shift=shift)
 
@@ -527,10 +529,8 @@ def _range_issuer(
         num_calls=len(rows),
         num_bytes=prepared.num_bytes,
     )
-    keep = (src_indices, dst_indices, stream)  # alive as long as the copier is
 
     def issue(layer: int) -> DmaLaunch:
-        assert keep
         if torch.cuda.current_device() == index:
             _issue_strided(rt, rows, src_base + layer * src_stride, dst_base + layer * dst_stride, handle)
         else:
@@ -547,21 +547,6 @@ def _check_stream(stream: torch.cuda.Stream | None, device: torch.device) -> Non
             raise TransferError(f"stream must be a torch.cuda.Stream, got {type(stream).__name__}")
         if stream.device != device:
             raise TransferError(f"stream on {stream.device}, buffers on {device}")
-
-
-def _prepare(
-    src: PoolBufferLike,
-    dst: PoolBufferLike,
-    src_indices: torch.Tensor,
-    dst_indices: torch.Tensor,
-    layer_begin: int,
-    layer_end: int,
-    stream: torch.cuda.Stream | None,
-    engine: str,
-) -> _Prepared | None:
-    """Validate a copy and plan its segments and engine; ``None`` when there is nothing to copy."""
-    direction, device = _validate(src, dst, src_indices, dst_indices, layer_begin, layer_end, stream, engine)
-    return _plan(src, dst, src_indices, dst_indices, layer_begin, layer_end, engine, direction, device)
 
 
 def _validate(
