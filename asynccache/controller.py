@@ -5,7 +5,8 @@ The tree decides what moves; the controller moves it without blocking the event 
 - ``load(match)`` allocates device pages / a state slot (evicting device memory through the tree),
   attaches them to the match's host-only nodes (``tree.begin_load``) and queues the copy. The
   next ``start_loading()`` merges every queued load into one transfer per pool, validates and
-  plans it once per pool (``kernels.layer_copier``) and enqueues **one launch per layer** on the
+  plans it once per pool (a ``kernels.PoolPair`` per pool, whose checks of the pools are made
+  at the first load; its ``layer_copier``) and enqueues **one launch per layer** on the
   load stream, in layer order — consecutive small layers of one pool (a few recurrent layers'
   states) as one launch — setting the step's :class:`LayerTransferCounter` layer by layer; the
   forward ``await``s each layer.
@@ -40,7 +41,8 @@ from asynccache.ops import CacheOperation, MergedTransfer, OpKind, OpState
 from asynccache.pools.base import ItemPool
 from asynccache.stats import ControllerStats, StatsRecorder
 from asynccache.storage import PoolName, PoolTransfer, StorageBackend
-from kernels import LayerCopy, copy_items, layer_copier
+from asynccache.tree.node import Tier
+from kernels import LayerCopy, PoolPair, copy_items
 
 if TYPE_CHECKING:
     from asynccache.tree import HybridRadixTree
@@ -74,37 +76,37 @@ def _release_late_tail(task: asyncio.Task[Any]) -> None:
 _StepCopy = tuple[PoolName, "LayerCopy", int, int]
 #: One step of a load: the global layer ids it makes ready (one CUDA event), and its copies.
 _LoadStep = tuple[list[int], list[_StepCopy]]
+#: A step as :func:`_group_layers` plans it: the layer ids, and (pool, first local layer, layers).
+_StepPlan = tuple[list[int], list[tuple[PoolName, int, int]]]
 
 
-def _group_layers(
-    layer_ids: Sequence[int], copiers: dict[PoolName, tuple[LayerCopy, dict[int, int], int]]
-) -> list[_LoadStep]:
+def _group_layers(layer_ids: Sequence[int], pools: dict[PoolName, tuple[dict[int, int], int]]) -> list[_StepPlan]:
     """The load's steps in layer order. Consecutive layers of one pool whose local positions
     follow on are grouped — one call and one event for the group — while the group's bytes stay
     within ``LOAD_GROUP_MAX_BYTES``, so a group is ready a few tens of microseconds after its
-    first layer could have been. ``copiers[pool] = (copier, global → local layer, bytes a layer)``."""
-    steps: list[_LoadStep] = []
+    first layer could have been. ``pools[pool] = (global → local layer, bytes a layer)``."""
+    steps: list[_StepPlan] = []
     group_bytes = 0
     for lid in layer_ids:
-        copies = [(name, c, index[lid], 1) for name, (c, index, _) in copiers.items() if lid in index]
+        copies = [(name, index[lid], 1) for name, (index, _) in pools.items() if lid in index]
         if len(copies) == 1 and steps:
-            name, _, li, _ = copies[0]
-            layer_bytes = copiers[name][2]
+            name, li, _ = copies[0]
+            layer_bytes = pools[name][1]
             prev_lids, prev = steps[-1]
             if len(prev) == 1:
-                p_name, p_copier, p_first, p_count = prev[0]
+                p_name, p_first, p_count = prev[0]
                 if p_name == name and p_first + p_count == li and group_bytes + layer_bytes <= LOAD_GROUP_MAX_BYTES:
-                    prev[0] = (name, p_copier, p_first, p_count + 1)
+                    prev[0] = (name, p_first, p_count + 1)
                     prev_lids.append(lid)
                     group_bytes += layer_bytes
                     continue
         steps.append(([lid], copies))
-        group_bytes = sum(copiers[name][2] for name, *_ in copies)
+        group_bytes = sum(pools[name][1] for name, *_ in copies)
     return steps
 
 
-def _slot_tensor(slot: int | None) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.int64) if slot is None else torch.tensor([slot], dtype=torch.int64)
+def _slot_tensor(slot: int | None, copies: int = 1) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64) if slot is None else torch.tensor([slot] * copies, dtype=torch.int64)
 
 
 class HybridCacheController:
@@ -145,10 +147,13 @@ class HybridCacheController:
         self._tg: asyncio.TaskGroup | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._loaders: set[asyncio.Task[None]] = set()
-        #: The copy function of backups, and the copier factory of layer-by-layer loads
-        #: (replaceable in tests to count calls or inject failures).
+        #: The copy function of backups, and the copier factory of layer-by-layer loads,
+        #: ``layer_copier(pair, host_indices, device_indices)`` (replaceable in tests to count
+        #: calls or inject failures).
         self.copy: Callable[..., int] = copy_items
-        self.layer_copier: Callable[..., LayerCopy] = layer_copier
+        self.layer_copier: Callable[[PoolPair, torch.Tensor, torch.Tensor], LayerCopy] = PoolPair.layer_copier
+        self._load_pairs: dict[PoolName, PoolPair] = {}  # host → device, checked at the first load
+        self._step_plans: dict[tuple[Any, ...], list[_StepPlan]] = {}  # _group_layers by load shape
         self.tiering: Any = None  # set in __aenter__ when a backend is configured
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -197,12 +202,19 @@ class HybridCacheController:
         return self._tg
 
     # ---- loads (host → device) ---------------------------------------------------------
-    def load(self, match: Any, *, priority: int = 0) -> CacheOperation | None:
+    def load(self, match: Any, *, priority: int = 0, state_to: Sequence[int] = ()) -> CacheOperation | None:
         """Queue the host → device load a match needs; ``None`` when the device has no room.
 
-        A match that needs nothing returns an already completed operation.
+        ``state_to``: device state slots of the caller (a request's working slot) that receive
+        the boundary state too, copied from the host with the node's own slot, layer by layer —
+        so the forward need not copy it from the node's slot; only for a match whose state is
+        on the host only (``ValueError`` otherwise). The slots stay the caller's: a failed or
+        cancelled load never frees them. A match that needs nothing returns an already
+        completed operation.
         """
         loop = asyncio.get_running_loop()
+        if state_to and (not match.needs_load or match.state_tier is not Tier.HOST):
+            raise ValueError("state_to needs a match whose boundary state is loaded from the host")
         if not match.needs_load:
             op = CacheOperation(OpKind.LOAD, (), plan=None, priority=priority, loop=loop)
             op.state = OpState.DONE
@@ -233,8 +245,10 @@ class HybridCacheController:
                 ),
                 PoolTransfer(
                     pool_name=PoolName.MAMBA,
-                    host_indices=_slot_tensor(plan.host_state_slot),
-                    device_indices=_slot_tensor(plan.device_state_slot),
+                    host_indices=_slot_tensor(plan.host_state_slot, 1 + len(state_to)),
+                    device_indices=torch.cat(
+                        [_slot_tensor(plan.device_state_slot), torch.tensor(state_to, dtype=torch.int64)]
+                    ),
                 ),
             ),
             plan=plan,
@@ -302,21 +316,14 @@ class HybridCacheController:
         def plan() -> None:
             """Validate each pool's transfer once (and plan it on the copy engines): one copier
             per pool; then the steps, each a layer or a group of layers (``_group_layers``)."""
-            copiers: dict[PoolName, tuple[LayerCopy, dict[int, int], int]] = {}
-            for name, m in merged.items():
-                dev, host = self.pools[name]
-                assert host is not None
-                copier = self.layer_copier(
-                    host,
-                    dev,
-                    m.host_indices,
-                    m.device_indices,
-                    max_ctas=self.config.max_ctas,
-                    stream=stream,
-                    method=self.config.copy_method,
-                )
-                copiers[name] = (copier, dev._layer_index, m.host_indices.numel() * dev.item_bytes)
-            steps.extend(_group_layers(layer_ids, copiers))
+            copiers = {
+                name: self.layer_copier(self._load_pair(name), m.host_indices, m.device_indices)
+                for name, m in merged.items()
+            }
+            steps.extend(
+                (lids, [(name, copiers[name], li, count) for name, li, count in copies])
+                for lids, copies in self._step_plan(layer_ids, merged)
+            )
 
         def issue(begin: int, *, yield_gil: bool, budget_s: float | None = None) -> int:
             """Enqueue ``steps[begin:]`` in order; returns where it stopped (early once
@@ -362,6 +369,33 @@ class HybridCacheController:
             worker = loop.create_future()
             worker.set_exception(e)
         return self._complete_loads(ops, merged, counter, worker, issued, last)
+
+    def _step_plan(self, layer_ids: Sequence[int], merged: dict[PoolName, MergedTransfer]) -> list[_StepPlan]:
+        """:func:`_group_layers` for a load of this shape (which pools, how many items each),
+        kept: a step's plan depends on nothing else."""
+        key = (tuple(layer_ids), tuple((name, m.host_indices.numel()) for name, m in merged.items()))
+        plan = self._step_plans.get(key)
+        if plan is None:
+            pools = {
+                name: (self.pools[name][0]._layer_index, m.host_indices.numel() * self.pools[name][0].item_bytes)
+                for name, m in merged.items()
+            }
+            if len(self._step_plans) >= 256:
+                self._step_plans.clear()
+            plan = self._step_plans[key] = _group_layers(layer_ids, pools)
+        return plan
+
+    def _load_pair(self, name: PoolName) -> PoolPair:
+        """The host → device :class:`PoolPair` of a pool (its checks made once)."""
+        pair = self._load_pairs.get(name)
+        if pair is None:
+            dev, host = self.pools[name]
+            assert host is not None
+            pair = PoolPair(
+                host, dev, max_ctas=self.config.max_ctas, stream=self._load_stream, method=self.config.copy_method
+            )
+            self._load_pairs[name] = pair
+        return pair
 
     async def _complete_loads(
         self,

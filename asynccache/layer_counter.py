@@ -9,9 +9,9 @@ Primitives:
   been enqueued on the load stream, with the CUDA event recorded after the copy (``None`` on CPU,
   where copies are synchronous).
 - ``await wait(layer_id)`` — returns once the layer is enqueued, and makes the caller's current
-  CUDA stream wait on the layer's event unless the copy has already finished (or the stream
-  already waits on that event: layers copied together share one): stream-ordered, the host
-  never synchronises. A layer the counter does not track (nothing to load, or another
+  CUDA stream wait on the layer's event unless that stream already waits on it (layers copied
+  together share one event): one ``cudaStreamWaitEvent`` on raw handles, a few microseconds;
+  stream-ordered, the host never synchronises. A layer the counter does not track (nothing to load, or another
   pipeline stage's layer) returns at once.
 - ``cuda_event(layer_id)`` — the event recorded after that layer's copy (benchmarks time it).
 - ``fail(exc)`` — a failed step releases every waiter with a :class:`TransferError`.
@@ -24,33 +24,54 @@ uses are the ids the controller marks.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 
 import torch
 
 from asynccache.errors import TransferError
+from kernels.cudart import cuda_runtime
 
 __all__ = ["LayerTransferCounter"]
 
 
 _get_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
-_streams: dict[tuple[int, int, int], torch.cuda.Stream] = {}
+_streams: dict[object, int] = {}
 
 
-def _current_stream() -> tuple[object, torch.cuda.Stream]:
-    """``(key, stream)`` of the caller's current CUDA stream. ``torch.cuda.current_stream()``
-    builds a new ``Stream`` object on every call (~5-15 µs, most of a layer's wait); the
-    objects are kept here by torch's stream id instead."""
+def _current_stream() -> tuple[object, int]:
+    """``(key, handle)`` of the caller's current CUDA stream: its ``cudaStream_t``.
+    ``torch.cuda.current_stream()`` builds a new ``Stream`` object on every call (~5-15 µs, most
+    of a layer's wait); the handles are kept here by torch's stream id instead."""
     if _get_stream is None:
-        stream = torch.cuda.current_stream()
-        return stream.cuda_stream, stream
+        handle = torch.cuda.current_stream().cuda_stream
+        return handle, handle
     key = _get_stream(torch.cuda.current_device())
-    stream = _streams.get(key)
-    if stream is None:
+    handle = _streams.get(key)
+    if handle is None:
         if len(_streams) > 64:
             _streams.clear()
-        stream = _streams[key] = torch.cuda.current_stream()
-    return key, stream
+        handle = _streams[key] = torch.cuda.current_stream().cuda_stream
+    return key, handle
+
+
+@functools.cache
+def _stream_wait_event() -> Callable[[int, int], None] | None:
+    """``cudaStreamWaitEvent`` on raw handles (``kernels.cudart``); ``None`` where no runtime
+    library loads (then torch's ``Stream.wait_event``)."""
+    try:
+        return cuda_runtime().stream_wait_event
+    except TransferError:
+        return None
+
+
+def _make_wait(handle: int, event: torch.cuda.Event) -> None:
+    """Make the stream ``handle`` wait on ``event``."""
+    wait = _stream_wait_event()
+    if wait is not None:
+        wait(handle, event.cuda_event)
+    else:
+        torch.cuda.ExternalStream(handle).wait_event(event)
 
 
 class _State:
@@ -125,12 +146,13 @@ class LayerTransferCounter:
         if state.error is not None:
             raise TransferError(f"load of layer {layer_id} failed") from state.error
         cuda_event = state.cuda_events[layer_id]
-        # A copy that has already finished needs no stream dependency: one query instead.
-        if cuda_event is None or cuda_event.query():
+        if cuda_event is None:
             return
-        key, stream = _current_stream()
+        key, handle = _current_stream()
         last = state.last_wait
         if last is not None and last[0] is cuda_event and last[1] == key:
             return  # this stream already waits on this event (a layer of the same copy)
-        stream.wait_event(cuda_event)
+        # Waiting on a finished copy's event costs the GPU nothing; asking first would cost the
+        # host a second call.
+        _make_wait(handle, cuda_event)
         state.last_wait = (cuda_event, key)

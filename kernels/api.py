@@ -5,10 +5,11 @@ A pool buffer is anything with ``buffer`` (uint8 tensor or ``None`` in accountin
 item ``(layer, index)`` lives at byte ``layer·layer_stride + index·item_stride`` of the buffer.
 
 Primitives: ``copy_items`` (the entry point), ``layer_copier`` (the same copy, validated once
-and issued layer by layer), ``select_method`` (Triton kernel or copy engines for a CUDA copy),
-and the checks both CUDA paths share: ``validate_copy`` (geometry, indices,
-buffers), ``check_device_buffers`` (devices, pinning), ``check_overlap`` (in-pool copies),
-``resolve_max_ctas``.
+and issued layer by layer), ``PoolPair`` (the checks of two pools made once, for many such
+copiers), ``select_method`` (Triton kernel or copy engines for a CUDA copy), and the checks
+both CUDA paths share: ``validate_copy`` (``validate_pools``: geometry and buffers; the layer
+range; ``validate_indices``), ``check_device_buffers`` (devices, pinning), ``check_overlap``
+(in-pool copies), ``resolve_max_ctas``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ __all__ = [
     "COPY_METHOD_HELP",
     "LayerCopy",
     "PoolBufferLike",
+    "PoolPair",
     "check_device_buffers",
     "check_overlap",
     "copy_direction",
@@ -34,6 +36,8 @@ __all__ = [
     "select_method",
     "strided_view",
     "validate_copy",
+    "validate_indices",
+    "validate_pools",
 ]
 
 #: Values of ``copy_items(method=...)``: ``"auto"`` (the default) picks per call.
@@ -82,13 +86,40 @@ def validate_copy(
     layer_begin: int,
     layer_end: int,
 ) -> None:
-    """Raise :class:`TransferError` for anything a launch would get wrong."""
+    """Raise :class:`TransferError` for anything a launch would get wrong: the pools
+    (:func:`validate_pools`), the layer range, the index lists (:func:`validate_indices`)."""
+    validate_pools(src, dst)
+    if not 0 <= layer_begin <= layer_end <= src.num_layers:
+        raise TransferError(f"layer range [{layer_begin}, {layer_end}) outside 0..{src.num_layers}")
+    validate_indices(src, dst, src_indices, dst_indices)
+
+
+def validate_pools(src: PoolBufferLike, dst: PoolBufferLike) -> None:
+    """The checks of a copy that do not depend on the index lists: matching geometry, and
+    buffers that are uint8, contiguous and large enough for their strides."""
     if src.item_bytes != dst.item_bytes:
         raise TransferError(f"item size mismatch: src {src.item_bytes} B, dst {dst.item_bytes} B")
     if src.num_layers != dst.num_layers:
         raise TransferError(f"layer count mismatch: src {src.num_layers}, dst {dst.num_layers}")
-    if not 0 <= layer_begin <= layer_end <= src.num_layers:
-        raise TransferError(f"layer range [{layer_begin}, {layer_end}) outside 0..{src.num_layers}")
+    if (src.buffer is None) != (dst.buffer is None):
+        raise TransferError("cannot copy between a materialized pool and an accounting-mode pool")
+    for name, pool in (("src", src), ("dst", dst)):
+        buf = pool.buffer
+        if buf is None:
+            continue
+        if buf.dtype != torch.uint8:
+            raise TransferError(f"{name} buffer must be uint8 bytes, got {buf.dtype}")
+        if not buf.is_contiguous():
+            raise TransferError(f"{name} buffer must be contiguous")
+        need = (pool.num_layers - 1) * pool.layer_stride_bytes + (pool.num_items - 1) * pool.item_stride_bytes
+        if pool.num_layers and pool.num_items and need + pool.item_bytes > buf.numel():
+            raise TransferError(f"{name} strides address past the end of its buffer")
+
+
+def validate_indices(
+    src: PoolBufferLike, dst: PoolBufferLike, src_indices: torch.Tensor, dst_indices: torch.Tensor
+) -> None:
+    """The index lists of a copy: 1-D int64 CPU tensors of equal length, within their pools."""
     for name, idx, pool in (("src", src_indices, src), ("dst", dst_indices, dst)):
         if not isinstance(idx, torch.Tensor):
             raise TransferError(f"{name}_indices must be a tensor, got {type(idx).__name__}")
@@ -105,19 +136,6 @@ def validate_copy(
                 raise TransferError(f"{name}_indices out of range 0..{pool.num_items - 1}: min {lo}, max {hi}")
     if src_indices.numel() != dst_indices.numel():
         raise TransferError(f"index count mismatch: {src_indices.numel()} vs {dst_indices.numel()}")
-    if (src.buffer is None) != (dst.buffer is None):
-        raise TransferError("cannot copy between a materialized pool and an accounting-mode pool")
-    for name, pool in (("src", src), ("dst", dst)):
-        buf = pool.buffer
-        if buf is None:
-            continue
-        if buf.dtype != torch.uint8:
-            raise TransferError(f"{name} buffer must be uint8 bytes, got {buf.dtype}")
-        if not buf.is_contiguous():
-            raise TransferError(f"{name} buffer must be contiguous")
-        need = (pool.num_layers - 1) * pool.layer_stride_bytes + (pool.num_items - 1) * pool.item_stride_bytes
-        if pool.num_layers and pool.num_items and need + pool.item_bytes > buf.numel():
-            raise TransferError(f"{name} strides address past the end of its buffer")
 
 
 def copy_direction(src: torch.Tensor, dst: torch.Tensor) -> str:
@@ -251,6 +269,87 @@ def copy_items(
     return nbytes
 
 
+class PoolPair:
+    """Copies from one pool to another with fixed options, checked once.
+
+    ``PoolPair(src, dst, max_ctas=, stream=, method=)`` makes every check of a copy that does not
+    depend on the index lists — geometry, buffers, devices and pinning, the stream, the method
+    (:class:`TransferError`) — and chooses the path (``method``: ``"cpu"``, ``"triton"`` or
+    ``"dma"``). :meth:`layer_copier` then checks only the index lists. A controller keeps one
+    pair per pool and direction, so a load's host time is the index checks, the plan and the
+    runtime calls.
+    """
+
+    __slots__ = ("_checked", "dst", "engine", "max_ctas", "method", "src", "stream")
+
+    def __init__(
+        self,
+        src: PoolBufferLike,
+        dst: PoolBufferLike,
+        *,
+        max_ctas: int | None = None,
+        stream: torch.cuda.Stream | None = None,
+        method: str | None = None,
+    ) -> None:
+        self.src, self.dst, self.max_ctas, self.stream = src, dst, max_ctas, stream
+        self.engine = method[4:] if method and method.startswith("dma:") else "auto"
+        self._checked: tuple[str, torch.device] | None = None
+        if _on_cuda(src) or _on_cuda(dst):
+            self.method = select_method(src, dst, method=method, layer_begin=0, layer_end=min(1, src.num_layers))
+            resolve_max_ctas(max_ctas)
+        else:
+            select_method(src, dst, method=method)
+            self.method = "cpu"
+        if self.method == "dma":
+            from kernels.dma_copy import check_pair
+
+            self._checked = check_pair(src, dst, stream, self.engine)
+        else:
+            validate_pools(src, dst)
+
+    def layer_copier(self, src_indices: torch.Tensor, dst_indices: torch.Tensor) -> LayerCopy:
+        """:func:`layer_copier` of this pair: the index lists are checked here."""
+        src, dst = self.src, self.dst
+        num_layers, layer_bytes = src.num_layers, src_indices.numel() * src.item_bytes
+        if self.method == "dma":
+            from kernels.dma_copy import dma_layer_copier
+
+            issue = dma_layer_copier(
+                src, dst, src_indices, dst_indices, stream=self.stream, engine=self.engine, checked=self._checked
+            )
+
+            def copy_dma(layer: int, count: int = 1) -> int:
+                issue(layer, count)
+                return layer_bytes * count
+
+            return copy_dma
+        validate_indices(src, dst, src_indices, dst_indices)
+
+        def check_range(layer: int, count: int) -> None:
+            if not (0 <= layer and count >= 1 and layer + count <= num_layers):
+                raise TransferError(f"layers [{layer}, {layer + count}) outside 0..{num_layers - 1}")
+
+        if self.method == "triton":
+            from kernels.triton_copy import launch_copy
+
+            max_ctas, stream = self.max_ctas, self.stream
+
+            def copy_triton(layer: int, count: int = 1) -> int:
+                check_range(layer, count)
+                launch_copy(src, dst, src_indices, dst_indices, layer, layer + count, max_ctas=max_ctas, stream=stream)
+                return layer_bytes * count
+
+            return copy_triton
+
+        def copy_cpu(layer: int, count: int = 1) -> int:
+            check_range(layer, count)
+            if layer_bytes and src.buffer is not None:
+                _copy_torch(src, dst, src_indices, dst_indices, layer, layer + count)
+            return layer_bytes * count
+
+        return copy_cpu
+
+
 def layer_copier(
     src: PoolBufferLike,
     dst: PoolBufferLike,
@@ -267,53 +366,13 @@ def layer_copier(
     ``copy_items(..., layer_begin=layer, layer_end=layer + count)``.
 
     The copy is validated here, once (:class:`TransferError`, before anything is enqueued); a
-    layer range outside the pools raises at its call. On the copy engines one layer is planned
-    here and every call issues that plan for its layers (``kernels.dma_copy.dma_layer_copier``):
-    the per-layer host cost of a load is the runtime calls. The index tensors must not change
-    while the copier is in use.
+    layer range outside the pools raises at its call. On the copy engines a range of layers is
+    planned at its first call and every later call of that length issues the plan for its
+    layers (``kernels.dma_copy.dma_layer_copier``): the per-layer host cost of a load is the
+    runtime calls. The index tensors must not change while the copier is in use. Copies between
+    the same two pools can share the checks of the pools: :class:`PoolPair`.
     """
-    chosen = "cpu"
-    if _on_cuda(src) or _on_cuda(dst):
-        chosen = select_method(src, dst, method=method, layer_begin=0, layer_end=min(1, src.num_layers))
-        resolve_max_ctas(max_ctas)
-    else:
-        select_method(src, dst, method=method)
-    if chosen != "dma":  # the copy-engine copier validates as it plans
-        validate_copy(src, dst, src_indices, dst_indices, 0, src.num_layers)
-    num_layers, layer_bytes = src.num_layers, src_indices.numel() * src.item_bytes
-
-    def check_range(layer: int, count: int) -> None:
-        if not (0 <= layer and count >= 1 and layer + count <= num_layers):
-            raise TransferError(f"layers [{layer}, {layer + count}) outside 0..{num_layers - 1}")
-
-    if chosen == "dma":
-        from kernels.dma_copy import dma_layer_copier
-
-        engine = method[4:] if method and method.startswith("dma:") else "auto"
-        issue = dma_layer_copier(src, dst, src_indices, dst_indices, stream=stream, engine=engine)
-
-        def copy_dma(layer: int, count: int = 1) -> int:
-            issue(layer, count)
-            return layer_bytes * count
-
-        return copy_dma
-    if chosen == "triton":
-        from kernels.triton_copy import launch_copy
-
-        def copy_triton(layer: int, count: int = 1) -> int:
-            check_range(layer, count)
-            launch_copy(src, dst, src_indices, dst_indices, layer, layer + count, max_ctas=max_ctas, stream=stream)
-            return layer_bytes * count
-
-        return copy_triton
-
-    def copy_cpu(layer: int, count: int = 1) -> int:
-        check_range(layer, count)
-        if layer_bytes and src.buffer is not None:
-            _copy_torch(src, dst, src_indices, dst_indices, layer, layer + count)
-        return layer_bytes * count
-
-    return copy_cpu
+    return PoolPair(src, dst, max_ctas=max_ctas, stream=stream, method=method).layer_copier(src_indices, dst_indices)
 
 
 def _on_cuda(pool: PoolBufferLike) -> bool:

@@ -1,11 +1,12 @@
-"""The CUDA runtime library of the process, through ctypes: the memcpy entry points of the DMA path.
+"""The CUDA runtime library of the process, through ctypes: the memcpy entry points of the DMA path
+and the stream-event dependency of the forward's layer waits.
 
 Primitives:
 
 - ``cuda_runtime() -> CudaRuntime`` — the ``libcudart`` torch loaded (found once per process);
   raises :class:`TransferError` when none can be loaded.
-- ``CudaRuntime`` — ``memcpy_async``, ``memcpy_2d_async``, ``memcpy_batch_async`` (each checks
-  its return code and raises :class:`TransferError` naming the CUDA error), ``runtime_version``,
+- ``CudaRuntime`` — ``memcpy_async``, ``memcpy_2d_async``, ``memcpy_batch_async``,
+  ``stream_wait_event`` (each checks its return code and raises :class:`TransferError` naming the CUDA error), ``runtime_version``,
   ``driver_version``, ``has_batch``, ``describe()``.
 - ``cudart_candidates()`` — where the library is looked for, in order.
 
@@ -126,6 +127,10 @@ class CudaRuntime:
             ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
         ]  # fmt: skip
 
+        self._wait_event = lib.cudaStreamWaitEvent
+        self._wait_event.restype = ctypes.c_int
+        self._wait_event.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+
         self._batch: Any = None
         self.batch_signature: str | None = None
         if self.runtime_version >= BATCH_MIN_VERSION and hasattr(lib, "cudaMemcpyBatchAsync"):
@@ -175,6 +180,11 @@ class CudaRuntime:
         """``height`` rows of ``width`` bytes, rows ``src_pitch`` / ``dst_pitch`` bytes apart."""
         code = self._memcpy_2d(dst, dst_pitch, src, src_pitch, width, height, MEMCPY_DEFAULT, stream)
         self.check(code, "cudaMemcpy2DAsync")
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        """``cudaStreamWaitEvent(stream, event, 0)``: work queued on ``stream`` later waits for
+        the event's recorded work (``torch.cuda.Event.cuda_event``)."""
+        self.check(self._wait_event(stream, event, 0), "cudaStreamWaitEvent")
 
     def memcpy_batch_async(
         self, dsts: int, srcs: int, sizes: int, count: int, stream: int, *, prefer_overlap: bool = True

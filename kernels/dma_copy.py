@@ -59,7 +59,15 @@ import numpy as np
 import torch
 
 from asynccache.errors import TransferError
-from kernels.api import DMA_ENGINES, PoolBufferLike, check_device_buffers, check_overlap, validate_copy
+from kernels.api import (
+    DMA_ENGINES,
+    PoolBufferLike,
+    check_device_buffers,
+    check_overlap,
+    validate_copy,
+    validate_indices,
+    validate_pools,
+)
 from kernels.cudart import CudaRuntime, cuda_runtime
 from kernels.plan import DMA_BATCH_MAX_COPIES
 
@@ -71,6 +79,7 @@ __all__ = [
     "STRIDED_MIN_GAIN",
     "StridedRuns",
     "batch_check",
+    "check_pair",
     "dma_layer_copier",
     "launch_dma",
     "plan_segments",
@@ -466,23 +475,31 @@ def dma_layer_copier(
     *,
     stream: torch.cuda.Stream | None = None,
     engine: str = "auto",
+    checked: tuple[str, torch.device] | None = None,
 ) -> Callable[..., DmaLaunch | None]:
     """A layer-by-layer copy of fixed index lists: ``issue(layer, count=1)`` enqueues
     ``src[l, src_indices[i]] → dst[l, dst_indices[i]]`` for ``l`` in ``[layer, layer + count)``
     like :func:`launch_dma`, and returns its :class:`DmaLaunch` (``None`` when there is nothing
     to copy).
 
-    Everything is checked and one layer is planned here, once (a range of ``count`` layers is
-    planned at its first use); later calls issue that plan with the two base addresses moved by
-    the layer strides. For the ``strided`` and ``loop`` engines on an explicit stream, a call
-    makes nothing but the runtime calls: a few microseconds of host time. The copier keeps the
-    index tensors and the stream alive; the tensors must not change while it is in use.
+    Everything is checked here, once — only the index lists (and the in-pool overlap rule) when
+    ``checked`` is what :func:`check_pair` returned for these pools, stream and engine. A range
+    of ``count`` layers is planned at the first call with that count; later calls issue that
+    plan with the two base addresses moved by the layer strides. For the ``strided`` and
+    ``loop`` engines on an explicit stream, such a call makes nothing but the runtime calls: a
+    few microseconds of host time. The copier keeps the index tensors and the stream alive; the
+    tensors must not change while it is in use.
     """
     num_layers = src.num_layers
-    # ``issue`` below plans further ranges from the index tensors and the stream, so the copier
-    # keeps them alive (the raw stream handle and the plans' offsets stay valid).
-    checked = _validate(src, dst, src_indices, dst_indices, 0, num_layers, stream, engine)
-    issuers = {1: _range_issuer(src, dst, src_indices, dst_indices, min(1, num_layers), stream, engine, checked)}
+    if checked is None:
+        checked = _validate(src, dst, src_indices, dst_indices, 0, num_layers, stream, engine)
+    else:
+        validate_indices(src, dst, src_indices, dst_indices)
+        if src_indices.numel() and num_layers:
+            check_overlap(src, dst, src_indices, dst_indices)
+    # ``issue`` plans ranges from the index tensors and the stream, so the copier keeps them
+    # alive (the raw stream handle and the plans' offsets stay valid).
+    issuers: dict[int, Callable[[int], DmaLaunch | None]] = {}
 
     def issue(layer: int, count: int = 1) -> DmaLaunch | None:
         if not (0 <= layer and count >= 1 and layer + count <= num_layers):
@@ -549,6 +566,30 @@ def _check_stream(stream: torch.cuda.Stream | None, device: torch.device) -> Non
             raise TransferError(f"stream on {stream.device}, buffers on {device}")
 
 
+def check_pair(
+    src: PoolBufferLike, dst: PoolBufferLike, stream: torch.cuda.Stream | None, engine: str
+) -> tuple[str, torch.device]:
+    """The checks of a copy-engine copy that do not depend on the index lists or the layer range
+    (``kernels.api``: geometry, buffers, pinned host memory, one GPU; the stream; the engine);
+    returns the direction and the GPU."""
+    validate_pools(src, dst)
+    return _check_buffers(src, dst, stream, engine)
+
+
+def _check_buffers(
+    src: PoolBufferLike, dst: PoolBufferLike, stream: torch.cuda.Stream | None, engine: str
+) -> tuple[str, torch.device]:
+    """:func:`check_pair` past the pools' own checks."""
+    if src.buffer is None or dst.buffer is None:
+        raise TransferError("launch_dma needs materialized pools (accounting mode goes through copy_items)")
+    direction = check_device_buffers(src.buffer, dst.buffer)
+    if engine not in DMA_ENGINES:
+        raise TransferError(f"unknown DMA engine {engine!r}; known: {list(DMA_ENGINES)}")
+    device = dst.buffer.device if dst.buffer.device.type == "cuda" else src.buffer.device
+    _check_stream(stream, device)
+    return direction, device
+
+
 def _validate(
     src: PoolBufferLike,
     dst: PoolBufferLike,
@@ -559,19 +600,13 @@ def _validate(
     stream: torch.cuda.Stream | None,
     engine: str,
 ) -> tuple[str, torch.device]:
-    """Every check of a copy (``kernels.api``, the stream, the engine); returns the direction
-    and the GPU."""
+    """Every check of a copy (:func:`check_pair`, the layer range, the index lists); returns the
+    direction and the GPU."""
     validate_copy(src, dst, src_indices, dst_indices, layer_begin, layer_end)
-    if src.buffer is None or dst.buffer is None:
-        raise TransferError("launch_dma needs materialized pools (accounting mode goes through copy_items)")
-    direction = check_device_buffers(src.buffer, dst.buffer)
-    if engine not in DMA_ENGINES:
-        raise TransferError(f"unknown DMA engine {engine!r}; known: {list(DMA_ENGINES)}")
-    device = dst.buffer.device if dst.buffer.device.type == "cuda" else src.buffer.device
-    _check_stream(stream, device)
+    checked = _check_buffers(src, dst, stream, engine)
     if src_indices.numel() and layer_end > layer_begin:
         check_overlap(src, dst, src_indices, dst_indices)
-    return direction, device
+    return checked
 
 
 def _plan(

@@ -16,8 +16,12 @@ A failed read falls back to computing the tail.
 Conventions (see docs/architecture.md):
 
 - a request computes at least one token: it matches ``prompt[:-1]``;
-- it owns a private working state slot, seeded per layer from the cached boundary state when the
-  forward reaches that layer (after ``counter.wait``), so cached states are never mutated;
+- it owns a private working state slot holding a copy of the cached boundary state, so cached
+  states are never mutated: a state loaded from the host is copied into the working slot by the
+  load itself (``controller.load(match, state_to=...)``, layer by layer with the node's copy);
+  a state already on the device is copied, all layers at once, before the forward — or, when
+  another request's load of this step brings it, per layer once the forward has waited for
+  that layer;
 - snapshots at the admission policy's positions go to freshly allocated slots that ``insert``
   hands to the tree.
 """
@@ -151,6 +155,7 @@ class Scheduler:
         self._task: asyncio.Task[None] | None = None
         self._tg: asyncio.TaskGroup | None = None
         self.num_steps = 0
+        self._loading_slots: set[int] = set()  # node state slots that this step's loads fill
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def __aenter__(self) -> Scheduler:
@@ -235,9 +240,7 @@ class Scheduler:
         await self._resume_tails()
         counter = ctrl.start_loading()
         seqs, reqs = self._build_batch()
-        seeds = [(r.seed_slot, r.state_slot) for r in reqs if r.seed_slot is not None]
-        for r in reqs:
-            r.seed_slot = None
+        seeds = self._seed_working_slots(reqs)
         logits = await self.model.forward(
             ForwardBatch(sequences=tuple(seqs)),
             self.cache.device_kv,
@@ -258,6 +261,24 @@ class Scheduler:
             if len(r.output) >= r.max_new_tokens:
                 self._finish(r)
         ctrl.start_writing()
+
+    def _seed_working_slots(self, reqs: list[_Request]) -> list[tuple[int, int]]:
+        """Copy each request's cached boundary state into its working slot, all layers in one
+        copy, before the forward; returns the ``(node slot, working slot)`` seeds whose node
+        slot this step loads (another request's load brings it), which the forward seeds layer
+        by layer after each layer's wait."""
+        pool = self.cache.device_mamba
+        late = []
+        for r in reqs:
+            if r.seed_slot is None:
+                continue
+            if r.seed_slot in self._loading_slots:
+                late.append((r.seed_slot, r.state_slot))
+            elif pool.buffer is not None:
+                pool.index_bytes(r.state_slot).copy_(pool.index_bytes(r.seed_slot))
+            r.seed_slot = None
+        self._loading_slots.clear()
+        return late
 
     # ---- admission ---------------------------------------------------------------------
     async def _admit(self) -> None:
@@ -294,8 +315,12 @@ class Scheduler:
         snap_positions = self._snapshot_positions(req, num_cached, tail)
         alloc = tree.alloc_device(num_pages_total - num_cached // page, 1 + len(snap_positions))
         op = None
+        # A boundary state loaded from the host lands in the working slot too (with the node's
+        # copy): nothing to seed from the node's slot then.
+        loads_state = match is not None and match.needs_load and match.state_tier is Tier.HOST
+        state_to = (int(alloc.state_slots[0]),) if alloc is not None and loads_state else ()
         if alloc is not None and match is not None and match.needs_load:
-            op = ctrl.load(match)
+            op = ctrl.load(match, state_to=state_to)
         if alloc is None or (match is not None and match.needs_load and op is None):
             if alloc is not None:
                 ctrl._free(alloc.kv_indices, alloc.state_slots, device=True)
@@ -309,8 +334,11 @@ class Scheduler:
             node = match.last_node
             prefix_pages = _path_device_pages(node)  # every page of the prefix, on device after the load
             assert prefix_pages.numel() == num_cached // page
-            req.seed_slot = node.device_state
-            assert req.seed_slot is not None
+            assert node.device_state is not None
+            if state_to:
+                self._loading_slots.add(node.device_state)
+            else:
+                req.seed_slot = node.device_state
             req.kv_pages = torch.cat([prefix_pages, own])
             # A hit that needed any host load (KV pages, or only the boundary state) counts on
             # the host tier; what the prefetch brought counts on storage.

@@ -24,6 +24,7 @@ from its deepest node to its first page).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -90,7 +91,8 @@ class TransferMixin(TreeCore):
         the state at ``match.num_tokens`` is on the host only, ``device_state_slot`` to the
         host-only part of the match; pin those nodes and return the copy to perform.
 
-        The match must still describe the tree: keep ``match.last_node`` locked (``lock``)
+        The match must still describe the tree: keep ``match.last_node`` locked on both tiers
+        (``lock`` and ``lock_host``: making device room may demote to the host and evict there)
         while making room. Raises :class:`TreeError` for a stale match and ``ConfigError`` for
         wrong index counts (nothing changes then; the caller keeps the indices).
         """
@@ -292,7 +294,8 @@ class TransferMixin(TreeCore):
 
     def abort_backup(self, plan: BackupPlan) -> ReleasedIndices:
         """Undo :meth:`begin_backup` of a plan whose copies were never enqueued: detach the host
-        indices (returned; the caller frees them) and unpin. Raises :class:`TreeError` when a
+        indices (returned; the caller frees them) and unpin. A host state that a later backup
+        gave one of the nodes whose host KV this plan brings is detached (and returned) too. Raises :class:`TreeError` when a
         later backup already hangs below these nodes or another in-flight copy covers them
         (abort or finish that one first; nothing changes)."""
         self._check_plan(plan)
@@ -303,6 +306,14 @@ class TransferMixin(TreeCore):
             for c in n.children.values():
                 if c.host_kv is not None and c.node_id not in ids:
                     raise TreeError(f"cannot abort backup {plan.plan_id}: {c} has a host copy below it")
+        # A host state that another (finished) backup gave a node whose host KV this one brings
+        # goes with that KV: a host state is only ever resumable over host KV.
+        own_states = {node.node_id for node, _, _, state in plan._segments if state}
+        orphans = [n for n in kv_nodes if n.host_state is not None and n.node_id not in own_states]
+        own_pins = Counter(n.node_id for node, top, _, _ in plan._segments for n in _walk_up(node, top))
+        for n in orphans:
+            if n.host_lock > own_pins[n.node_id]:  # someone besides this plan holds the host data
+                raise TreeError(f"cannot abort backup {plan.plan_id}: the host state of {n} is in use")
         del self._plans[plan.plan_id]
         for node, top, kv, state in plan._segments:
             walked = list(_walk_up(node, top))
@@ -313,7 +324,11 @@ class TransferMixin(TreeCore):
             if kv:
                 for n in walked:
                     self._clear_host_kv(n)
-        return ReleasedIndices(kv_indices=plan.host_kv_indices, state_slots=plan.host_state_slots)
+        orphan_slots = [self._clear_host_state(n) for n in orphans]
+        states = plan.host_state_slots
+        if orphan_slots:
+            states = torch.cat([states, torch.tensor(orphan_slots, dtype=torch.int64)])
+        return ReleasedIndices(kv_indices=plan.host_kv_indices, state_slots=states)
 
     # ---- storage --------------------------------------------------------------------------------
     def mark_archived(self, node: TreeNode) -> None:

@@ -95,11 +95,11 @@ class CountingCopier:
         self.inner = inner
         self.calls: list[tuple[str, int, int, int, int]] = []
 
-    def __call__(self, src: Any, dst: Any, si: torch.Tensor, di: torch.Tensor, **kw: Any) -> Callable[..., int]:
-        copy = self.inner(src, dst, si, di, **kw)
+    def __call__(self, pair: Any, si: torch.Tensor, di: torch.Tensor) -> Callable[..., int]:
+        copy = self.inner(pair, si, di)
 
         def counted(layer: int, count: int = 1) -> int:
-            self.calls.append((dst.name, layer, count, si.numel(), threading.get_ident()))
+            self.calls.append((pair.dst.name, layer, count, si.numel(), threading.get_ident()))
             return copy(layer, count)
 
         return counted
@@ -508,3 +508,40 @@ async def test_load_tail_lands_layer_by_layer_and_releases_the_tail_once() -> No
         await asyncio.sleep(0)
         assert tail2.released == 1 and op2.state is OpState.CANCELLED
         assert ctrl.start_loading().layer_ids == ()
+
+
+async def test_a_load_copies_the_boundary_state_into_the_callers_slots_too() -> None:
+    """``load(match, state_to=...)``: the caller's slots receive the host state, layer by layer,
+    with the node's own slot; they stay the caller's when the load is cancelled; a match whose
+    state needs no load is refused."""
+    async with make_cache() as cache:
+        fill_random(cache)
+        saved = await back_up_and_demote(cache, prompt(0))
+        cache.flush_device()
+        fill_random(cache, seed=5)
+        ctrl, spec = cache.controller, cache.spec
+        mine = cache.device_mamba.alloc(2)
+        assert mine is not None
+        op = ctrl.load(cache.tree.match_prefix(prompt(0)), state_to=[int(s) for s in mine])
+        assert op is not None
+        counter = ctrl.start_loading()
+        for lid in spec.cached_layer_ids:
+            await counter.wait(lid)
+        await op
+        m = cache.tree.match_prefix(prompt(0))
+        assert snapshot_bytes(cache, m) == saved
+        def state(slot: int) -> torch.Tensor:
+            return torch.stack([cache.device_mamba.layer_items(lid)[slot] for lid in spec.mamba_layer_ids])
+
+        for slot in mine.tolist():
+            assert torch.equal(state(slot), state(m.last_node.device_state))
+        with pytest.raises(ValueError, match="state_to"):
+            ctrl.load(m, state_to=[int(mine[0])])
+        # Cancelled before it is issued: the node's slot is freed, the caller's are not.
+        cache.flush_device()
+        before = cache.device_mamba.num_free
+        op = ctrl.load(cache.tree.match_prefix(prompt(0)), state_to=[int(mine[0])])
+        assert op is not None and ctrl.cancel(op)
+        assert cache.device_mamba.num_free == before
+        cache.device_mamba.free(mine)  # still ours: no double free
+        cache.tree.check_integrity()

@@ -7,7 +7,7 @@ import torch
 
 from asynccache.errors import TransferError
 from asynccache.pools.base import ItemPool, PoolLayout
-from kernels import copy_items, layer_copier
+from kernels import PoolPair, copy_items, layer_copier
 from kernels.testing import COPY_CASES, LAYOUT_PAIRS, CopyCase, assert_copied, index_pairs, make_item_pool, snapshot
 
 NUM_LAYERS = 3
@@ -184,3 +184,30 @@ def test_layer_copier_in_accounting_mode_counts_bytes() -> None:
     a = ItemPool(name="a", layer_ids=(0, 1), num_items=4, item_bytes=24, materialize=False)
     b = ItemPool(name="b", layer_ids=(0, 1), num_items=4, item_bytes=24, materialize=False)
     assert layer_copier(a, b, torch.tensor([0, 3]), torch.tensor([1, 2]))(1) == 2 * 24
+
+
+def test_a_pool_pair_checks_the_pools_once_and_each_copier_its_indices() -> None:
+    """``PoolPair`` rejects mismatched pools and unknown methods when it is made; each
+    ``layer_copier`` of it checks only its index lists, and copiers of one pair copy exactly."""
+    case = CopyCase(48, torch.float32)
+    src = make_item_pool(num_layers=NUM_LAYERS, num_items=7, case=case, layout=PoolLayout.PAGE_FIRST, seed=1)
+    dst = make_item_pool(num_layers=NUM_LAYERS, num_items=9, case=case, layout=PoolLayout.LAYER_FIRST, seed=2)
+    other = make_item_pool(num_layers=NUM_LAYERS, num_items=9, case=CopyCase(40, torch.float32), layout=PoolLayout.LAYER_FIRST)
+    with pytest.raises(TransferError, match="item size mismatch"):
+        PoolPair(src, other)
+    with pytest.raises(TransferError, match="unknown copy method"):
+        PoolPair(src, dst, method="fastest")
+    pair = PoolPair(src, dst)
+    with pytest.raises(TransferError, match="out of range"):
+        pair.layer_copier(torch.tensor([0, 7]), torch.tensor([1, 2]))
+    with pytest.raises(TransferError, match="int64"):
+        pair.layer_copier(torch.tensor([0], dtype=torch.int32), torch.tensor([1]))
+    src_before, dst_before = snapshot(src), snapshot(dst)
+    first, second = (torch.tensor([0, 1, 2]), torch.tensor([4, 5, 6])), (torch.tensor([5, 3]), torch.tensor([0, 8]))
+    for si, di in (first, second):
+        assert pair.layer_copier(si, di)(0, NUM_LAYERS) == si.numel() * NUM_LAYERS * case.item_bytes
+    assert_copied(
+        src=src, dst=dst, src_before=src_before, dst_before=dst_before,
+        src_indices=torch.cat([first[0], second[0]]), dst_indices=torch.cat([first[1], second[1]]),
+        layer_begin=0, layer_end=NUM_LAYERS,
+    )  # fmt: skip

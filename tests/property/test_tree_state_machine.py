@@ -311,11 +311,15 @@ class TreeMachine(RuleBasedStateMachine):
         m = tree.match_prefix(tokens, salt=salt)
         if not m.needs_load:
             return
+        # Both locks, as the controller takes them: making device room may demote to a full
+        # host, whose eviction must not take the host copy this load reads.
         tree.lock(m.last_node)
+        tree.lock_host(m.last_node)
         try:
             alloc = tree.alloc_device(m.num_load_kv_pages, m.num_load_states)
         finally:
             tree.unlock(m.last_node)
+            tree.unlock_host(m.last_node)
         if alloc is None:
             return
         self.loads.append(tree.begin_load(m, alloc.kv_indices, alloc.state_slot))

@@ -585,6 +585,34 @@ def test_abort_load_and_backup_return_indices() -> None:
     tree.check_integrity()
 
 
+def test_abort_backup_takes_a_later_host_state_of_its_nodes_along() -> None:
+    """A backup of a node's KV is in flight when the node gets a state and a second backup saves
+    that state; aborting the first detaches the host KV and the host state with it (a host
+    state never outlives the host KV it resumes) and returns both slots."""
+    tree, _ = make_tree()
+    s = seq(1, 2 * PAGE)
+    r = put(tree, s, states=[])
+    node = r.last_node
+    a1 = tree.alloc_host(2, 0)
+    assert a1 is not None
+    p1 = tree.begin_backup([node], a1.kv_indices, a1.state_slots)
+    put(tree, s, states=[2 * PAGE])  # the same tokens again, now with a state at their end
+    assert node.device_state is not None and node.host_state is None
+    a2 = tree.alloc_host(0, 1)
+    assert a2 is not None
+    p2 = tree.begin_backup([node], a2.kv_indices, a2.state_slots)
+    tree.finish_backup(p2)
+    assert node.host_state == int(a2.state_slots[0])
+    released = tree.abort_backup(p1)
+    assert node.host_kv is None and node.host_state is None
+    assert torch.equal(released.kv_indices, a1.kv_indices) and released.state_slots.tolist() == a2.state_slots.tolist()
+    assert tree.host_kv is not None and tree.host_mamba is not None
+    tree.host_kv.free(released.kv_indices)
+    tree.host_mamba.free(released.state_slots)
+    tree.check_integrity()
+    assert tree.match_prefix(s).state_tier is Tier.DEVICE
+
+
 def test_abort_refuses_when_later_data_depends_on_it() -> None:
     tree, _ = make_tree()
     parent_tokens = seq(1, 2 * PAGE)

@@ -6,17 +6,13 @@ from asynccache.controller import LOAD_GROUP_MAX_BYTES, _group_layers
 from asynccache.storage import PoolName
 
 
-def _copier(layer: int, count: int = 1) -> int:
-    return 0
-
-
 def _steps(layer_ids: list[int], attention: list[int], state_bytes: int, kv_bytes: int = 64 << 20) -> list[tuple]:
     mamba = [lid for lid in layer_ids if lid not in attention]
-    copiers = {
-        PoolName.KV: (_copier, {lid: i for i, lid in enumerate(attention)}, kv_bytes),
-        PoolName.MAMBA: (_copier, {lid: i for i, lid in enumerate(mamba)}, state_bytes),
+    pools = {
+        PoolName.KV: ({lid: i for i, lid in enumerate(attention)}, kv_bytes),
+        PoolName.MAMBA: ({lid: i for i, lid in enumerate(mamba)}, state_bytes),
     }
-    return [(lids, [(name.value, first, count) for name, _, first, count in copies]) for lids, copies in _group_layers(layer_ids, copiers)]
+    return [(lids, [(name.value, first, count) for name, first, count in copies]) for lids, copies in _group_layers(layer_ids, pools)]
 
 
 def test_the_states_between_two_attention_layers_are_one_step() -> None:
@@ -43,8 +39,5 @@ def test_only_consecutive_local_layers_of_one_pool_group() -> None:
     steps = _steps([0, 1, 3, 4], attention=[4], state_bytes=1 << 20)
     assert steps == [([0, 1, 3], [("mamba", 0, 3)]), ([4], [("kv", 0, 1)])]
     # A layer with copies in both pools is a step of its own.
-    copiers = {
-        PoolName.KV: (_copier, {0: 0, 1: 1}, 1),
-        PoolName.MAMBA: (_copier, {1: 0, 2: 1}, 1),
-    }
-    assert [lids for lids, _ in _group_layers([0, 1, 2], copiers)] == [[0], [1], [2]]
+    pools = {PoolName.KV: ({0: 0, 1: 1}, 1), PoolName.MAMBA: ({1: 0, 2: 1}, 1)}
+    assert [lids for lids, _ in _group_layers([0, 1, 2], pools)] == [[0], [1], [2]]
