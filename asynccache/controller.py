@@ -72,8 +72,10 @@ def _release_late_tail(task: asyncio.Task[Any]) -> None:
             tail.release()
 
 
+#: The copies of loaded states into callers' slots (``load(state_to=)``), device → device.
+_FORK = "mamba_fork"
 #: A step's copy: (pool, copier, first local layer, number of layers).
-_StepCopy = tuple[PoolName, "LayerCopy", int, int]
+_StepCopy = tuple["PoolName | str", "LayerCopy", int, int]
 #: One step of a load: the global layer ids it makes ready (one CUDA event), and its copies.
 _LoadStep = tuple[list[int], list[_StepCopy]]
 #: A step as :func:`_group_layers` plans it: the layer ids, and (pool, first local layer, layers).
@@ -105,8 +107,8 @@ def _group_layers(layer_ids: Sequence[int], pools: dict[PoolName, tuple[dict[int
     return steps
 
 
-def _slot_tensor(slot: int | None, copies: int = 1) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.int64) if slot is None else torch.tensor([slot] * copies, dtype=torch.int64)
+def _slot_tensor(slot: int | None) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64) if slot is None else torch.tensor([slot], dtype=torch.int64)
 
 
 class HybridCacheController:
@@ -152,7 +154,7 @@ class HybridCacheController:
         #: calls or inject failures).
         self.copy: Callable[..., int] = copy_items
         self.layer_copier: Callable[[PoolPair, torch.Tensor, torch.Tensor], LayerCopy] = PoolPair.layer_copier
-        self._load_pairs: dict[PoolName, PoolPair] = {}  # host → device, checked at the first load
+        self._load_pairs: dict[PoolName | str, PoolPair] = {}  # checked at the first load
         self._step_plans: dict[tuple[Any, ...], list[_StepPlan]] = {}  # _group_layers by load shape
         self.tiering: Any = None  # set in __aenter__ when a backend is configured
 
@@ -206,9 +208,9 @@ class HybridCacheController:
         """Queue the host → device load a match needs; ``None`` when the device has no room.
 
         ``state_to``: device state slots of the caller (a request's working slot) that receive
-        the boundary state too, copied from the host with the node's own slot, layer by layer —
-        so the forward need not copy it from the node's slot; only for a match whose state is
-        on the host only (``ValueError`` otherwise). The slots stay the caller's: a failed or
+        the boundary state too: each recurrent layer's state is copied on the device from the
+        node's freshly loaded slot right after its load, so the forward need not seed it; only
+        for a match whose state is on the host only (``ValueError`` otherwise). The slots stay the caller's: a failed or
         cancelled load never frees them. A match that needs nothing returns an already
         completed operation.
         """
@@ -245,15 +247,14 @@ class HybridCacheController:
                 ),
                 PoolTransfer(
                     pool_name=PoolName.MAMBA,
-                    host_indices=_slot_tensor(plan.host_state_slot, 1 + len(state_to)),
-                    device_indices=torch.cat(
-                        [_slot_tensor(plan.device_state_slot), torch.tensor(state_to, dtype=torch.int64)]
-                    ),
+                    host_indices=_slot_tensor(plan.host_state_slot),
+                    device_indices=_slot_tensor(plan.device_state_slot),
                 ),
             ),
             plan=plan,
             priority=priority,
             loop=loop,
+            state_forks=[(int(plan.device_state_slot), int(s)) for s in state_to],
         )
         self._load_queue.append(op)
         return op
@@ -309,7 +310,7 @@ class HybridCacheController:
         if stream is not None:
             # Freshly allocated device pages may still be read by earlier compute.
             stream.wait_stream(torch.cuda.current_stream(self.device))
-        issued: dict[PoolName, list[int]] = {name: [0, 0] for name in merged}  # bytes, launches
+        issued: dict[PoolName | str, list[int]] = {name: [0, 0] for name in [*merged, _FORK]}  # bytes, launches
         last: list[torch.cuda.Event | None] = [None]
         steps: list[_LoadStep] = []
 
@@ -320,10 +321,16 @@ class HybridCacheController:
                 name: self.layer_copier(self._load_pair(name), m.host_indices, m.device_indices)
                 for name, m in merged.items()
             }
-            steps.extend(
-                (lids, [(name, copiers[name], li, count) for name, li, count in copies])
-                for lids, copies in self._step_plan(layer_ids, merged)
-            )
+            forks = [f for op in ops for f in op.state_forks]
+            fork = None
+            if forks:
+                src, dst = (torch.tensor(c, dtype=torch.int64) for c in zip(*forks, strict=True))
+                fork = self.layer_copier(self._fork_pair(), src, dst)
+            for lids, copies in self._step_plan(layer_ids, merged):
+                step = [(name, copiers[name], li, count) for name, li, count in copies]
+                if fork is not None:
+                    step += [(_FORK, fork, li, count) for name, li, count in copies if name is PoolName.MAMBA]
+                steps.append((lids, step))
 
         def issue(begin: int, *, yield_gil: bool, budget_s: float | None = None) -> int:
             """Enqueue ``steps[begin:]`` in order; returns where it stopped (early once
@@ -385,6 +392,16 @@ class HybridCacheController:
             plan = self._step_plans[key] = _group_layers(layer_ids, pools)
         return plan
 
+    def _fork_pair(self) -> PoolPair:
+        """The device → device :class:`PoolPair` of the state pool (loaded states copied into
+        callers' slots), on the load stream."""
+        pair = self._load_pairs.get(_FORK)
+        if pair is None:
+            dev = self.pools[PoolName.MAMBA][0]
+            pair = PoolPair(dev, dev, max_ctas=self.config.max_ctas, stream=self._load_stream, method=self.config.copy_method)
+            self._load_pairs[_FORK] = pair
+        return pair
+
     def _load_pair(self, name: PoolName) -> PoolPair:
         """The host → device :class:`PoolPair` of a pool (its checks made once)."""
         pair = self._load_pairs.get(name)
@@ -403,7 +420,7 @@ class HybridCacheController:
         merged: dict[PoolName, MergedTransfer],
         counter: LayerTransferCounter,
         worker: asyncio.Future[Any],
-        issued: dict[PoolName, list[int]],
+        issued: dict[PoolName | str, list[int]],
         last: list[torch.cuda.Event | None],
     ) -> None:
         """Wait for the load worker (never abandoning it), then account and complete ``ops``."""
@@ -417,6 +434,11 @@ class HybridCacheController:
         except Exception as e:
             error = e
         for name, (nbytes, launches) in issued.items():
+            if name == _FORK:
+                self._stats.bytes_moved("d2d", PoolName.MAMBA, nbytes)
+                self._stats.count("d2d_launches_mamba", launches)
+                continue
+            assert isinstance(name, PoolName)
             self._stats.bytes_moved("h2d", name, nbytes)
             self._stats.count(f"h2d_launches_{name.value}", launches)
         if error is not None:

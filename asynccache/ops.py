@@ -4,7 +4,7 @@ Primitives:
 
 - :class:`OpState` — ``QUEUED → ISSUED → DONE`` (or ``CANCELLED`` / ``FAILED`` before issue).
 - :class:`CacheOperation` — a batch of :class:`PoolTransfer` (one per pool: host indices ↔ device
-  indices), the tree plan it serves, a priority, and an asyncio future completed when its copy
+  indices), for loads the device copies of loaded states into callers' slots, the tree plan it serves, a priority, and an asyncio future completed when its copy
   has finished on the device. Awaitable.
 - :func:`CacheOperation.merge_ops` — concatenate the transfers of many queued operations into
   one per pool, so a scheduler step issues one launch per layer (loads) or one launch for all
@@ -70,10 +70,14 @@ class CacheOperation:
         plan: Any,
         priority: int = 0,
         loop: asyncio.AbstractEventLoop | None = None,
+        state_forks: Sequence[tuple[int, int]] = (),
     ) -> None:
         self.op_id = next(_ids)
         self.kind = kind
         self.transfers = {t.pool_name: t for t in transfers if t.num_items}
+        #: (loaded device state slot, caller's slot): device copies made right after the load of
+        #: each recurrent layer (a request's working slot seeded by the load itself).
+        self.state_forks = tuple(state_forks)
         self.plan = plan
         self.priority = priority
         self.state = OpState.QUEUED

@@ -308,7 +308,7 @@ def progression_rows(
     device pool is fragmented — planned without the vector planner: a piece of one layer is one
     strided run (or, adjacent on both sides, one segment), and a layer range stacks those.
     ``None`` when the pieces are too many to pay (more than one row per ``STRIDED_MIN_GAIN``
-    items) or the geometry is one the planner handles (both pools page_first over several
+    items, and more than ``STRIDED_MIN_GAIN`` rows) or the geometry is one the planner handles (both pools page_first over several
     layers). The rows move exactly the bytes of :func:`plan_segments`'s segments
     (``tests/kernels/test_dma_plan.py`` checks it).
     """
@@ -317,7 +317,7 @@ def progression_rows(
     s_layer, d_layer = src.layer_stride_bytes, dst.layer_stride_bytes
     if n == 0 or k <= 0 or (s_layer == d_layer == w and k > 1):
         return None
-    limit = max(1, n * k // STRIDED_MIN_GAIN)
+    limit = max(STRIDED_MIN_GAIN, n * k // STRIDED_MIN_GAIN)  # a few rows always beat a batch's fixed cost
     pieces = _pieces(src_indices, dst_indices, limit)
     if pieces is None:
         return None

@@ -129,7 +129,7 @@ def test_progression_rows_copy_exactly_the_mapped_items(
     if planned is None:  # too many pieces, or both pools page_first over several layers
         return
     engine, rows, _ = planned
-    assert engine in ("loop", "strided") and len(rows) <= max(1, count * (le - lb) // STRIDED_MIN_GAIN)
+    assert engine in ("loop", "strided") and len(rows) <= max(STRIDED_MIN_GAIN, count * (le - lb) // STRIDED_MIN_GAIN)
     assert src.buffer is not None and dst.buffer is not None
     src_before, dst_before = snapshot(src), snapshot(dst)
     s, d = src.buffer.view(-1), dst.buffer.view(-1)
@@ -401,3 +401,17 @@ def test_launch_dma_rejects_host_only_copies_before_touching_the_runtime() -> No
         launch_dma(src, dst, torch.tensor([0]), torch.tensor([1]))
     with pytest.raises(TransferError, match="index count"):
         launch_dma(src, dst, torch.tensor([0]), torch.tensor([1, 0]))
+
+
+def test_one_state_loaded_into_several_slots_is_a_few_rows() -> None:
+    """A tail's end state copied into two device slots (one host slot repeated): one 2D copy per
+    slot over the layer range, not the vector planner's batch."""
+    case = CopyCase(64, torch.uint8)
+    host = make_item_pool(num_layers=8, num_items=4, case=case, layout=PoolLayout.PAGE_FIRST, seed=1)
+    dev = make_item_pool(num_layers=8, num_items=6, case=case, layout=PoolLayout.LAYER_FIRST, seed=2)
+    planned = progression_rows(host, dev, torch.tensor([3, 3]), torch.tensor([1, 4]), 2, 5)
+    assert planned == (
+        "strided",
+        ((2 * 64 + 3 * 8 * 64, 2 * 6 * 64 + 64, 64, 3, 64, 6 * 64), (2 * 64 + 3 * 8 * 64, 2 * 6 * 64 + 4 * 64, 64, 3, 64, 6 * 64)),
+        6,
+    )
