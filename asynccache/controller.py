@@ -207,12 +207,12 @@ class HybridCacheController:
     def load(self, match: Any, *, priority: int = 0, state_to: Sequence[int] = ()) -> CacheOperation | None:
         """Queue the host → device load a match needs; ``None`` when the device has no room.
 
-        ``state_to``: device state slots of the caller (a request's working slot) that receive
-        the boundary state too: each recurrent layer's state is copied on the device from the
-        node's freshly loaded slot right after its load, so the forward need not seed it; only
-        for a match whose state is on the host only (``ValueError`` otherwise). The slots stay the caller's: a failed or
-        cancelled load never frees them. A match that needs nothing returns an already
-        completed operation.
+        ``state_to``: device state slots of the caller (a request's working slot) that receive the
+        boundary state too: each recurrent layer's state is copied on the device from the node's
+        freshly loaded slot right after its load, so the forward need not seed it; only for a
+        match whose state is on the host only (``ValueError`` otherwise). The slots stay the
+        caller's: a failed or cancelled load never frees them. A match that needs nothing returns
+        an already completed operation.
         """
         loop = asyncio.get_running_loop()
         if state_to and (not match.needs_load or match.state_tier is not Tier.HOST):
@@ -398,7 +398,9 @@ class HybridCacheController:
         pair = self._load_pairs.get(_FORK)
         if pair is None:
             dev = self.pools[PoolName.MAMBA][0]
-            pair = PoolPair(dev, dev, max_ctas=self.config.max_ctas, stream=self._load_stream, method=self.config.copy_method)
+            pair = PoolPair(
+                dev, dev, max_ctas=self.config.max_ctas, stream=self._load_stream, method=self.config.copy_method
+            )
             self._load_pairs[_FORK] = pair
         return pair
 

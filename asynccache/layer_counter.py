@@ -11,8 +11,8 @@ Primitives:
 - ``await wait(layer_id)`` — returns once the layer is enqueued, and makes the caller's current
   CUDA stream wait on the layer's event unless that stream already waits on it (layers copied
   together share one event): one ``cudaStreamWaitEvent`` on raw handles, a few microseconds;
-  stream-ordered, the host never synchronises. A layer the counter does not track (nothing to load, or another
-  pipeline stage's layer) returns at once.
+  stream-ordered, the host never synchronises. A layer the counter does not track (nothing to
+  load, or another pipeline stage's layer) returns at once.
 - ``cuda_event(layer_id)`` — the event recorded after that layer's copy (benchmarks time it).
 - ``fail(exc)`` — a failed step releases every waiter with a :class:`TransferError`.
 

@@ -6,8 +6,8 @@ Primitives:
 - ``cuda_runtime() -> CudaRuntime`` — the ``libcudart`` torch loaded (found once per process);
   raises :class:`TransferError` when none can be loaded.
 - ``CudaRuntime`` — ``memcpy_async``, ``memcpy_2d_async``, ``memcpy_batch_async``,
-  ``stream_wait_event`` (each checks its return code and raises :class:`TransferError` naming the CUDA error), ``runtime_version``,
-  ``driver_version``, ``has_batch``, ``describe()``.
+  ``stream_wait_event`` (each checks its return code and raises :class:`TransferError` naming the
+  CUDA error), ``runtime_version``, ``driver_version``, ``has_batch``, ``describe()``.
 - ``cudart_candidates()`` — where the library is looked for, in order.
 
 Which library. The library torch already loaded is the one to use: its per-thread state (current

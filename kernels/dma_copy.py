@@ -308,9 +308,9 @@ def progression_rows(
     device pool is fragmented — planned without the vector planner: a piece of one layer is one
     strided run (or, adjacent on both sides, one segment), and a layer range stacks those.
     ``None`` when the pieces are too many to pay (more than one row per ``STRIDED_MIN_GAIN``
-    items, and more than ``STRIDED_MIN_GAIN`` rows) or the geometry is one the planner handles (both pools page_first over several
-    layers). The rows move exactly the bytes of :func:`plan_segments`'s segments
-    (``tests/kernels/test_dma_plan.py`` checks it).
+    items, and more than ``STRIDED_MIN_GAIN`` rows) or the geometry is one the planner handles
+    (both pools page_first over several layers). The rows move exactly the bytes of
+    :func:`plan_segments`'s segments (``tests/kernels/test_dma_plan.py`` checks it).
     """
     n, k, w = src_indices.numel(), layer_end - layer_begin, src.item_bytes
     s_item, d_item = src.item_stride_bytes, dst.item_stride_bytes

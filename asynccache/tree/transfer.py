@@ -294,10 +294,10 @@ class TransferMixin(TreeCore):
 
     def abort_backup(self, plan: BackupPlan) -> ReleasedIndices:
         """Undo :meth:`begin_backup` of a plan whose copies were never enqueued: detach the host
-        indices (returned; the caller frees them) and unpin. A host state that a later backup
-        gave one of the nodes whose host KV this plan brings is detached (and returned) too. Raises :class:`TreeError` when a
-        later backup already hangs below these nodes or another in-flight copy covers them
-        (abort or finish that one first; nothing changes)."""
+        indices (returned; the caller frees them) and unpin. A host state that a later backup gave
+        one of the nodes whose host KV this plan brings is detached (and returned) too. Raises
+        :class:`TreeError` when a later backup already hangs below these nodes or another
+        in-flight copy covers them (abort or finish that one first; nothing changes)."""
         self._check_plan(plan)
         self._check_no_overlap(plan, plan_nodes(plan))
         kv_nodes = [n for node, top, kv, _ in plan._segments if kv for n in _walk_up(node, top)]

@@ -5,6 +5,7 @@ state is a miss, never served."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -158,3 +159,42 @@ async def test_corrupted_state_on_disk_is_a_miss(model: HybridModel, spec: Hybri
     assert r2.cached_by_tier["storage"] == 0
     assert r2.cached_tokens == 0
     assert r2.output_ids == await cold_unsegmented(model, spec, res["p2"])
+
+
+async def test_every_way_of_seeding_a_working_slot_gives_the_same_logits(model: HybridModel, spec: HybridSpec) -> None:
+    """The same continuation of a cached prefix, its boundary state brought to the working slot
+    three ways: by the request's own load from the host (``load(state_to=)``), per layer after
+    the wait (a second request admitted in the same step, whose node slot the first one's load
+    fills), and by one copy before the forward (the state already on the device; a second
+    cache, same history). The logits agree bit for bit; a missing or early seed would start
+    from another state."""
+
+    async def serve(*, flush: bool) -> tuple[list[Any], Any]:
+        async with HybridCache(spec, serving_config(spec), device=device_of(model)) as cache, Scheduler(
+            model, cache, SchedulerConfig(chunk_size=4096, max_running=2)
+        ) as sched:
+            r1 = await sched.generate(P1, OUT)
+            p2 = P1 + r1.output_ids + Q2
+            await cache.controller.wait_idle()
+            if flush:
+                cache.flush_device()
+            # Poison every free state slot: a working slot must get its state from a seed.
+            pool = cache.device_mamba
+            free = pool.alloc(pool.num_free)
+            assert free is not None and pool.buffer is not None
+            for slot in free.tolist():
+                pool.index_bytes(slot).fill_(0x7F)
+            pool.free(free)
+            if flush:
+                results = list(await asyncio.gather(sched.generate(p2, 1), sched.generate(p2, 1)))
+            else:
+                results = [await sched.generate(p2, 1)]
+            cache.tree.check_integrity()
+            return results, (len(P1) + OUT - 1) // PAGE * PAGE
+
+    (own, shared), a = await serve(flush=True)
+    (device,), _ = await serve(flush=False)
+    assert own.cached_by_tier["host"] == a and device.cached_by_tier["device"] == a
+    assert shared.cached_tokens == a
+    for r in (shared, device):
+        assert torch.equal(r.first_logits, own.first_logits)

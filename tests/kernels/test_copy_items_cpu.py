@@ -192,7 +192,8 @@ def test_a_pool_pair_checks_the_pools_once_and_each_copier_its_indices() -> None
     case = CopyCase(48, torch.float32)
     src = make_item_pool(num_layers=NUM_LAYERS, num_items=7, case=case, layout=PoolLayout.PAGE_FIRST, seed=1)
     dst = make_item_pool(num_layers=NUM_LAYERS, num_items=9, case=case, layout=PoolLayout.LAYER_FIRST, seed=2)
-    other = make_item_pool(num_layers=NUM_LAYERS, num_items=9, case=CopyCase(40, torch.float32), layout=PoolLayout.LAYER_FIRST)
+    narrow = CopyCase(40, torch.float32)
+    other = make_item_pool(num_layers=NUM_LAYERS, num_items=9, case=narrow, layout=PoolLayout.LAYER_FIRST)
     with pytest.raises(TransferError, match="item size mismatch"):
         PoolPair(src, other)
     with pytest.raises(TransferError, match="unknown copy method"):

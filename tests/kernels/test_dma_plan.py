@@ -410,8 +410,6 @@ def test_one_state_loaded_into_several_slots_is_a_few_rows() -> None:
     host = make_item_pool(num_layers=8, num_items=4, case=case, layout=PoolLayout.PAGE_FIRST, seed=1)
     dev = make_item_pool(num_layers=8, num_items=6, case=case, layout=PoolLayout.LAYER_FIRST, seed=2)
     planned = progression_rows(host, dev, torch.tensor([3, 3]), torch.tensor([1, 4]), 2, 5)
-    assert planned == (
-        "strided",
-        ((2 * 64 + 3 * 8 * 64, 2 * 6 * 64 + 64, 64, 3, 64, 6 * 64), (2 * 64 + 3 * 8 * 64, 2 * 6 * 64 + 4 * 64, 64, 3, 64, 6 * 64)),
-        6,
-    )
+    src = 2 * 64 + 3 * 8 * 64  # layer 2 of host slot 3
+    rows = tuple((src, 2 * 6 * 64 + slot * 64, 64, 3, 64, 6 * 64) for slot in (1, 4))
+    assert planned == ("strided", rows, 6)

@@ -12,7 +12,8 @@ def _steps(layer_ids: list[int], attention: list[int], state_bytes: int, kv_byte
         PoolName.KV: ({lid: i for i, lid in enumerate(attention)}, kv_bytes),
         PoolName.MAMBA: ({lid: i for i, lid in enumerate(mamba)}, state_bytes),
     }
-    return [(lids, [(name.value, first, count) for name, first, count in copies]) for lids, copies in _group_layers(layer_ids, pools)]
+    steps = _group_layers(layer_ids, pools)
+    return [(lids, [(name.value, first, count) for name, first, count in copies]) for lids, copies in steps]
 
 
 def test_the_states_between_two_attention_layers_are_one_step() -> None:
