@@ -317,15 +317,17 @@ class HybridCacheController:
         def plan() -> None:
             """Validate each pool's transfer once (and plan it on the copy engines): one copier
             per pool; then the steps, each a layer or a group of layers (``_group_layers``)."""
-            copiers = {
-                name: self.layer_copier(self._load_pair(name), m.host_indices, m.device_indices)
-                for name, m in merged.items()
-            }
+            copiers = {}
+            for name, m in merged.items():
+                dev, host = self.pools[name]
+                assert host is not None
+                copiers[name] = self.layer_copier(self._pair(name, host, dev), m.host_indices, m.device_indices)
             forks = [f for op in ops for f in op.state_forks]
             fork = None
             if forks:
                 src, dst = (torch.tensor(c, dtype=torch.int64) for c in zip(*forks, strict=True))
-                fork = self.layer_copier(self._fork_pair(), src, dst)
+                states = self.pools[PoolName.MAMBA][0]
+                fork = self.layer_copier(self._pair(_FORK, states, states), src, dst)
             for lids, copies in self._step_plan(layer_ids, merged):
                 step = [(name, copiers[name], li, count) for name, li, count in copies]
                 if fork is not None:
@@ -392,28 +394,14 @@ class HybridCacheController:
             plan = self._step_plans[key] = _group_layers(layer_ids, pools)
         return plan
 
-    def _fork_pair(self) -> PoolPair:
-        """The device → device :class:`PoolPair` of the state pool (loaded states copied into
-        callers' slots), on the load stream."""
-        pair = self._load_pairs.get(_FORK)
+    def _pair(self, key: PoolName | str, src: ItemPool, dst: ItemPool) -> PoolPair:
+        """The :class:`PoolPair` of a load's copies (its checks made at the first load), kept by
+        ``key``: a pool's host → device pair, or ``_FORK`` (state pool → itself)."""
+        pair = self._load_pairs.get(key)
         if pair is None:
-            dev = self.pools[PoolName.MAMBA][0]
-            pair = PoolPair(
-                dev, dev, max_ctas=self.config.max_ctas, stream=self._load_stream, method=self.config.copy_method
+            pair = self._load_pairs[key] = PoolPair(
+                src, dst, max_ctas=self.config.max_ctas, stream=self._load_stream, method=self.config.copy_method
             )
-            self._load_pairs[_FORK] = pair
-        return pair
-
-    def _load_pair(self, name: PoolName) -> PoolPair:
-        """The host → device :class:`PoolPair` of a pool (its checks made once)."""
-        pair = self._load_pairs.get(name)
-        if pair is None:
-            dev, host = self.pools[name]
-            assert host is not None
-            pair = PoolPair(
-                host, dev, max_ctas=self.config.max_ctas, stream=self._load_stream, method=self.config.copy_method
-            )
-            self._load_pairs[name] = pair
         return pair
 
     async def _complete_loads(

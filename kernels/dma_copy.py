@@ -492,11 +492,10 @@ def dma_layer_copier(
     """
     num_layers = src.num_layers
     if checked is None:
-        checked = _validate(src, dst, src_indices, dst_indices, 0, num_layers, stream, engine)
-    else:
-        validate_indices(src, dst, src_indices, dst_indices)
-        if src_indices.numel() and num_layers:
-            check_overlap(src, dst, src_indices, dst_indices)
+        checked = check_pair(src, dst, stream, engine)
+    validate_indices(src, dst, src_indices, dst_indices)
+    if src_indices.numel() and num_layers:
+        check_overlap(src, dst, src_indices, dst_indices)
     # ``issue`` plans ranges from the index tensors and the stream, so the copier keeps them
     # alive (the raw stream handle and the plans' offsets stay valid).
     issuers: dict[int, Callable[[int], DmaLaunch | None]] = {}
@@ -522,7 +521,7 @@ def _range_issuer(
     engine: str,
     checked: tuple[str, torch.device],
 ) -> Callable[[int], DmaLaunch | None]:
-    """Plan the copy of layers ``[0, count)`` (validated: ``checked`` is what :func:`_validate`
+    """Plan the copy of layers ``[0, count)`` (validated: ``checked`` is what :func:`check_pair`
     returned); the function returned issues it for ``[layer, layer + count)`` (the caller checks
     the range)."""
     prepared = _plan(src, dst, src_indices, dst_indices, 0, count, engine, *checked)
