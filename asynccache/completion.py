@@ -4,7 +4,7 @@ Each copy stream has one :class:`CompletionQueue` whose ``run()`` task lives in 
 ``TaskGroup``. Operations on a stream complete in order, so the task waits on one end event at a
 time: an event that has already fired (``query()``) completes at once; otherwise the wait runs
 in the loop's bounded default thread pool (``asyncio.to_thread``) on an event created with
-``blocking=True`` (``cudaEventBlockingSync``): the waiting thread sleeps instead of spinning a
+``cudaEventBlockingSync``: the waiting thread sleeps instead of spinning a
 core, and the loop never blocks. Callbacks run on the loop thread.
 
 Without CUDA the copies are synchronous and ``submit`` completes the callback immediately.
@@ -15,8 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-
-import torch
+from typing import Any
 
 __all__ = ["CompletionQueue"]
 
@@ -24,7 +23,7 @@ __all__ = ["CompletionQueue"]
 class CompletionQueue:
     def __init__(self, name: str) -> None:
         self.name = name
-        self._queue: asyncio.Queue[tuple[torch.cuda.Event, Callable[[], None], float]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[Any, Callable[[], None], float]] = asyncio.Queue()
         self.num_completed = 0
         self.total_latency_s = 0.0
         self.max_latency_s = 0.0
@@ -44,8 +43,9 @@ class CompletionQueue:
         await self._idle.wait()
         return True
 
-    def submit(self, event: torch.cuda.Event | None, callback: Callable[[], None]) -> None:
-        """Run ``callback`` on the loop once ``event`` has completed (at once if ``event`` is None)."""
+    def submit(self, event: Any, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the loop once ``event`` (a recorded CUDA event with ``query`` and
+        ``synchronize``) has completed (at once if ``event`` is None)."""
         if event is None:
             self._record(0.0)
             callback()

@@ -36,13 +36,14 @@ import torch
 from asynccache.completion import CompletionQueue
 from asynccache.config import HybridCacheConfig
 from asynccache.errors import TransferError
-from asynccache.layer_counter import LayerTransferCounter
+from asynccache.layer_counter import CudaEventLike, LayerTransferCounter
 from asynccache.ops import CacheOperation, MergedTransfer, OpKind, OpState
 from asynccache.pools.base import ItemPool
 from asynccache.stats import ControllerStats, StatsRecorder
 from asynccache.storage import PoolName, PoolTransfer, StorageBackend
 from asynccache.tree.node import Tier
 from kernels import LayerCopy, PoolPair, copy_items
+from kernels.cudart import CudaEvent, cuda_runtime
 
 if TYPE_CHECKING:
     from asynccache.tree import HybridRadixTree
@@ -61,6 +62,10 @@ LOAD_ENQUEUE_BUDGET_S = 0.002
 #: request between two attention layers — so a group costs its first layer little latency and
 #: halves the host time of issuing a hybrid model's load.
 LOAD_GROUP_MAX_BYTES = 8 << 20
+#: Such a group rides with the step before it — one event and one wait of the forward fewer —
+#: when that step copies another pool and at least this many times the group's bytes (the
+#: states after an attention layer ride with its KV, delaying that layer by ~0.1 ms of copy).
+LOAD_RIDE_RATIO = 8
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +91,12 @@ def _group_layers(layer_ids: Sequence[int], pools: dict[PoolName, tuple[dict[int
     """The load's steps in layer order. Consecutive layers of one pool whose local positions
     follow on are grouped — one call and one event for the group — while the group's bytes stay
     within ``LOAD_GROUP_MAX_BYTES``, so a group is ready a few tens of microseconds after its
-    first layer could have been. ``pools[pool] = (global → local layer, bytes a layer)``."""
+    first layer could have been. A group then rides with the step before it (one event for
+    both) when that step copies another pool and at least ``LOAD_RIDE_RATIO`` times the bytes:
+    its layers are ready exactly when they were, and the step's own layers at most
+    1/``LOAD_RIDE_RATIO`` later. ``pools[pool] = (global → local layer, bytes a layer)``."""
     steps: list[_StepPlan] = []
-    group_bytes = 0
+    sizes: list[int] = []  # bytes of each step
     for lid in layer_ids:
         copies = [(name, index[lid], 1) for name, (index, _) in pools.items() if lid in index]
         if len(copies) == 1 and steps:
@@ -97,14 +105,55 @@ def _group_layers(layer_ids: Sequence[int], pools: dict[PoolName, tuple[dict[int
             prev_lids, prev = steps[-1]
             if len(prev) == 1:
                 p_name, p_first, p_count = prev[0]
-                if p_name == name and p_first + p_count == li and group_bytes + layer_bytes <= LOAD_GROUP_MAX_BYTES:
+                if p_name == name and p_first + p_count == li and sizes[-1] + layer_bytes <= LOAD_GROUP_MAX_BYTES:
                     prev[0] = (name, p_first, p_count + 1)
                     prev_lids.append(lid)
-                    group_bytes += layer_bytes
+                    sizes[-1] += layer_bytes
                     continue
         steps.append(([lid], copies))
-        group_bytes = sum(pools[name][1] for name, *_ in copies)
-    return steps
+        sizes.append(sum(pools[name][1] for name, *_ in copies))
+    ridden: list[_StepPlan] = []
+    ridden_sizes: list[int] = []
+    for (lids, copies), size in zip(steps, sizes, strict=True):
+        if (
+            ridden
+            and len(copies) == 1
+            and size <= LOAD_GROUP_MAX_BYTES
+            and size * LOAD_RIDE_RATIO <= ridden_sizes[-1]
+            and all(name is not copies[0][0] for name, *_ in ridden[-1][1])
+        ):
+            ridden[-1][0].extend(lids)
+            ridden[-1][1].extend(copies)
+            ridden_sizes[-1] += size
+            continue
+        ridden.append((lids, copies))
+        ridden_sizes.append(size)
+    return ridden
+
+
+def _step_recorder(stream: torch.cuda.Stream) -> Callable[[], CudaEventLike]:
+    """A function that records a new event on ``stream`` and returns it: on raw handles
+    (``kernels.cudart.CudaEvent``, a few microseconds) where the runtime library loads, else a
+    ``torch.cuda.Event``. Either has ``cuda_event``, ``query``, ``synchronize`` and
+    ``elapsed_time``."""
+    try:
+        rt = cuda_runtime()
+    except TransferError:
+
+        def torch_event() -> torch.cuda.Event:
+            ev = torch.cuda.Event(blocking=True, enable_timing=True)
+            ev.record(stream)
+            return ev
+
+        return torch_event
+    handle = stream.cuda_stream
+
+    def raw_event() -> CudaEvent:
+        ev = CudaEvent(rt)
+        ev.record(handle)
+        return ev
+
+    return raw_event
 
 
 def _slot_tensor(slot: int | None) -> torch.Tensor:
@@ -311,7 +360,8 @@ class HybridCacheController:
             # Freshly allocated device pages may still be read by earlier compute.
             stream.wait_stream(torch.cuda.current_stream(self.device))
         issued: dict[PoolName | str, list[int]] = {name: [0, 0] for name in [*merged, _FORK]}  # bytes, launches
-        last: list[torch.cuda.Event | None] = [None]
+        last: list[CudaEventLike | None] = [None]  # the event after the latest step
+        record = None if stream is None else _step_recorder(stream)
         steps: list[_LoadStep] = []
 
         def plan() -> None:
@@ -348,10 +398,8 @@ class HybridCacheController:
                         total = issued[name]
                         total[0] += copier(li, count)
                         total[1] += 1
-                    if stream is not None:
-                        ev = torch.cuda.Event(blocking=True, enable_timing=True)
-                        ev.record(stream)
-                        last[0] = ev
+                    if record is not None:
+                        last[0] = record()
                     if yield_gil:
                         for lid in lids:
                             loop.call_soon_threadsafe(counter.mark_enqueued, lid, last[0])
@@ -411,7 +459,7 @@ class HybridCacheController:
         counter: LayerTransferCounter,
         worker: asyncio.Future[Any],
         issued: dict[PoolName | str, list[int]],
-        last: list[torch.cuda.Event | None],
+        last: list[CudaEventLike | None],
     ) -> None:
         """Wait for the load worker (never abandoning it), then account and complete ``ops``."""
         error: BaseException | None = None
@@ -608,7 +656,7 @@ class HybridCacheController:
         self,
         ops: list[CacheOperation],
         merged: dict[PoolName, MergedTransfer],
-        event: torch.cuda.Event | None,
+        event: CudaEventLike | None,
         completion: CompletionQueue,
         *,
         error: BaseException | None,

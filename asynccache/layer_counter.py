@@ -13,7 +13,9 @@ Primitives:
   together share one event): one ``cudaStreamWaitEvent`` on raw handles, a few microseconds;
   stream-ordered, the host never synchronises. A layer the counter does not track (nothing to
   load, or another pipeline stage's layer) returns at once.
-- ``cuda_event(layer_id)`` — the event recorded after that layer's copy (benchmarks time it).
+- ``cuda_event(layer_id)`` — the event recorded after that layer's copy (benchmarks time it:
+  ``kernels.cudart.elapsed_ms``); a ``kernels.cudart.CudaEvent`` from the controller, or a
+  ``torch.cuda.Event`` where the runtime library does not load.
 - ``fail(exc)`` — a failed step releases every waiter with a :class:`TransferError`.
 
 Pipeline parallelism: each stage builds its counter over the global ids of the layers it owns
@@ -26,13 +28,18 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
 from asynccache.errors import TransferError
 from kernels.cudart import cuda_runtime
 
-__all__ = ["LayerTransferCounter"]
+__all__ = ["CudaEventLike", "LayerTransferCounter"]
+
+#: A recorded CUDA event: ``torch.cuda.Event`` or ``kernels.cudart.CudaEvent`` (both have
+#: ``cuda_event``, ``query``, ``synchronize`` and ``elapsed_time``).
+CudaEventLike = Any
 
 
 _get_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
@@ -65,7 +72,7 @@ def _stream_wait_event() -> Callable[[int, int], None] | None:
         return None
 
 
-def _make_wait(handle: int, event: torch.cuda.Event) -> None:
+def _make_wait(handle: int, event: CudaEventLike) -> None:
     """Make the stream ``handle`` wait on ``event``."""
     wait = _stream_wait_event()
     if wait is not None:
@@ -81,10 +88,10 @@ class _State:
     __slots__ = ("cuda_events", "error", "last_wait", "waiters")
 
     def __init__(self) -> None:
-        self.cuda_events: dict[int, torch.cuda.Event | None] = {}  # marked layers
+        self.cuda_events: dict[int, CudaEventLike | None] = {}  # marked layers
         self.waiters: dict[int, asyncio.Event] = {}  # created on the first wait for an unmarked layer
         self.error: BaseException | None = None
-        self.last_wait: tuple[torch.cuda.Event, object] | None = None
+        self.last_wait: tuple[CudaEventLike, object] | None = None
 
 
 class LayerTransferCounter:
@@ -109,7 +116,7 @@ class LayerTransferCounter:
         view._state = self._state
         return view
 
-    def mark_enqueued(self, layer_id: int, cuda_event: torch.cuda.Event | None = None) -> None:
+    def mark_enqueued(self, layer_id: int, cuda_event: CudaEventLike | None = None) -> None:
         if layer_id not in self._tracked:
             raise KeyError(f"layer {layer_id} is not tracked by this counter {self.layer_ids}")
         state = self._state
@@ -123,7 +130,7 @@ class LayerTransferCounter:
         state = self._state
         return layer_id not in self._tracked or layer_id in state.cuda_events or state.error is not None
 
-    def cuda_event(self, layer_id: int) -> torch.cuda.Event | None:
+    def cuda_event(self, layer_id: int) -> CudaEventLike | None:
         """The event recorded after ``layer_id``'s copy (``None``: not marked, or on CPU)."""
         return self._state.cuda_events.get(layer_id)
 

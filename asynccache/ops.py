@@ -107,6 +107,12 @@ class CacheOperation:
                 hosts.append(t.host_indices)
                 devs.append(t.device_indices)
         return {
-            name: MergedTransfer(pool_name=name, host_indices=torch.cat(h), device_indices=torch.cat(d))
+            name: MergedTransfer(pool_name=name, host_indices=_cat(h), device_indices=_cat(d))
             for name, (h, d) in by_pool.items()
         }
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)``, without the copy when there is one part (the tensors are never
+    written after they are made)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -5,9 +5,14 @@ Primitives:
 
 - ``cuda_runtime() -> CudaRuntime`` — the ``libcudart`` torch loaded (found once per process);
   raises :class:`TransferError` when none can be loaded.
-- ``CudaRuntime`` — ``memcpy_async``, ``memcpy_2d_async``, ``memcpy_batch_async``,
-  ``stream_wait_event`` (each checks its return code and raises :class:`TransferError` naming the
-  CUDA error), ``runtime_version``, ``driver_version``, ``has_batch``, ``describe()``.
+- ``CudaRuntime`` — ``memcpy_async``, ``memcpy_2d_async``, ``memcpy_rows``, ``memcpy_batch_async``,
+  ``stream_wait_event``, ``event_elapsed_ms`` (each checks its return code and raises
+  :class:`TransferError` naming the CUDA error), ``runtime_version``, ``driver_version``,
+  ``has_batch``, ``describe()``.
+- ``CudaEvent(rt)`` — an event on raw handles (``cuda_event``, ``record(stream)``, ``query()``,
+  ``synchronize()``, ``elapsed_time(end)``): what a load records after each step — two runtime
+  calls, without the binding layers of a ``torch.cuda.Event`` made and recorded there.
+- ``elapsed_ms(start, end)`` — milliseconds between two recorded events of either kind.
 - ``cudart_candidates()`` — where the library is looked for, in order.
 
 Which library. The library torch already loaded is the one to use: its per-thread state (current
@@ -38,11 +43,20 @@ import ctypes.util
 import functools
 import glob
 import os
+from collections.abc import Iterable
 from typing import Any
 
 from asynccache.errors import TransferError
 
-__all__ = ["CudaRuntime", "cuda_runtime", "cudart_candidates", "MEMCPY_DEFAULT", "BATCH_MIN_VERSION"]
+__all__ = [
+    "BATCH_MIN_VERSION",
+    "MEMCPY_DEFAULT",
+    "CudaEvent",
+    "CudaRuntime",
+    "cuda_runtime",
+    "cudart_candidates",
+    "elapsed_ms",
+]
 
 #: ``cudaMemcpyDefault``: the direction is inferred from the pointers (unified addressing).
 MEMCPY_DEFAULT = 4
@@ -52,6 +66,10 @@ BATCH_MIN_VERSION = 12080
 SRC_ACCESS_ORDER_STREAM = 1
 #: ``cudaMemcpyFlagPreferOverlapWithCompute``: ask the driver to keep the copy off the SMs' way.
 FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1
+#: ``cudaEventBlockingSync``: a thread synchronising on the event sleeps instead of spinning.
+EVENT_BLOCKING_SYNC = 1
+#: ``cudaErrorNotReady``: what ``cudaEventQuery`` returns while the recorded work runs.
+ERROR_NOT_READY = 600
 
 
 class _MemLocation(ctypes.Structure):
@@ -96,6 +114,14 @@ def cudart_candidates() -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def _bind(lib: ctypes.CDLL, name: str, *argtypes: Any) -> Any:
+    """``lib.name`` typed as a runtime call: the given argument types, a ``cudaError_t`` result."""
+    fn = getattr(lib, name)
+    fn.restype = ctypes.c_int
+    fn.argtypes = list(argtypes)
+    return fn
+
+
 class CudaRuntime:
     """A loaded ``libcudart`` with the few functions the DMA path calls, typed and checked.
 
@@ -117,19 +143,16 @@ class CudaRuntime:
         self.runtime_version = self._version(lib.cudaRuntimeGetVersion, "cudaRuntimeGetVersion")
         self.driver_version = self._version(lib.cudaDriverGetVersion, "cudaDriverGetVersion")
 
-        self._memcpy = lib.cudaMemcpyAsync
-        self._memcpy.restype = ctypes.c_int
-        self._memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-        self._memcpy_2d = lib.cudaMemcpy2DAsync
-        self._memcpy_2d.restype = ctypes.c_int
-        self._memcpy_2d.argtypes = [
-            ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
-            ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
-        ]  # fmt: skip
-
-        self._wait_event = lib.cudaStreamWaitEvent
-        self._wait_event.restype = ctypes.c_int
-        self._wait_event.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+        ptr, size, handle = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p
+        self._memcpy = _bind(lib, "cudaMemcpyAsync", ptr, ptr, size, ctypes.c_int, handle)
+        self._memcpy_2d = _bind(lib, "cudaMemcpy2DAsync", ptr, size, ptr, size, size, size, ctypes.c_int, handle)
+        self._wait_event = _bind(lib, "cudaStreamWaitEvent", handle, handle, ctypes.c_uint)
+        self._event_create = _bind(lib, "cudaEventCreateWithFlags", ctypes.POINTER(handle), ctypes.c_uint)
+        self._event_record = _bind(lib, "cudaEventRecord", handle, handle)
+        self._event_query = _bind(lib, "cudaEventQuery", handle)
+        self._event_sync = _bind(lib, "cudaEventSynchronize", handle)
+        self._event_elapsed = _bind(lib, "cudaEventElapsedTime", ctypes.POINTER(ctypes.c_float), handle, handle)
+        self._event_destroy = _bind(lib, "cudaEventDestroy", handle)
 
         self._batch: Any = None
         self.batch_signature: str | None = None
@@ -181,10 +204,31 @@ class CudaRuntime:
         code = self._memcpy_2d(dst, dst_pitch, src, src_pitch, width, height, MEMCPY_DEFAULT, stream)
         self.check(code, "cudaMemcpy2DAsync")
 
+    def memcpy_rows(
+        self, rows: Iterable[tuple[int, int, int, int, int, int]], src_base: int, dst_base: int, stream: int
+    ) -> None:
+        """One ``cudaMemcpy2DAsync`` per row ``(src_offset, dst_offset, width, height, src_pitch,
+        dst_pitch)`` from the two base addresses, a plain ``cudaMemcpyAsync`` for a row of height
+        one: the loop of a planned copy, with nothing but the runtime calls in it."""
+        memcpy, memcpy_2d = self._memcpy, self._memcpy_2d
+        for so, do, w, h, sp, dp in rows:
+            if h == 1:
+                code = memcpy(dst_base + do, src_base + so, w, MEMCPY_DEFAULT, stream)
+            else:
+                code = memcpy_2d(dst_base + do, dp, src_base + so, sp, w, h, MEMCPY_DEFAULT, stream)
+            if code:
+                self.check(code, "cudaMemcpyAsync" if h == 1 else "cudaMemcpy2DAsync")
+
     def stream_wait_event(self, stream: int, event: int) -> None:
         """``cudaStreamWaitEvent(stream, event, 0)``: work queued on ``stream`` later waits for
         the event's recorded work (``torch.cuda.Event.cuda_event``)."""
         self.check(self._wait_event(stream, event, 0), "cudaStreamWaitEvent")
+
+    def event_elapsed_ms(self, start: int, end: int) -> float:
+        """``cudaEventElapsedTime`` between two recorded events' handles, in milliseconds."""
+        ms = ctypes.c_float(0.0)
+        self.check(self._event_elapsed(ctypes.byref(ms), start, end), "cudaEventElapsedTime")
+        return float(ms.value)
 
     def memcpy_batch_async(
         self, dsts: int, srcs: int, sizes: int, count: int, stream: int, *, prefer_overlap: bool = True
@@ -221,6 +265,51 @@ class CudaRuntime:
             "driver_version": self.driver_version,
             "batch_signature": self.batch_signature,
         }
+
+
+class CudaEvent:
+    """A CUDA event on raw handles, made on the current device (timing kept, a synchronising
+    thread sleeps): ``record(stream)`` on a ``cudaStream_t``, ``query()``, ``synchronize()`` (the
+    GIL released), ``elapsed_time(end)`` in ms, ``cuda_event`` the handle (as on a
+    ``torch.cuda.Event``). Destroyed with the object; CUDA releases it once its recorded work
+    is done, so dropping an event still waited on is safe."""
+
+    __slots__ = ("_rt", "cuda_event")
+
+    def __init__(self, rt: CudaRuntime) -> None:
+        handle = ctypes.c_void_p()
+        rt.check(rt._event_create(ctypes.byref(handle), EVENT_BLOCKING_SYNC), "cudaEventCreateWithFlags")
+        self._rt = rt
+        self.cuda_event: int = handle.value or 0
+
+    def record(self, stream: int) -> None:
+        self._rt.check(self._rt._event_record(self.cuda_event, stream), "cudaEventRecord")
+
+    def query(self) -> bool:
+        """True once the recorded work has completed."""
+        code = self._rt._event_query(self.cuda_event)
+        if code == ERROR_NOT_READY:
+            self._rt._last_error()  # not an error; leave nothing for torch to pick up
+            return False
+        self._rt.check(code, "cudaEventQuery")
+        return True
+
+    def synchronize(self) -> None:
+        self._rt.check(self._rt._event_sync(self.cuda_event), "cudaEventSynchronize")
+
+    def elapsed_time(self, end: Any) -> float:
+        """Milliseconds from this event to ``end`` (either kind of event)."""
+        return self._rt.event_elapsed_ms(self.cuda_event, end.cuda_event)
+
+    def __del__(self) -> None:
+        rt = getattr(self, "_rt", None)
+        if rt is not None and self.cuda_event:
+            rt._event_destroy(self.cuda_event)  # a failure at interpreter exit has nowhere to go
+
+
+def elapsed_ms(start: Any, end: Any) -> float:
+    """Milliseconds between two recorded events, ``torch.cuda.Event`` or :class:`CudaEvent`."""
+    return cuda_runtime().event_elapsed_ms(start.cuda_event, end.cuda_event)
 
 
 @functools.cache

@@ -476,6 +476,7 @@ def dma_layer_copier(
     stream: torch.cuda.Stream | None = None,
     engine: str = "auto",
     checked: tuple[str, torch.device] | None = None,
+    shared: bool | None = None,
 ) -> Callable[..., DmaLaunch | None]:
     """A layer-by-layer copy of fixed index lists: ``issue(layer, count=1)`` enqueues
     ``src[l, src_indices[i]] → dst[l, dst_indices[i]]`` for ``l`` in ``[layer, layer + count)``
@@ -483,7 +484,8 @@ def dma_layer_copier(
     to copy).
 
     Everything is checked here, once — only the index lists (and the in-pool overlap rule) when
-    ``checked`` is what :func:`check_pair` returned for these pools, stream and engine. A range
+    ``checked`` is what :func:`check_pair` returned for these pools, stream and engine (and
+    ``shared`` what ``kernels.api.shares_buffer`` returned for them, if given). A range
     of ``count`` layers is planned at the first call with that count; later calls issue that
     plan with the two base addresses moved by the layer strides. For the ``strided`` and
     ``loop`` engines on an explicit stream, such a call makes nothing but the runtime calls: a
@@ -495,7 +497,7 @@ def dma_layer_copier(
         checked = check_pair(src, dst, stream, engine)
     validate_indices(src, dst, src_indices, dst_indices)
     if src_indices.numel() and num_layers:
-        check_overlap(src, dst, src_indices, dst_indices)
+        check_overlap(src, dst, src_indices, dst_indices, shared=shared)
     # ``issue`` plans ranges from the index tensors and the stream, so the copier keeps them
     # alive (the raw stream handle and the plans' offsets stay valid).
     issuers: dict[int, Callable[[int], DmaLaunch | None]] = {}
@@ -546,15 +548,21 @@ def _range_issuer(
         num_bytes=prepared.num_bytes,
     )
 
+    memcpy_rows = rt.memcpy_rows
+
     def issue(layer: int) -> DmaLaunch:
-        if torch.cuda.current_device() == index:
-            _issue_strided(rt, rows, src_base + layer * src_stride, dst_base + layer * dst_stride, handle)
+        if _current_device() == index:
+            memcpy_rows(rows, src_base + layer * src_stride, dst_base + layer * dst_stride, handle)
         else:
             with torch.cuda.device(index):
-                _issue_strided(rt, rows, src_base + layer * src_stride, dst_base + layer * dst_stride, handle)
+                memcpy_rows(rows, src_base + layer * src_stride, dst_base + layer * dst_stride, handle)
         return launch
 
     return issue
+
+
+#: The current CUDA device's index without ``torch.cuda.current_device``'s Python layer.
+_current_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 
 def _check_stream(stream: torch.cuda.Stream | None, device: torch.device) -> None:
@@ -740,11 +748,7 @@ def _issue(
 def _issue_strided(rt: CudaRuntime, rows: tuple[_Row, ...], src_base: int, dst_base: int, stream: int) -> int:
     """One ``cudaMemcpy2DAsync`` per row ``(src_offset, dst_offset, width, height, src_pitch,
     dst_pitch)`` (:func:`_rows`), a plain ``cudaMemcpyAsync`` for a row of height one."""
-    for so, do, w, h, sp, dp in rows:
-        if h == 1:
-            rt.memcpy_async(dst_base + do, src_base + so, w, stream)
-        else:
-            rt.memcpy_2d_async(dst_base + do, dp, src_base + so, sp, w, h, stream)
+    rt.memcpy_rows(rows, src_base, dst_base, stream)
     return len(rows)
 
 

@@ -30,6 +30,7 @@ from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
 from asynccache.spec import HybridSpec
 from kernels.api import COPY_METHOD_HELP
+from kernels.cudart import elapsed_ms
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -135,7 +136,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             for lid in layer_ids:
                 ev = counter.cuda_event(lid)
                 if ev is not None:
-                    durations.append(prev.elapsed_time(ev))
+                    durations.append(elapsed_ms(prev, ev))
                     prev = ev
             max_layer_load_ms = max(durations) if durations else per_layer_load_ms
         compute_target_ms = max_layer_load_ms * args.compute_ratio

@@ -245,7 +245,7 @@ class Scheduler:
             ForwardBatch(sequences=tuple(seqs)),
             self.cache.device_kv,
             self.cache.device_mamba,
-            _SeedingCounter(counter, self.cache, seeds),  # type: ignore[arg-type]
+            _SeedingCounter(counter, self.cache, seeds) if seeds else counter,  # type: ignore[arg-type]
         )
         next_ids = await self._to_host(logits.argmax(dim=-1))
         now = time.perf_counter()
@@ -313,23 +313,33 @@ class Scheduler:
         last_pos = req.total_len - 1
         num_pages_total = -(-last_pos // page)
         snap_positions = self._snapshot_positions(req, num_cached, tail)
-        alloc = tree.alloc_device(num_pages_total - num_cached // page, 1 + len(snap_positions))
-        op = None
-        # A boundary state loaded from the host lands in the working slot too (with the node's
-        # copy): nothing to seed from the node's slot then.
-        loads_state = match is not None and match.needs_load and match.state_tier is Tier.HOST
-        state_to = (int(alloc.state_slots[0]),) if alloc is not None and loads_state else ()
-        if alloc is not None and match is not None and match.needs_load:
-            op = ctrl.load(match, state_to=state_to)
-        if alloc is None or (match is not None and match.needs_load and op is None):
-            if alloc is not None:
-                ctrl._free(alloc.kv_indices, alloc.state_slots, device=True)
+        # The working and snapshot slots first, then the load's pages, then the request's own:
+        # the load's pages come off the free list in one piece (one copy a layer) when they
+        # were freed together.
+        slot_alloc = tree.alloc_device(0, 1 + len(snap_positions))
+        op = page_alloc = None
+        state_to: tuple[int, ...] = ()
+        if slot_alloc is not None:
+            if match is not None and match.needs_load:
+                # A boundary state loaded from the host lands in the working slot too (with
+                # the node's copy): nothing to seed from the node's slot then.
+                if match.state_tier is Tier.HOST:
+                    state_to = (int(slot_alloc.state_slots[0]),)
+                op = ctrl.load(match, state_to=state_to)
+            if op is not None or match is None or not match.needs_load:
+                page_alloc = tree.alloc_device(num_pages_total - num_cached // page, 0)
+        if page_alloc is None:
+            if op is not None:
+                ctrl.cancel(op)
+            if slot_alloc is not None:
+                ctrl._free(slot_alloc.kv_indices, slot_alloc.state_slots, device=True)
             if match is not None:
                 tree.unlock(match.last_node)
             if tail is not None:
                 tail.release()
             return False
-        own, slots = alloc.kv_indices, alloc.state_slots
+        assert slot_alloc is not None
+        own, slots = page_alloc.kv_indices, slot_alloc.state_slots
         if match is not None and num_cached:
             node = match.last_node
             prefix_pages = _path_device_pages(node)  # every page of the prefix, on device after the load

@@ -9,6 +9,7 @@ import torch
 from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
 from asynccache.spec import HybridSpec
+from kernels.cudart import elapsed_ms
 
 pytestmark = [
     pytest.mark.gpu,
@@ -145,7 +146,7 @@ async def test_loading_layer_i_plus_1_overlaps_computing_layer_i() -> None:
             nxt = ids[i + 1]
             c0 = start.elapsed_time(compute_start[lid])
             c1 = start.elapsed_time(compute_end[lid])
-            l1 = start.elapsed_time(load_end[nxt])  # type: ignore[arg-type]
+            l1 = elapsed_ms(start, load_end[nxt])
             rows.append((lid, c0, c1, l1))
             # Layer i+1 finished loading before layer i finished computing: the load ran
             # concurrently with (or ahead of) the compute instead of after it.

@@ -13,9 +13,11 @@ import torch
 from asynccache.bench import multiturn
 from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
+from asynccache.errors import CapacityError
 from asynccache.reference.model import HybridModel
 from asynccache.reference.scheduler import Scheduler, SchedulerConfig
 from asynccache.spec import HybridSpec
+from kernels import LayerCopy, PoolPair
 
 
 def bench_args(**kw: object) -> argparse.Namespace:
@@ -125,3 +127,65 @@ async def test_chunked_prefill_gives_the_same_greedy_output(setup: tuple[HybridS
             outs.append((await sched.generate(prompt, 6)).output_ids)
     assert outs[0] == outs[1]
     assert torch.tensor(outs[0]).numel() == 6
+
+
+async def test_a_flushed_prefix_loads_into_one_piece_of_device_pages(setup: tuple[HybridSpec, HybridModel]) -> None:
+    # The request's own page is taken after the load's pages: the pages the flush freed
+    # together stay together, so each layer's KV is one copy.
+    spec, model = setup
+    cfg = HybridCacheConfig(
+        device_kv_pages=256, device_state_slots=16, host_kv_bytes=512 * spec.kv_page_bytes,
+        host_state_bytes=16 * spec.state_bytes,
+    )
+    loads: list[torch.Tensor] = []
+    async with HybridCache(spec, cfg) as cache, Scheduler(model, cache, SchedulerConfig(chunk_size=64)) as sched:
+        ctrl = cache.controller
+        make = ctrl.layer_copier
+
+        def spy(pair: PoolPair, src: torch.Tensor, dst: torch.Tensor) -> LayerCopy:
+            if pair.src is cache.host_kv:
+                loads.append(dst.clone())
+            return make(pair, src, dst)
+
+        ctrl.layer_copier = spy  # type: ignore[method-assign]
+        prefix = [(7 * t) % 250 + 1 for t in range(100)]
+        await sched.generate(prefix + [3, 4], 2)
+        await ctrl.wait_idle()
+        for turn in range(3):
+            cache.flush_device()
+            await sched.generate(prefix + [9, 9 + turn], 2)
+            await ctrl.wait_idle()
+        cache.tree.check_integrity()
+    # (The first turn may still find the first request's nodes on the device: they are backed
+    # up, and so evictable, only once written.)
+    assert len(loads) >= 2
+    for pages in loads:
+        assert pages.numel() >= 100 // spec.page_size
+        assert torch.equal(pages, torch.arange(int(pages[0]), int(pages[0]) + pages.numel()))
+
+
+async def test_a_load_admitted_without_room_for_the_own_pages_is_cancelled(setup: tuple[HybridSpec, HybridModel]) -> None:
+    # Room for the cached prefix but not for the pages after it: the queued load is cancelled,
+    # its pages and the request's slots go back, and the request fails with CapacityError.
+    spec, model = setup
+    prefix = [(11 * t) % 250 + 1 for t in range(40)]
+    cfg = HybridCacheConfig(
+        device_kv_pages=44, device_state_slots=8, host_kv_bytes=64 * spec.kv_page_bytes,
+        host_state_bytes=8 * spec.state_bytes,
+    )
+    async with HybridCache(spec, cfg) as cache, Scheduler(model, cache, SchedulerConfig(chunk_size=64)) as sched:
+        ctrl = cache.controller
+        await sched.generate(prefix + [1], 2)
+        await ctrl.wait_idle()
+        cache.flush_device()
+        assert cache.device_kv.num_free == cache.device_kv.num_items
+        with pytest.raises(CapacityError):
+            await sched.generate(prefix + list(range(1, 11)), 2)  # 40 cached + 10 new pages > 44
+        await ctrl.wait_idle()
+        assert ctrl.statistics().counts.get("load_cancelled", 0) >= 1
+        assert cache.device_kv.num_free == cache.device_kv.num_items
+        assert cache.device_mamba.num_free == cache.device_mamba.num_items
+        cache.tree.check_integrity()
+        # The prefix is still cached on the host and serves a request that fits.
+        r = await sched.generate(prefix + [2], 2)
+        assert r.cached_tokens == len(prefix)

@@ -8,7 +8,16 @@ import torch
 from asynccache.errors import TransferError
 from asynccache.pools.base import ItemPool, PoolLayout
 from kernels import PoolPair, copy_items, layer_copier
-from kernels.testing import COPY_CASES, LAYOUT_PAIRS, CopyCase, assert_copied, index_pairs, make_item_pool, snapshot
+from kernels.api import check_overlap, shares_buffer
+from kernels.testing import (
+    COPY_CASES,
+    LAYOUT_PAIRS,
+    CopyCase,
+    assert_copied,
+    index_pairs,
+    make_item_pool,
+    snapshot,
+)
 
 NUM_LAYERS = 3
 
@@ -212,3 +221,19 @@ def test_a_pool_pair_checks_the_pools_once_and_each_copier_its_indices() -> None
         src_indices=torch.cat([first[0], second[0]]), dst_indices=torch.cat([first[1], second[1]]),
         layer_begin=0, layer_end=NUM_LAYERS,
     )  # fmt: skip
+
+
+def test_overlap_inside_one_pool_is_found_for_short_and_long_index_lists() -> None:
+    case = CopyCase(16, torch.uint8)
+    pool = make_item_pool(num_layers=2, num_items=200, case=case, layout=PoolLayout.LAYER_FIRST, seed=3)
+    other = make_item_pool(num_layers=2, num_items=200, case=case, layout=PoolLayout.LAYER_FIRST, seed=4)
+    assert shares_buffer(pool, pool) and not shares_buffer(pool, other)
+    for n in (2, 100):  # Python sets below 64 items, torch.isin above
+        src = torch.arange(n)
+        check_overlap(pool, pool, src, src + n)
+        check_overlap(pool, other, src, src)
+        with pytest.raises(TransferError, match="overlap"):
+            check_overlap(pool, pool, src, src + n - 1)
+        with pytest.raises(TransferError, match="overlap"):
+            check_overlap(pool, pool, src, src + n - 1, shared=True)
+        check_overlap(pool, pool, src, src + n - 1, shared=False)  # the caller's word is taken

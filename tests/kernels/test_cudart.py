@@ -1,10 +1,12 @@
-"""The ctypes binding of the CUDA runtime (no GPU needed: version queries and error naming only)."""
+"""The ctypes binding of the CUDA runtime: version queries and error naming (no GPU needed) and
+events on raw handles (GPU)."""
 
 from __future__ import annotations
 
 import ctypes
 
 import pytest
+import torch
 
 from asynccache.errors import TransferError
 from kernels import cudart
@@ -47,3 +49,41 @@ def test_errors_are_raised_with_their_cuda_name(runtime: cudart.CudaRuntime) -> 
     with pytest.raises(TransferError, match=r"cudaMemcpyAsync failed: cudaErrorInvalidValue"):
         runtime.check(1, "cudaMemcpyAsync")
     assert runtime.error_name(100) == "cudaErrorNoDevice"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_raw_events_order_streams_and_time_like_torch_events(runtime: cudart.CudaRuntime) -> None:
+    side = torch.cuda.Stream()
+    a = torch.randn(2048, 2048, device="cuda")
+    start = torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(side):
+        start.record(side)
+        for _ in range(20):
+            a = a @ a / 2048
+        done = cudart.CudaEvent(runtime)
+        done.record(side.cuda_stream)
+    # The current stream waits on the raw event: the copy below reads the finished product.
+    runtime.stream_wait_event(torch.cuda.current_stream().cuda_stream, done.cuda_event)
+    out = a.clone()
+    done.synchronize()
+    assert done.query()
+    torch.cuda.synchronize()
+    assert torch.equal(out, a)
+    later = cudart.CudaEvent(runtime)
+    later.record(side.cuda_stream)
+    later.synchronize()
+    # Either kind of event times against the other.
+    ms = cudart.elapsed_ms(start, done)
+    assert ms > 0 and done.elapsed_time(later) >= 0
+    # A query on an event whose work is still running is not an error left for torch to find.
+    busy = cudart.CudaEvent(runtime)
+    with torch.cuda.stream(side):
+        for _ in range(50):
+            a = a @ a / 2048
+        busy.record(side.cuda_stream)
+    busy.query()
+    torch.ones(1, device="cuda").sum().item()  # torch's next launch checks the last error
+    busy.synchronize()
+    del busy, done, later  # destroyed with the objects
+    torch.cuda.synchronize()
