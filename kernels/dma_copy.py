@@ -551,11 +551,12 @@ def _range_issuer(
     memcpy_rows = rt.memcpy_rows
 
     def issue(layer: int) -> DmaLaunch:
+        s, d = src_base + layer * src_stride, dst_base + layer * dst_stride
         if _current_device() == index:
-            memcpy_rows(rows, src_base + layer * src_stride, dst_base + layer * dst_stride, handle)
+            memcpy_rows(rows, s, d, handle)
         else:
             with torch.cuda.device(index):
-                memcpy_rows(rows, src_base + layer * src_stride, dst_base + layer * dst_stride, handle)
+                memcpy_rows(rows, s, d, handle)
         return launch
 
     return issue
@@ -687,7 +688,7 @@ def _plan(
 
 
 def _rows(engine: str, runs: list[_Row] | None, segments: CopySegments) -> tuple[_Row, ...]:
-    """The rows :func:`_issue_strided` issues for the ``strided`` engine (its runs) and the
+    """The rows ``CudaRuntime.memcpy_rows`` issues for the ``strided`` engine (its runs) and the
     ``loop`` engine (one row per segment); empty for the others."""
     if engine == "strided":
         assert runs is not None
@@ -733,7 +734,8 @@ def _issue(
         elif chosen == "2d":
             calls = _issue_2d(rt, src, dst, src_indices, dst_indices, layer_begin, num_layers, handle)
         else:
-            calls = _issue_strided(rt, prepared.run_rows, src_base, dst_base, handle)
+            rt.memcpy_rows(prepared.run_rows, src_base, dst_base, handle)
+            calls = len(prepared.run_rows)
         if issue_on is not caller:
             caller.wait_stream(issue_on)
     return DmaLaunch(
@@ -743,13 +745,6 @@ def _issue(
         num_calls=calls,
         num_bytes=prepared.num_bytes,
     )
-
-
-def _issue_strided(rt: CudaRuntime, rows: tuple[_Row, ...], src_base: int, dst_base: int, stream: int) -> int:
-    """One ``cudaMemcpy2DAsync`` per row ``(src_offset, dst_offset, width, height, src_pitch,
-    dst_pitch)`` (:func:`_rows`), a plain ``cudaMemcpyAsync`` for a row of height one."""
-    rt.memcpy_rows(rows, src_base, dst_base, stream)
-    return len(rows)
 
 
 def _issue_2d(
