@@ -36,14 +36,20 @@ import torch
 from asynccache.completion import CompletionQueue
 from asynccache.config import HybridCacheConfig
 from asynccache.errors import TransferError
-from asynccache.layer_counter import CudaEventLike, LayerTransferCounter
+from asynccache.layer_counter import LayerTransferCounter
 from asynccache.ops import CacheOperation, MergedTransfer, OpKind, OpState
 from asynccache.pools.base import ItemPool
 from asynccache.stats import ControllerStats, StatsRecorder
 from asynccache.storage import PoolName, PoolTransfer, StorageBackend
+from asynccache.streams import (
+    CudaEventLike,
+    current_stream,
+    make_wait,
+    order_after,
+    record_on,
+)
 from asynccache.tree.node import Tier
 from kernels import LayerCopy, PoolPair, copy_items
-from kernels.cudart import CudaEvent, cuda_runtime
 
 if TYPE_CHECKING:
     from asynccache.tree import HybridRadixTree
@@ -77,10 +83,8 @@ def _release_late_tail(task: asyncio.Task[Any]) -> None:
             tail.release()
 
 
-#: The copies of loaded states into callers' slots (``load(state_to=)``), device → device.
-_FORK = "mamba_fork"
 #: A step's copy: (pool, copier, first local layer, number of layers).
-_StepCopy = tuple["PoolName | str", "LayerCopy", int, int]
+_StepCopy = tuple[PoolName, "LayerCopy", int, int]
 #: One step of a load: the global layer ids it makes ready (one CUDA event), and its copies.
 _LoadStep = tuple[list[int], list[_StepCopy]]
 #: A step as :func:`_group_layers` plans it: the layer ids, and (pool, first local layer, layers).
@@ -131,29 +135,8 @@ def _group_layers(layer_ids: Sequence[int], pools: dict[PoolName, tuple[dict[int
     return ridden
 
 
-def _step_recorder(stream: torch.cuda.Stream) -> Callable[[], CudaEventLike]:
-    """A function that records a new event on ``stream`` and returns it: on raw handles
-    (``kernels.cudart.CudaEvent``, a few microseconds) where the runtime library loads, else a
-    ``torch.cuda.Event``. Either has ``cuda_event``, ``query``, ``synchronize`` and
-    ``elapsed_time``."""
-    try:
-        rt = cuda_runtime()
-    except TransferError:
-
-        def torch_event() -> torch.cuda.Event:
-            ev = torch.cuda.Event(blocking=True, enable_timing=True)
-            ev.record(stream)
-            return ev
-
-        return torch_event
-    handle = stream.cuda_stream
-
-    def raw_event() -> CudaEvent:
-        ev = CudaEvent(rt)
-        ev.record(handle)
-        return ev
-
-    return raw_event
+#: The current CUDA device's index without ``torch.cuda.current_device``'s Python layer.
+_current_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 
 def _slot_tensor(slot: int | None) -> torch.Tensor:
@@ -188,6 +171,8 @@ class HybridCacheController:
         }
         self.device = device_kv.device
         self._cuda = self.device.type == "cuda"
+        if self._cuda and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._load_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._write_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._load_queue: list[CacheOperation] = []
@@ -203,8 +188,9 @@ class HybridCacheController:
         #: calls or inject failures).
         self.copy: Callable[..., int] = copy_items
         self.layer_copier: Callable[[PoolPair, torch.Tensor, torch.Tensor], LayerCopy] = PoolPair.layer_copier
-        self._load_pairs: dict[PoolName | str, PoolPair] = {}  # checked at the first load
+        self._load_pairs: dict[PoolName, PoolPair] = {}  # checked at the first load
         self._step_plans: dict[tuple[Any, ...], list[_StepPlan]] = {}  # _group_layers by load shape
+        self._deferred_events: list[CudaEventLike] = []  # ordered before the next step's stream
         self.tiering: Any = None  # set in __aenter__ when a backend is configured
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -257,11 +243,13 @@ class HybridCacheController:
         """Queue the host → device load a match needs; ``None`` when the device has no room.
 
         ``state_to``: device state slots of the caller (a request's working slot) that receive the
-        boundary state too: each recurrent layer's state is copied on the device from the node's
-        freshly loaded slot right after its load, so the forward need not seed it; only for a
-        match whose state is on the host only (``ValueError`` otherwise). The slots stay the
-        caller's: a failed or cancelled load never frees them. A match that needs nothing returns
-        an already completed operation.
+        boundary state too: they get it layer by layer with the step's loads, so the forward need
+        not seed them, and the node's own slot gets it after the step's last layer, all layers
+        in one copy (ready for the forwards of later steps: the next :meth:`start_loading` orders
+        the caller's stream after it; ``await op`` covers it too). Only for a match whose state
+        is on the host only (``ValueError`` otherwise). The slots stay the caller's: a failed or
+        cancelled load never frees them. A match that needs nothing returns an already
+        completed operation.
         """
         loop = asyncio.get_running_loop()
         if state_to and (not match.needs_load or match.state_tier is not Tier.HOST):
@@ -288,22 +276,26 @@ class HybridCacheController:
         finally:
             self.tree.unlock(match.last_node)
             self.tree.unlock_host(match.last_node)
+        host_state, node_state = _slot_tensor(plan.host_state_slot), _slot_tensor(plan.device_state_slot)
+        deferred: tuple[PoolTransfer, ...] = ()
+        if state_to:
+            # The forward reads the callers' slots: they get the state layer by layer; the node's
+            # own slot (read from the next step on) gets it after the step's layers, in one copy.
+            deferred = (PoolTransfer(pool_name=PoolName.MAMBA, host_indices=host_state, device_indices=node_state),)
+            host_state = torch.tensor([plan.host_state_slot] * len(state_to), dtype=torch.int64)
+            node_state = torch.tensor([int(s) for s in state_to], dtype=torch.int64)
         op = CacheOperation(
             OpKind.LOAD,
             (
                 PoolTransfer(
                     pool_name=PoolName.KV, host_indices=plan.host_kv_indices, device_indices=plan.device_kv_indices
                 ),
-                PoolTransfer(
-                    pool_name=PoolName.MAMBA,
-                    host_indices=_slot_tensor(plan.host_state_slot),
-                    device_indices=_slot_tensor(plan.device_state_slot),
-                ),
+                PoolTransfer(pool_name=PoolName.MAMBA, host_indices=host_state, device_indices=node_state),
             ),
             plan=plan,
             priority=priority,
             loop=loop,
-            state_forks=[(int(plan.device_state_slot), int(s)) for s in state_to],
+            deferred=deferred,
         )
         self._load_queue.append(op)
         return op
@@ -314,15 +306,23 @@ class HybridCacheController:
         Returns the step's counter once the first layers are enqueued (here, on the loop thread,
         within ``LOAD_ENQUEUE_BUDGET_S`` of host time, so the copy engines start before the
         forward does); a worker thread enqueues the layers left in order, running ahead of the
-        forward, and the counter is set layer by layer.
+        forward, and the counter is set layer by layer. The caller's current stream is first
+        ordered after the deferred copies of earlier steps (``load(state_to=)``): what a step's
+        forward may read is ready for it, whether or not its own counter waits.
         """
         tg = self._require_started()
+        if self._deferred_events:
+            handle = current_stream(self.device.index)[1]
+            for event in self._deferred_events:
+                make_wait(handle, event)
+            self._deferred_events.clear()
         ops = [op for op in self._load_queue if op.state is OpState.QUEUED]
         self._load_queue.clear()
         if not ops:
             return LayerTransferCounter.completed()
         ops.sort(key=lambda op: -op.priority)
         merged = CacheOperation.merge_ops(ops)
+        deferred = CacheOperation.merge_ops(ops, deferred=True)
         layer_ids = sorted({lid for name in merged for lid in self.pools[name][0].layer_ids})
         counter = LayerTransferCounter(layer_ids)
         for op in ops:
@@ -330,7 +330,8 @@ class HybridCacheController:
             op.issued_at = time.perf_counter()
         self._stats.queue_depth("load", len(ops))
         # _enqueue_loads enqueues the first layers before it returns the coroutine the task runs.
-        task = tg.create_task(self._enqueue_loads(ops, merged, layer_ids, counter), name="asynccache-load")
+        coro = self._enqueue_loads(ops, merged, deferred, layer_ids, counter)
+        task = tg.create_task(coro, name="asynccache-load")
         self._loaders.add(task)
         task.add_done_callback(self._loaders.discard)
         return counter
@@ -339,6 +340,7 @@ class HybridCacheController:
         self,
         ops: list[CacheOperation],
         merged: dict[PoolName, MergedTransfer],
+        deferred: dict[PoolName, MergedTransfer],
         layer_ids: Sequence[int],
         counter: LayerTransferCounter,
     ) -> Coroutine[Any, Any, None]:
@@ -353,53 +355,56 @@ class HybridCacheController:
         on the load stream, and marks each layer on the loop as soon as it is enqueued. The
         worker is never abandoned: a cancelled caller still waits for it, so no copy is enqueued
         into memory that a failure path has already freed.
+
+        The ``deferred`` copies (all layers at once) follow the last layer's: after its event
+        when the loop thread issues them (the next ``start_loading`` orders the caller's stream
+        after theirs), before it when the worker does.
         """
         loop = asyncio.get_running_loop()
         stream = self._load_stream
-        if stream is not None:
-            # Freshly allocated device pages may still be read by earlier compute.
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-        issued: dict[PoolName | str, list[int]] = {name: [0, 0] for name in [*merged, _FORK]}  # bytes, launches
+        issued: dict[PoolName, list[int]] = {name: [0, 0] for name in [*merged, *deferred]}  # bytes, launches
         last: list[CudaEventLike | None] = [None]  # the event after the latest step
-        record = None if stream is None else _step_recorder(stream)
+        handle = None if stream is None else stream.cuda_stream
         steps: list[_LoadStep] = []
+        after: list[_StepCopy] = []
+
+        def copier(name: PoolName, m: MergedTransfer) -> LayerCopy:
+            dev, host = self.pools[name]
+            assert host is not None
+            return self.layer_copier(self._pair(name, host, dev), m.host_indices, m.device_indices)
 
         def plan() -> None:
             """Validate each pool's transfer once (and plan it on the copy engines): one copier
             per pool; then the steps, each a layer or a group of layers (``_group_layers``)."""
-            copiers = {}
-            for name, m in merged.items():
-                dev, host = self.pools[name]
-                assert host is not None
-                copiers[name] = self.layer_copier(self._pair(name, host, dev), m.host_indices, m.device_indices)
-            forks = [f for op in ops for f in op.state_forks]
-            fork = None
-            if forks:
-                src, dst = (torch.tensor(c, dtype=torch.int64) for c in zip(*forks, strict=True))
-                states = self.pools[PoolName.MAMBA][0]
-                fork = self.layer_copier(self._pair(_FORK, states, states), src, dst)
+            copiers = {name: copier(name, m) for name, m in merged.items()}
             for lids, copies in self._step_plan(layer_ids, merged):
-                step = [(name, copiers[name], li, count) for name, li, count in copies]
-                if fork is not None:
-                    step += [(_FORK, fork, li, count) for name, li, count in copies if name is PoolName.MAMBA]
-                steps.append((lids, step))
+                steps.append((lids, [(name, copiers[name], li, count) for name, li, count in copies]))
+            after.extend((name, copier(name, m), 0, self.pools[name][0].num_layers) for name, m in deferred.items())
+
+        def issue_step(copies: list[_StepCopy]) -> None:
+            for name, copy, li, count in copies:
+                total = issued[name]
+                total[0] += copy(li, count)
+                total[1] += 1
+            if handle is not None:
+                last[0] = record_on(handle)
+
+        def on_device() -> contextlib.AbstractContextManager[Any]:
+            """The load's device made current for the runtime calls, unless it already is."""
+            if stream is None or _current_device() == self.device.index:
+                return contextlib.nullcontext()
+            return torch.cuda.device(self.device)
 
         def issue(begin: int, *, yield_gil: bool, budget_s: float | None = None) -> int:
             """Enqueue ``steps[begin:]`` in order; returns where it stopped (early once
             ``budget_s`` of host time is spent, after at least one layer)."""
             start = time.perf_counter()
-            k = begin
-            with torch.cuda.device(self.device) if stream is not None else contextlib.nullcontext():
+            with on_device():
                 for k in range(begin, len(steps)):
                     if budget_s is not None and k > begin and time.perf_counter() - start > budget_s:
                         return k
                     lids, copies = steps[k]
-                    for name, copier, li, count in copies:
-                        total = issued[name]
-                        total[0] += copier(li, count)
-                        total[1] += 1
-                    if record is not None:
-                        last[0] = record()
+                    issue_step(copies)
                     if yield_gil:
                         for lid in lids:
                             loop.call_soon_threadsafe(counter.mark_enqueued, lid, last[0])
@@ -415,17 +420,27 @@ class HybridCacheController:
         accounting = all(self.pools[name][0].buffer is None for name in merged)
         worker: asyncio.Future[Any]
         try:
+            if stream is not None:
+                with on_device():
+                    # Freshly allocated device pages may still be read by earlier compute.
+                    order_after(stream.cuda_stream, current_stream(self.device.index)[1])
             plan()
             done = issue(0, yield_gil=False, budget_s=None if accounting else LOAD_ENQUEUE_BUDGET_S)
             if done == len(steps):
+                if after:
+                    with on_device():
+                        issue_step(after)
+                    if last[0] is not None:
+                        self._deferred_events.append(last[0])
                 worker = loop.create_future()
                 worker.set_result(None)
             else:
+                steps[-1][1].extend(after)  # the worker's last step carries them
                 worker = loop.run_in_executor(None, functools.partial(issue, done, yield_gil=True))
         except Exception as e:
             worker = loop.create_future()
             worker.set_exception(e)
-        return self._complete_loads(ops, merged, counter, worker, issued, last)
+        return self._complete_loads(ops, (merged, deferred), counter, worker, issued, last)
 
     def _step_plan(self, layer_ids: Sequence[int], merged: dict[PoolName, MergedTransfer]) -> list[_StepPlan]:
         """:func:`_group_layers` for a load of this shape (which pools, how many items each),
@@ -442,9 +457,9 @@ class HybridCacheController:
             plan = self._step_plans[key] = _group_layers(layer_ids, pools)
         return plan
 
-    def _pair(self, key: PoolName | str, src: ItemPool, dst: ItemPool) -> PoolPair:
-        """The :class:`PoolPair` of a load's copies (its checks made at the first load), kept by
-        ``key``: a pool's host → device pair, or ``_FORK`` (state pool → itself)."""
+    def _pair(self, key: PoolName, src: ItemPool, dst: ItemPool) -> PoolPair:
+        """The :class:`PoolPair` of a pool's loads (host → device; its checks made at the first
+        load)."""
         pair = self._load_pairs.get(key)
         if pair is None:
             pair = self._load_pairs[key] = PoolPair(
@@ -455,10 +470,10 @@ class HybridCacheController:
     async def _complete_loads(
         self,
         ops: list[CacheOperation],
-        merged: dict[PoolName, MergedTransfer],
+        merged: object,
         counter: LayerTransferCounter,
         worker: asyncio.Future[Any],
-        issued: dict[PoolName | str, list[int]],
+        issued: dict[PoolName, list[int]],
         last: list[CudaEventLike | None],
     ) -> None:
         """Wait for the load worker (never abandoning it), then account and complete ``ops``."""
@@ -472,11 +487,6 @@ class HybridCacheController:
         except Exception as e:
             error = e
         for name, (nbytes, launches) in issued.items():
-            if name == _FORK:
-                self._stats.bytes_moved("d2d", PoolName.MAMBA, nbytes)
-                self._stats.count("d2d_launches_mamba", launches)
-                continue
-            assert isinstance(name, PoolName)
             self._stats.bytes_moved("h2d", name, nbytes)
             self._stats.count(f"h2d_launches_{name.value}", launches)
         if error is not None:
@@ -521,9 +531,7 @@ class HybridCacheController:
                     pool_name=PoolName.KV, host_indices=plan.host_kv_indices, device_indices=plan.device_kv_indices
                 ),
                 PoolTransfer(
-                    pool_name=PoolName.MAMBA,
-                    host_indices=plan.host_state_slots,
-                    device_indices=plan.device_state_slots,
+                    pool_name=PoolName.MAMBA, host_indices=plan.host_state_slots, device_indices=plan.device_state_slots
                 ),
             ),
             plan=plan,
@@ -655,13 +663,14 @@ class HybridCacheController:
     def _finish_ops(
         self,
         ops: list[CacheOperation],
-        merged: dict[PoolName, MergedTransfer],
+        merged: object,
         event: CudaEventLike | None,
         completion: CompletionQueue,
         *,
         error: BaseException | None,
     ) -> None:
-        # `merged` is captured so its index tensors live until the copy has completed.
+        # `merged` (the merged transfers) is captured so its index tensors live until the copy
+        # has completed.
         def done() -> None:
             del_merged = merged  # noqa: F841 - keeps the index tensors alive until here
             for op in ops:
@@ -693,7 +702,7 @@ class HybridCacheController:
 
     def _free(self, kv: torch.Tensor, slots: torch.Tensor, *, device: bool) -> None:
         tier = 0 if device else 1
-        kv_pool, state_pool = self.pools[PoolName.KV][tier], self.pools[PoolName.MAMBA][tier]
+        kv_pool, state_pool = (self.pools[PoolName.KV][tier], self.pools[PoolName.MAMBA][tier])
         if kv.numel():
             assert kv_pool is not None
             kv_pool.free(kv)

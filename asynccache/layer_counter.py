@@ -26,59 +26,12 @@ uses are the ids the controller marks.
 from __future__ import annotations
 
 import asyncio
-import functools
-from collections.abc import Callable, Iterable
-from typing import Any
-
-import torch
+from collections.abc import Iterable
 
 from asynccache.errors import TransferError
-from kernels.cudart import cuda_runtime
+from asynccache.streams import CudaEventLike, current_stream, make_wait
 
 __all__ = ["CudaEventLike", "LayerTransferCounter"]
-
-#: A recorded CUDA event: ``torch.cuda.Event`` or ``kernels.cudart.CudaEvent`` (both have
-#: ``cuda_event``, ``query``, ``synchronize`` and ``elapsed_time``).
-CudaEventLike = Any
-
-
-_get_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
-_streams: dict[object, int] = {}
-
-
-def _current_stream() -> tuple[object, int]:
-    """``(key, handle)`` of the caller's current CUDA stream: its ``cudaStream_t``.
-    ``torch.cuda.current_stream()`` builds a new ``Stream`` object on every call (~5-15 µs, most
-    of a layer's wait); the handles are kept here by torch's stream id instead."""
-    if _get_stream is None:
-        handle = torch.cuda.current_stream().cuda_stream
-        return handle, handle
-    key = _get_stream(torch.cuda.current_device())
-    handle = _streams.get(key)
-    if handle is None:
-        if len(_streams) > 64:
-            _streams.clear()
-        handle = _streams[key] = torch.cuda.current_stream().cuda_stream
-    return key, handle
-
-
-@functools.cache
-def _stream_wait_event() -> Callable[[int, int], None] | None:
-    """``cudaStreamWaitEvent`` on raw handles (``kernels.cudart``); ``None`` where no runtime
-    library loads (then torch's ``Stream.wait_event``)."""
-    try:
-        return cuda_runtime().stream_wait_event
-    except TransferError:
-        return None
-
-
-def _make_wait(handle: int, event: CudaEventLike) -> None:
-    """Make the stream ``handle`` wait on ``event``."""
-    wait = _stream_wait_event()
-    if wait is not None:
-        wait(handle, event.cuda_event)
-    else:
-        torch.cuda.ExternalStream(handle).wait_event(event)
 
 
 class _State:
@@ -155,11 +108,11 @@ class LayerTransferCounter:
         cuda_event = state.cuda_events[layer_id]
         if cuda_event is None:
             return
-        key, handle = _current_stream()
+        key, handle = current_stream()
         last = state.last_wait
         if last is not None and last[0] is cuda_event and last[1] == key:
             return  # this stream already waits on this event (a layer of the same copy)
         # Waiting on a finished copy's event costs the GPU nothing; asking first would cost the
         # host a second call.
-        _make_wait(handle, cuda_event)
+        make_wait(handle, cuda_event)
         state.last_wait = (cuda_event, key)

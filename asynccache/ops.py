@@ -4,9 +4,9 @@ Primitives:
 
 - :class:`OpState` — ``QUEUED → ISSUED → DONE`` (or ``CANCELLED`` / ``FAILED`` before issue).
 - :class:`CacheOperation` — a batch of :class:`PoolTransfer` (one per pool: host indices ↔ device
-  indices), for loads the device copies of loaded states into callers' slots, the tree plan it
-  serves, a priority, and an asyncio future completed when its copy has finished on the device.
-  Awaitable.
+  indices), for loads the transfers that may land after every layer of the step (``deferred``),
+  the tree plan it serves, a priority, and an asyncio future completed when its copy has
+  finished on the device. Awaitable.
 - :func:`CacheOperation.merge_ops` — concatenate the transfers of many queued operations into
   one per pool, so a scheduler step issues one launch per layer (loads) or one launch for all
   layers (writes) however many requests are involved.
@@ -71,14 +71,15 @@ class CacheOperation:
         plan: Any,
         priority: int = 0,
         loop: asyncio.AbstractEventLoop | None = None,
-        state_forks: Sequence[tuple[int, int]] = (),
+        deferred: Sequence[PoolTransfer] = (),
     ) -> None:
         self.op_id = next(_ids)
         self.kind = kind
         self.transfers = {t.pool_name: t for t in transfers if t.num_items}
-        #: (loaded device state slot, caller's slot): device copies made right after the load of
-        #: each recurrent layer (a request's working slot seeded by the load itself).
-        self.state_forks = tuple(state_forks)
+        #: Loads nothing in the step's forward reads (a loaded boundary state's node slot, when the
+        #: caller's working slot gets the state layer by layer): copied for all layers at once,
+        #: after the step's layers.
+        self.deferred = {t.pool_name: t for t in deferred if t.num_items}
         self.plan = plan
         self.priority = priority
         self.state = OpState.QUEUED
@@ -98,11 +99,12 @@ class CacheOperation:
         return f"CacheOperation(id={self.op_id}, {self.kind.value}, {self.state.value}, items={sizes})"
 
     @staticmethod
-    def merge_ops(ops: Sequence[CacheOperation]) -> dict[PoolName, MergedTransfer]:
-        """One :class:`MergedTransfer` per pool over every operation in ``ops`` (in order)."""
+    def merge_ops(ops: Sequence[CacheOperation], *, deferred: bool = False) -> dict[PoolName, MergedTransfer]:
+        """One :class:`MergedTransfer` per pool over every operation in ``ops`` (in order): of
+        their ``transfers``, or of their ``deferred`` transfers."""
         by_pool: dict[PoolName, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for op in ops:
-            for name, t in op.transfers.items():
+            for name, t in (op.deferred if deferred else op.transfers).items():
                 hosts, devs = by_pool.setdefault(name, ([], []))
                 hosts.append(t.host_indices)
                 devs.append(t.device_indices)

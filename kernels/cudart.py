@@ -9,9 +9,10 @@ Primitives:
   ``stream_wait_event``, ``event_elapsed_ms`` (each checks its return code and raises
   :class:`TransferError` naming the CUDA error), ``runtime_version``, ``driver_version``,
   ``has_batch``, ``describe()``.
-- ``CudaEvent(rt)`` — an event on raw handles (``cuda_event``, ``record(stream)``, ``query()``,
-  ``synchronize()``, ``elapsed_time(end)``): what a load records after each step — two runtime
-  calls, without the binding layers of a ``torch.cuda.Event`` made and recorded there.
+- ``CudaEvent(rt, device=None)`` — an event on raw handles (``cuda_event``, ``record(stream)``,
+  ``query()``, ``synchronize()``, ``elapsed_time(end)``): what a load records after each step —
+  one runtime call when a handle of that device is free (reused once its object is gone),
+  without the binding layers of a ``torch.cuda.Event`` made and recorded there.
 - ``elapsed_ms(start, end)`` — milliseconds between two recorded events of either kind.
 - ``cudart_candidates()`` — where the library is looked for, in order.
 
@@ -44,7 +45,7 @@ import functools
 import glob
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 from asynccache.errors import TransferError
 
@@ -271,16 +272,32 @@ class CudaEvent:
     """A CUDA event on raw handles, made on the current device (timing kept, a synchronising
     thread sleeps): ``record(stream)`` on a ``cudaStream_t``, ``query()``, ``synchronize()`` (the
     GIL released), ``elapsed_time(end)`` in ms, ``cuda_event`` the handle (as on a
-    ``torch.cuda.Event``). Destroyed with the object; CUDA releases it once its recorded work
+    ``torch.cuda.Event``).
+
+    ``CudaEvent(rt, device=index)`` — the caller names the current device — takes a handle from
+    that device's free list when one is there, and gives it back to the list when the object
+    goes (a step's events cost two runtime calls fewer each). A handle is only reused once its
+    object is gone, and a stream that waits on an event waits on the record made before the
+    wait, so re-recording it later cannot affect that stream. Without ``device`` the handle is
+    made and destroyed with the object. CUDA releases a destroyed event once its recorded work
     is done, so dropping an event still waited on is safe."""
 
-    __slots__ = ("_rt", "cuda_event")
+    __slots__ = ("_device", "_rt", "cuda_event")
 
-    def __init__(self, rt: CudaRuntime) -> None:
+    #: Free handles per (runtime, device); bounded.
+    _free: ClassVar[dict[tuple[int, int], list[int]]] = {}
+    FREE_MAX: ClassVar[int] = 64
+
+    def __init__(self, rt: CudaRuntime, device: int | None = None) -> None:
+        self._rt = rt
+        self._device = device
+        free = None if device is None else self._free.get((id(rt), device))
+        if free:
+            self.cuda_event: int = free.pop()
+            return
         handle = ctypes.c_void_p()
         rt.check(rt._event_create(ctypes.byref(handle), EVENT_BLOCKING_SYNC), "cudaEventCreateWithFlags")
-        self._rt = rt
-        self.cuda_event: int = handle.value or 0
+        self.cuda_event = handle.value or 0
 
     def record(self, stream: int) -> None:
         self._rt.check(self._rt._event_record(self.cuda_event, stream), "cudaEventRecord")
@@ -303,8 +320,16 @@ class CudaEvent:
 
     def __del__(self) -> None:
         rt = getattr(self, "_rt", None)
-        if rt is not None and self.cuda_event:
-            rt._event_destroy(self.cuda_event)  # a failure at interpreter exit has nowhere to go
+        handle = getattr(self, "cuda_event", 0)
+        if rt is None or not handle:
+            return
+        device = getattr(self, "_device", None)
+        if device is not None:
+            free = self._free.setdefault((id(rt), device), [])
+            if len(free) < self.FREE_MAX:
+                free.append(handle)
+                return
+        rt._event_destroy(handle)  # a failure at interpreter exit has nowhere to go
 
 
 def elapsed_ms(start: Any, end: Any) -> float:

@@ -1,12 +1,16 @@
 """``asynccache bench prefix``: TTFT of a request whose long prefix is cached on each tier.
 
 One request = a ``--prefix-tokens`` prefix + ``--new-tokens`` fresh tokens, served through the
-reference scheduler. Measured in one run, median of ``--repeats``:
+reference scheduler. Measured in one run, median of ``--repeats`` (``--pairs`` for device and
+host):
 
 - ``cold``: nothing cached (a fresh prefix each repeat);
 - ``device``: the prefix (KV + state) is on the device;
-- ``host``: demoted to pinned host memory, loaded back layer by layer (device and host
-  repeats alternate);
+- ``host``: demoted to pinned host memory, loaded back layer by layer. Device and host repeats
+  alternate, ``--pairs`` times (each pair a few tens of milliseconds, so more of them than of
+  the others); besides the ratio of the two medians, the median of the pairs' ratios and of
+  their differences, which a machine's slow spells (several milliseconds, lasting a few
+  requests) move less;
 - ``disk``: only in local-disk storage (device and host flushed, the objects dropped from the
   page cache) — once restoring everything (read to host, then loaded layer by layer), once with
   the storage tier's cost model (``RestoreCost`` from the measured read bandwidth and prefill
@@ -52,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-tokens", type=int, default=32768, help="cached prefix length, a multiple of --page-size")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens after the prefix, 1 … --page-size (default 64)")
     p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5, help="repeats of cold and disk (default 5)")
+    p.add_argument("--pairs", type=int, default=15, help="alternating device, host repeats (default 15)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--copy-method", default="auto", help=COPY_METHOD_HELP)
     p.add_argument("--storage-dir", default=None, help="local directory for the disk tier (default: temp)")
@@ -149,7 +154,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         cached["device"].clear()
         await settle()
         # Device and host alternate, so both see the same machine conditions.
-        for _ in range(args.repeats):
+        for _ in range(args.pairs):
             await serve(prefix + tokens(args.new_tokens), "device")
             await settle()
             cache.flush_device()
@@ -176,6 +181,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         }
     tmp.cleanup()
     med = {k: statistics.median(v) for k, v in times.items()}
+    pairs = list(zip(times["device"], times["host"], strict=True))
     per_token_bytes = spec.kv_bytes_per_token
 
     def optimum_s(read_bps: float) -> float:
@@ -201,6 +207,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             "disk_optimum_ms": opt_ms,
             "disk_optimum_parallel_ms": opt_par_ms,
             "host_over_device": med["host"] / med["device"],
+            "host_over_device_pairwise": statistics.median(h / d for d, h in pairs),
+            "host_minus_device_ms": statistics.median(h - d for d, h in pairs),
             "disk_split_over_cold": med["disk_split"] / med["cold"],
             "disk_split_over_optimum": med["disk_split"] / opt_ms,
             "disk_split_over_optimum_parallel": med["disk_split"] / opt_par_ms,
@@ -217,8 +225,8 @@ def check_arguments(args: argparse.Namespace) -> str | None:
     The prefix must end on a page boundary and the new tokens must fit in one page: the state
     the cache keeps before a prompt's end is at its last page boundary, so that boundary has to
     be the prefix's end for a request with new tokens to hit the whole prefix."""
-    if args.page_size < 1 or args.prefix_tokens < args.page_size or args.repeats < 1:
-        return "need --page-size >= 1, --prefix-tokens >= --page-size and --repeats >= 1"
+    if args.page_size < 1 or args.prefix_tokens < args.page_size or args.repeats < 1 or args.pairs < 1:
+        return "need --page-size >= 1, --prefix-tokens >= --page-size, --repeats >= 1 and --pairs >= 1"
     if args.prefix_tokens % args.page_size:
         return f"--prefix-tokens ({args.prefix_tokens}) must be a multiple of --page-size ({args.page_size})"
     if not 1 <= args.new_tokens <= args.page_size:
@@ -253,7 +261,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'disk optimum (sequential)':<28}{res['disk_optimum_ms']:>11.1f}")
     print(f"{'disk optimum (parallel)':<28}{res['disk_optimum_parallel_ms']:>11.1f}")
     print(
-        f"host/device {res['host_over_device']:.3f}; disk (cost model)/cold {res['disk_split_over_cold']:.3f}; "
+        f"host/device {res['host_over_device']:.3f} (medians; {len(res['ttft_ms_repeats']['host'])} alternating "
+        f"pairs: median ratio {res['host_over_device_pairwise']:.3f}, median difference "
+        f"{res['host_minus_device_ms']:.2f} ms)"
+    )
+    print(
+        f"disk (cost model)/cold {res['disk_split_over_cold']:.3f}; "
         f"disk (cost model)/optimum {res['disk_split_over_optimum']:.3f} (sequential read), "
         f"{res['disk_split_over_optimum_parallel']:.3f} (parallel read)"
     )

@@ -50,9 +50,14 @@ class IndexAllocator:
         del self._free[-n:]
         # Ascending: runs of consecutive indices stay together whatever order they were freed
         # in, so a copy into (or out of) them takes few calls (``kernels.dma_copy``).
-        taken.sort()
-        arr = np.asarray(taken, dtype=np.int64)
-        self._allocated[arr] = True
+        lo, hi = min(taken), max(taken)
+        if hi - lo == n - 1:  # n distinct indices spanning n values: exactly lo … hi
+            arr = np.arange(lo, hi + 1, dtype=np.int64)
+            self._allocated[lo : hi + 1] = True
+        else:
+            taken.sort()
+            arr = np.asarray(taken, dtype=np.int64)
+            self._allocated[arr] = True
         return torch.from_numpy(arr)
 
     def free(self, indices: torch.Tensor | Iterable[int]) -> None:

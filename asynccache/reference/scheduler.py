@@ -18,10 +18,10 @@ Conventions (see docs/architecture.md):
 - a request computes at least one token: it matches ``prompt[:-1]``;
 - it owns a private working state slot holding a copy of the cached boundary state, so cached
   states are never mutated: a state loaded from the host is copied into the working slot by the
-  load itself (``controller.load(match, state_to=...)``, layer by layer with the node's copy);
-  a state already on the device is copied, all layers at once, before the forward — or, when
-  another request's load of this step brings it, per layer once the forward has waited for
-  that layer;
+  load itself (``controller.load(match, state_to=...)``, layer by layer; the node's slot gets
+  it after the step's layers); a state already on the device is copied, all layers at once,
+  before the forward — or, when another request's load of this step brings it, per layer from
+  that request's working slot once the forward has waited for that layer;
 - snapshots at the admission policy's positions go to freshly allocated slots that ``insert``
   hands to the tree.
 """
@@ -155,7 +155,8 @@ class Scheduler:
         self._task: asyncio.Task[None] | None = None
         self._tg: asyncio.TaskGroup | None = None
         self.num_steps = 0
-        self._loading_slots: set[int] = set()  # node state slots that this step's loads fill
+        #: node state slot → the working slot of the request whose load (this step) brings it
+        self._loading_slots: dict[int, int] = {}
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def __aenter__(self) -> Scheduler:
@@ -264,16 +265,19 @@ class Scheduler:
 
     def _seed_working_slots(self, reqs: list[_Request]) -> list[tuple[int, int]]:
         """Copy each request's cached boundary state into its working slot, all layers in one
-        copy, before the forward; returns the ``(node slot, working slot)`` seeds whose node
-        slot this step loads (another request's load brings it), which the forward seeds layer
-        by layer after each layer's wait."""
+        copy, before the forward; returns the ``(source slot, working slot)`` seeds of requests
+        whose node slot this step's load of another request brings, which the forward seeds
+        layer by layer after each layer's wait, from that request's working slot."""
         pool = self.cache.device_mamba
         late = []
         for r in reqs:
             if r.seed_slot is None:
                 continue
-            if r.seed_slot in self._loading_slots:
-                late.append((r.seed_slot, r.state_slot))
+            loader = self._loading_slots.get(r.seed_slot)
+            if loader is not None:
+                # The node's slot is filled after the step's layers; the loading request's
+                # working slot holds each layer's state from that layer's wait until its compute.
+                late.append((loader, r.state_slot))
             elif pool.buffer is not None:
                 pool.index_bytes(r.state_slot).copy_(pool.index_bytes(r.seed_slot))
             r.seed_slot = None
@@ -346,7 +350,7 @@ class Scheduler:
             assert prefix_pages.numel() == num_cached // page
             assert node.device_state is not None
             if state_to:
-                self._loading_slots.add(node.device_state)
+                self._loading_slots[node.device_state] = state_to[0]
             else:
                 req.seed_slot = node.device_state
             req.kv_pages = torch.cat([prefix_pages, own])

@@ -423,7 +423,9 @@ class TreeCore:
         if t.dtype not in (torch.int64, torch.int32):
             raise ConfigError(f"{what} must be an integer tensor, got {t.dtype}")
         # A private copy: the caller may reuse its tensor (e.g. a row of its page table).
-        return t.to("cpu", torch.int64).clone()
+        if t.dtype is torch.int64 and t.device.type == "cpu":
+            return t.clone()
+        return t.to("cpu", torch.int64)
 
     def _check_states(self, states: Mapping[int, int] | None, num_pages: int, what: str) -> dict[int, int]:
         """``{token position: slot}`` → ``{page position: slot}``, validated."""

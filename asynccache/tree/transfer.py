@@ -128,7 +128,9 @@ class TransferMixin(TreeCore):
             assert n.host_kv is not None, f"{n} holds no KV on any tier"
             self._set_device_kv(n, kv[off : off + n.num_pages])
             off += n.num_pages
-        host_kv = torch.cat([n.host_kv for n in host_part]) if host_part else _EMPTY  # type: ignore[misc]
+        # The nodes' host indices are never written after they are set: one node's is used as is.
+        parts = [n.host_kv for n in host_part]
+        host_kv = (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else _EMPTY  # type: ignore[misc]
         host_state = None
         if need_state:
             assert device_state_slot is not None

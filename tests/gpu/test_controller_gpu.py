@@ -3,6 +3,8 @@ and loading layer i+1 overlaps computing layer i (CUDA-event timeline)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -156,3 +158,64 @@ async def test_loading_layer_i_plus_1_overlaps_computing_layer_i() -> None:
         for lid, c0, c1, l1 in rows:
             print(f"{lid:5d}  {c0:13.3f}  {c1:11.3f}  {l1:19.3f}")
         assert hidden >= len(rows) // 2, f"only {hidden} of {len(rows)} layer loads overlapped compute"
+
+
+def _state_of(cache: HybridCache, slot: int) -> torch.Tensor:
+    return torch.cat([cache.device_mamba.layer_items(lid)[slot].reshape(-1) for lid in cache.spec.mamba_layer_ids])
+
+
+async def _load_into_working_slot(cache: HybridCache, tokens: list[int], *, next_step: bool) -> tuple[Any, ...]:
+    """Load ``tokens`` with ``state_to=`` a fresh slot, wait for every layer, read the working
+    slot after each recurrent layer's wait, then (after the next ``start_loading`` when
+    ``next_step``) read the node's slot on the same stream, before the operation completes."""
+    m = cache.tree.match_prefix(tokens)
+    mine = cache.device_mamba.alloc(1)
+    assert m.needs_load and mine is not None
+    op = cache.controller.load(m, state_to=[int(mine[0])])
+    assert op is not None
+    counter = cache.controller.start_loading()
+    working = []
+    for lid in cache.spec.cached_layer_ids:
+        await counter.wait(lid)
+        if lid in cache.spec.mamba_layer_ids:
+            working.append(cache.device_mamba.layer_items(lid)[int(mine[0])].reshape(-1).clone())
+    if next_step:
+        assert cache.controller.start_loading().layer_ids == ()
+    node = _state_of(cache, m.last_node.device_state).clone()
+    await op
+    cache.device_mamba.free(mine)
+    return torch.cat(working), node
+
+
+async def test_a_state_loaded_for_a_working_slot_reaches_the_node_slot_by_the_next_step() -> None:
+    """``load(state_to=)``: the working slot holds the state once each layer is waited for; the
+    node's slot, filled after the last layer (no layer waits for it), is ready for any work the
+    next step's ``start_loading`` precedes. Control: read before that ``start_loading``, the
+    node's slot is still the poison (77 MB of states land ~1.5 ms after the last layer)."""
+    _, cache = make_cache(16)
+    tokens = list(range(1, 16 * PAGE + 1))
+    async with cache:
+        alloc = cache.tree.alloc_device(16, 1)
+        assert alloc is not None
+        for pool in (cache.device_kv, cache.device_mamba):
+            assert pool.buffer is not None
+            pool.buffer.random_(0, 256)
+        res = cache.tree.insert(tokens, alloc.kv_indices, states={len(tokens): alloc.state_slot})
+        expected = _state_of(cache, alloc.state_slot).clone()
+        op = cache.controller.write(res.backup_nodes or [res.last_node])
+        assert op is not None
+        cache.controller.start_writing()
+        await op
+        for next_step in (True, False):
+            cache.flush_device()
+            for pool in (cache.device_kv, cache.device_mamba):
+                assert pool.buffer is not None
+                pool.buffer.fill_(0xA5)
+            working, node = await _load_into_working_slot(cache, tokens, next_step=next_step)
+            torch.cuda.synchronize()
+            assert torch.equal(working, expected)
+            if next_step:
+                assert torch.equal(node, expected)
+            else:
+                assert not torch.equal(node, expected)
+        cache.tree.check_integrity()

@@ -510,16 +510,25 @@ async def test_load_tail_lands_layer_by_layer_and_releases_the_tail_once() -> No
         assert ctrl.start_loading().layer_ids == ()
 
 
-async def test_a_load_copies_the_boundary_state_into_the_callers_slots_too() -> None:
-    """``load(match, state_to=...)``: the caller's slots receive the host state, layer by layer,
-    with the node's own slot; they stay the caller's when the load is cancelled; a match whose
-    state needs no load is refused."""
+@pytest.mark.parametrize("budget_s", [0.0, 10.0])
+async def test_a_load_copies_the_boundary_state_into_the_callers_slots_too(
+    budget_s: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``load(match, state_to=...)``: the caller's slots receive the host state layer by layer
+    with the step's copies; the node's own slot gets it after the last layer, all layers in one
+    copy (on the loop thread or in the worker's last step); the caller's slots stay the
+    caller's when the load is cancelled; a match whose state needs no load is refused."""
+    import asynccache.controller as controller_module
+
+    monkeypatch.setattr(controller_module, "LOAD_ENQUEUE_BUDGET_S", budget_s)
     async with make_cache() as cache:
         fill_random(cache)
         saved = await back_up_and_demote(cache, prompt(0))
         cache.flush_device()
         fill_random(cache, seed=5)
         ctrl, spec = cache.controller, cache.spec
+        counting = CountingCopier(ctrl.layer_copier)
+        ctrl.layer_copier = counting
         mine = cache.device_mamba.alloc(2)
         assert mine is not None
         op = ctrl.load(cache.tree.match_prefix(prompt(0)), state_to=[int(s) for s in mine])
@@ -528,8 +537,18 @@ async def test_a_load_copies_the_boundary_state_into_the_callers_slots_too() -> 
         for lid in spec.cached_layer_ids:
             await counter.wait(lid)
         await op
+        state_calls = [(first, n, items) for name, first, n, items, _ in counting.calls if name == "device_mamba"]
+        # Per step: both caller slots; last: the node's slot, every layer in one call.
+        assert state_calls[-1] == (0, spec.num_mamba_layers, 1)
+        assert [la for first, n, _ in state_calls[:-1] for la in range(first, first + n)] == list(
+            range(spec.num_mamba_layers)
+        )
+        assert {items for *_, items in state_calls[:-1]} == {2}
+        assert counting.calls[-1][0] == "device_mamba"
+        assert ctrl.statistics().bytes_total("h2d") == 6 * spec.kv_page_bytes + 3 * spec.state_bytes
         m = cache.tree.match_prefix(prompt(0))
         assert snapshot_bytes(cache, m) == saved
+
         def state(slot: int) -> torch.Tensor:
             return torch.stack([cache.device_mamba.layer_items(lid)[slot] for lid in spec.mamba_layer_ids])
 

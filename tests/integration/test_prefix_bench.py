@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ def bench_args(**kw: object) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     prefix.add_arguments(p)
     args = p.parse_args(["--preset", "small", "--prefix-tokens", "64", "--new-tokens", "8", "--page-size", "8"])
-    args.device, args.repeats = "cpu", 1
+    args.device, args.repeats, args.pairs = "cpu", 1, 3
     for k, v in kw.items():
         setattr(args, k, v)
     return args
@@ -26,7 +27,12 @@ def test_every_tier_serves_the_whole_prefix(tmp_path: Path, capsys: pytest.Captu
     assert prefix.run(bench_args(json_path=str(out), storage_dir=str(tmp_path / "disk"))) == 0
     res = json.loads(out.read_text())
     assert res["cached_tokens"] == {"cold": 0, "device": 64, "host": 64, "disk_all": 64, "disk_split": 64}
-    assert all(len(v) == 1 and v[0] > 0 for v in res["ttft_ms_repeats"].values())
+    reps = res["ttft_ms_repeats"]
+    assert {k: len(v) for k, v in reps.items()} == {"cold": 1, "device": 3, "host": 3, "disk_all": 1, "disk_split": 1}
+    assert all(t > 0 for v in reps.values() for t in v)
+    pairs = list(zip(reps["device"], reps["host"], strict=True))
+    assert res["host_over_device_pairwise"] == pytest.approx(statistics.median(h / d for d, h in pairs))
+    assert res["host_minus_device_ms"] == pytest.approx(statistics.median(h - d for d, h in pairs))
     assert set(res["read_time_correction"]) >= {"alone", "beside_compute", "alone_observed", "beside_compute_observed"}
     printed = capsys.readouterr().out
     assert "host/device" in printed and "each tail read beside a head" in printed
@@ -39,6 +45,7 @@ def test_every_tier_serves_the_whole_prefix(tmp_path: Path, capsys: pytest.Captu
         ({"new_tokens": 0}, "--new-tokens (0) must be between 1"),
         ({"prefix_tokens": 68}, "--prefix-tokens (68) must be a multiple of --page-size (8)"),
         ({"repeats": 0}, "--repeats >= 1"),
+        ({"pairs": 0}, "--pairs >= 1"),
     ],
 )
 def test_geometry_that_cannot_hit_the_whole_prefix_is_refused(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -213,3 +215,38 @@ def test_an_allocation_comes_back_ascending_whatever_the_free_order() -> None:
     got = a.alloc(12)
     assert got is not None
     assert got.tolist() == sorted(got.tolist()) == list(range(12))
+
+
+def test_alloc_hands_out_sorted_distinct_free_indices_whether_the_run_is_contiguous_or_not() -> None:
+    """Against a set model, over random allocs and frees (frees in random order, so the free
+    list holds contiguous runs and scattered indices): every allocation is ascending, distinct,
+    was free, and is marked allocated; nothing else changes."""
+    rng = random.Random(3)
+    alloc = make_allocator(64)
+    free = set(range(64))
+    held: list[int] = []
+    contiguous = scattered = 0
+    for _ in range(400):
+        if held and rng.random() < 0.5:
+            rng.shuffle(held)
+            k = rng.randint(1, len(held))
+            back, held = held[:k], held[k:]
+            alloc.free(torch.tensor(back))
+            free.update(back)
+            continue
+        n = rng.randint(1, 12)
+        got = alloc.alloc(n)
+        if n > len(free):
+            assert got is None
+            continue
+        assert got is not None and got.dtype == torch.int64
+        values = got.tolist()
+        assert values == sorted(set(values)) and len(values) == n and set(values) <= free
+        assert all(alloc.is_allocated(v) for v in values)
+        contiguous += values[-1] - values[0] == n - 1
+        scattered += values[-1] - values[0] != n - 1
+        free.difference_update(values)
+        held.extend(values)
+        assert alloc.num_free == len(free)
+    assert contiguous and scattered  # both paths ran
+    assert set(alloc.allocated_indices().tolist()) == set(range(64)) - free
