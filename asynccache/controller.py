@@ -702,7 +702,7 @@ class HybridCacheController:
 
     def _free(self, kv: torch.Tensor, slots: torch.Tensor, *, device: bool) -> None:
         tier = 0 if device else 1
-        kv_pool, state_pool = (self.pools[PoolName.KV][tier], self.pools[PoolName.MAMBA][tier])
+        kv_pool, state_pool = self.pools[PoolName.KV][tier], self.pools[PoolName.MAMBA][tier]
         if kv.numel():
             assert kv_pool is not None
             kv_pool.free(kv)

@@ -87,3 +87,36 @@ def test_raw_events_order_streams_and_time_like_torch_events(runtime: cudart.Cud
     busy.synchronize()
     del busy, done, later  # destroyed with the objects
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_events_of_a_device_reuse_handles_once_their_objects_are_gone(runtime: cudart.CudaRuntime) -> None:
+    """``CudaEvent(rt, device=)`` takes a freed handle of that device back; a stream that waited
+    on the handle's earlier record is not affected by its new record."""
+    dev = torch.cuda.current_device()
+    side = torch.cuda.Stream()
+    a = torch.randn(2048, 2048, device="cuda")
+    first = cudart.CudaEvent(runtime, device=dev)
+    handle = first.cuda_event
+    with torch.cuda.stream(side):
+        for _ in range(20):
+            a = a @ a / 2048
+        first.record(side.cuda_stream)
+    runtime.stream_wait_event(torch.cuda.current_stream().cuda_stream, first.cuda_event)
+    mid, out = a, a.clone()  # ordered after the 20 products
+    del first
+    again = cudart.CudaEvent(runtime, device=dev)
+    assert again.cuda_event == handle  # reused, not made anew
+    with torch.cuda.stream(side):
+        for _ in range(20):
+            a = a @ a / 2048
+        again.record(side.cuda_stream)  # a later record: the wait above keeps the earlier one
+    torch.cuda.synchronize()
+    assert torch.equal(out, mid)
+    again.synchronize()
+    assert again.query()
+    plain = cudart.CudaEvent(runtime)
+    assert plain.cuda_event != handle
+    del again, plain
+    torch.cuda.synchronize()
