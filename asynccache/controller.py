@@ -43,6 +43,7 @@ from asynccache.stats import ControllerStats, StatsRecorder
 from asynccache.storage import PoolName, PoolTransfer, StorageBackend
 from asynccache.streams import (
     CudaEventLike,
+    current_device,
     current_stream,
     make_wait,
     order_after,
@@ -133,10 +134,6 @@ def _group_layers(layer_ids: Sequence[int], pools: dict[PoolName, tuple[dict[int
         ridden.append((lids, copies))
         ridden_sizes.append(size)
     return ridden
-
-
-#: The current CUDA device's index without ``torch.cuda.current_device``'s Python layer.
-_current_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 
 def _slot_tensor(slot: int | None) -> torch.Tensor:
@@ -391,7 +388,7 @@ class HybridCacheController:
 
         def on_device() -> contextlib.AbstractContextManager[Any]:
             """The load's device made current for the runtime calls, unless it already is."""
-            if stream is None or _current_device() == self.device.index:
+            if stream is None or current_device() == self.device.index:
                 return contextlib.nullcontext()
             return torch.cuda.device(self.device)
 

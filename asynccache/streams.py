@@ -4,6 +4,8 @@
 records a ``torch.cuda.Event`` (tens of microseconds together on a busy host); a step makes a
 few dozen such dependencies, so they go through ``kernels.cudart`` instead:
 
+- :func:`current_device` — the current device's index (without ``torch.cuda.current_device``'s
+  Python layer);
 - :func:`current_stream` — ``(key, cudaStream_t)`` of the caller's current stream;
 - :func:`make_wait` — one ``cudaStreamWaitEvent``;
 - :func:`record_on` — an event recorded on a stream handle of the current device (its handle
@@ -16,6 +18,7 @@ Where no runtime library loads, each falls back to torch's own calls.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,14 +26,14 @@ import torch
 from asynccache.errors import TransferError
 from kernels.cudart import CudaEvent, CudaRuntime, cuda_runtime
 
-__all__ = ["CudaEventLike", "current_stream", "make_wait", "order_after", "record_on"]
+__all__ = ["CudaEventLike", "current_device", "current_stream", "make_wait", "order_after", "record_on"]
 
 #: A recorded CUDA event: ``torch.cuda.Event`` or ``kernels.cudart.CudaEvent`` (both have
 #: ``cuda_event``, ``query``, ``synchronize`` and ``elapsed_time``).
 CudaEventLike = Any
 
 _get_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
-_get_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+current_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 _streams: dict[object, int] = {}
 
 
@@ -41,7 +44,7 @@ def current_stream(device: int | None = None) -> tuple[object, int]:
     if _get_stream is None:
         handle = torch.cuda.current_stream(device).cuda_stream
         return handle, handle
-    key = _get_stream(_get_device() if device is None else device)
+    key = _get_stream(current_device() if device is None else device)
     handle = _streams.get(key)
     if handle is None:
         if len(_streams) > 64:
@@ -71,7 +74,7 @@ def record_on(handle: int) -> CudaEventLike:
     """A new event recorded on the stream ``handle``."""
     rt = _runtime()
     if rt is not None:
-        event = CudaEvent(rt, device=_get_device())
+        event = CudaEvent(rt, device=current_device())
         event.record(handle)
         return event
     ev = torch.cuda.Event(blocking=True, enable_timing=True)

@@ -155,25 +155,36 @@ async def test_load_restores_exact_bytes_and_merges_to_one_launch_per_layer() ->
         assert stats.bytes_total("h2d") == 5 * (6 * spec.kv_page_bytes + spec.state_bytes)
 
 
-@pytest.mark.parametrize("budget_s", [0.0, 10.0])
-async def test_load_enqueue_budget_splits_layers_between_loop_and_worker(
-    budget_s: float, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture(params=[0.0, 10.0])
+def budget_s(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> float:
+    """``LOAD_ENQUEUE_BUDGET_S``: none (a worker thread takes every layer after the first) or
+    generous (the loop thread enqueues them all)."""
+    import asynccache.controller as controller_module
+
+    monkeypatch.setattr(controller_module, "LOAD_ENQUEUE_BUDGET_S", request.param)
+    return float(request.param)
+
+
+async def demoted_and_counted(cache: HybridCache, seed: int) -> tuple[bytes, CountingCopier]:
+    """``prompt(0)`` backed up and dropped from the device, whose memory is then scribbled over
+    (``seed``); returns the saved bytes and the controller's copier, now counted."""
+    fill_random(cache)
+    saved = await back_up_and_demote(cache, prompt(0))
+    cache.flush_device()
+    fill_random(cache, seed=seed)
+    counting = CountingCopier(cache.controller.layer_copier)
+    cache.controller.layer_copier = counting
+    return saved, counting
+
+
+async def test_load_enqueue_budget_splits_layers_between_loop_and_worker(budget_s: float) -> None:
     """``start_loading`` enqueues layers on the loop while its host-time budget lasts — all of
     them with a generous budget, only the first with none (a worker thread takes the rest) —
     and either way every layer lands, in order, with the saved bytes."""
-    import asynccache.controller as controller_module
-
-    monkeypatch.setattr(controller_module, "LOAD_ENQUEUE_BUDGET_S", budget_s)
     async with make_cache() as cache:
-        fill_random(cache)
-        saved = await back_up_and_demote(cache, prompt(0))
-        cache.flush_device()
-        fill_random(cache, seed=7)
+        saved, counting = await demoted_and_counted(cache, seed=7)
         ctrl = cache.controller
         loop_thread = threading.get_ident()
-        counting = CountingCopier(ctrl.layer_copier)
-        ctrl.layer_copier = counting
         op = ctrl.load(cache.tree.match_prefix(prompt(0)))
         assert op is not None
         counter = ctrl.start_loading()
@@ -510,25 +521,14 @@ async def test_load_tail_lands_layer_by_layer_and_releases_the_tail_once() -> No
         assert ctrl.start_loading().layer_ids == ()
 
 
-@pytest.mark.parametrize("budget_s", [0.0, 10.0])
-async def test_a_load_copies_the_boundary_state_into_the_callers_slots_too(
-    budget_s: float, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_load_copies_the_boundary_state_into_the_callers_slots_too(budget_s: float) -> None:
     """``load(match, state_to=...)``: the caller's slots receive the host state layer by layer
     with the step's copies; the node's own slot gets it after the last layer, all layers in one
     copy (on the loop thread or in the worker's last step); the caller's slots stay the
     caller's when the load is cancelled; a match whose state needs no load is refused."""
-    import asynccache.controller as controller_module
-
-    monkeypatch.setattr(controller_module, "LOAD_ENQUEUE_BUDGET_S", budget_s)
     async with make_cache() as cache:
-        fill_random(cache)
-        saved = await back_up_and_demote(cache, prompt(0))
-        cache.flush_device()
-        fill_random(cache, seed=5)
+        saved, counting = await demoted_and_counted(cache, seed=5)
         ctrl, spec = cache.controller, cache.spec
-        counting = CountingCopier(ctrl.layer_copier)
-        ctrl.layer_copier = counting
         mine = cache.device_mamba.alloc(2)
         assert mine is not None
         op = ctrl.load(cache.tree.match_prefix(prompt(0)), state_to=[int(s) for s in mine])
