@@ -18,6 +18,10 @@ host):
   recomputing, restoring everything, or a split restore: the head of the prefix computed while
   the tail is read.
 
+On CUDA the run also times one contiguous pinned host → device copy of the prefix's bytes: the
+link's floor for the host row, and the host tier's physical optimum ``max(device TTFT, link
+time)`` (a forward faster than the link cannot hide the load).
+
 The same run measures the raw read bandwidth of the stored objects — plain sequential file
 reads, and the same reads spread over as many threads as the backend uses — and reports the
 physical optimum for the disk case, ``min over a of max(bytes(a) / raw_read_bw,
@@ -96,6 +100,26 @@ def _raw_read_bytes_per_s(root: Path, threads: int = 1) -> tuple[float, int]:
     return total / (time.perf_counter() - t0), total
 
 
+def _h2d_link_ms(num_bytes: int, device: str, repeats: int = 3) -> float | None:
+    """Median time of one contiguous pinned host → device copy of ``num_bytes`` on a side
+    stream, after a warm-up copy (``None`` off CUDA)."""
+    if not device.startswith("cuda"):
+        return None
+    src = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream(device=dst.device)
+    times = []
+    with torch.cuda.stream(stream):
+        for _ in range(repeats + 1):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    return statistics.median(times[1:])
+
+
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
     spec = HybridSpec.preset(args.preset, page_size=args.page_size)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -160,6 +184,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             cache.flush_device()
             await serve(prefix + tokens(args.new_tokens), "host")
             await settle()
+        link_ms = _h2d_link_ms(args.prefix_tokens * spec.kv_bytes_per_token + spec.state_bytes, args.device)
         raw_bps, stored_bytes = _raw_read_bytes_per_s(root)
         par_threads = LocalDiskBackend.default_max_concurrency
         raw_par_bps, _ = _raw_read_bytes_per_s(root, threads=par_threads)
@@ -209,6 +234,9 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             "host_over_device": med["host"] / med["device"],
             "host_over_device_pairwise": statistics.median(h / d for d, h in pairs),
             "host_minus_device_ms": statistics.median(h - d for d, h in pairs),
+            "h2d_link_ms": link_ms,
+            "host_optimum_ms": None if link_ms is None else max(med["device"], link_ms),
+            "host_over_optimum": None if link_ms is None else med["host"] / max(med["device"], link_ms),
             "disk_split_over_cold": med["disk_split"] / med["cold"],
             "disk_split_over_optimum": med["disk_split"] / opt_ms,
             "disk_split_over_optimum_parallel": med["disk_split"] / opt_par_ms,
@@ -265,6 +293,11 @@ def run(args: argparse.Namespace) -> int:
         f"pairs: median ratio {res['host_over_device_pairwise']:.3f}, median difference "
         f"{res['host_minus_device_ms']:.2f} ms)"
     )
+    if res["h2d_link_ms"] is not None:
+        print(
+            f"the prefix over the link alone (contiguous pinned copy, same run): {res['h2d_link_ms']:.1f} ms; "
+            f"host / max(device, link) {res['host_over_optimum']:.3f}"
+        )
     print(
         f"disk (cost model)/cold {res['disk_split_over_cold']:.3f}; "
         f"disk (cost model)/optimum {res['disk_split_over_optimum']:.3f} (sequential read), "

@@ -33,6 +33,8 @@ def test_every_tier_serves_the_whole_prefix(tmp_path: Path, capsys: pytest.Captu
     pairs = list(zip(reps["device"], reps["host"], strict=True))
     assert res["host_over_device_pairwise"] == pytest.approx(statistics.median(h / d for d, h in pairs))
     assert res["host_minus_device_ms"] == pytest.approx(statistics.median(h - d for d, h in pairs))
+    # The link's floor is a CUDA measurement: absent on CPU, not made up.
+    assert res["h2d_link_ms"] is None and res["host_optimum_ms"] is None and res["host_over_optimum"] is None
     assert set(res["read_time_correction"]) >= {"alone", "beside_compute", "alone_observed", "beside_compute_observed"}
     printed = capsys.readouterr().out
     assert "host/device" in printed and "each tail read beside a head" in printed
