@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import uvloop
 
+from asynccache.bench.progress import progress_bar
 from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
 from asynccache.reference.model import HybridModel
@@ -188,22 +189,6 @@ async def _warmup(model: HybridModel, spec: HybridSpec, args: argparse.Namespace
         await sched.generate([1 + t % (spec.vocab_size - 1) for t in range(args.request_len)], args.output_len)
 
 
-def _progress_printer(total: int) -> Any:
-    done = 0
-
-    def tick() -> None:
-        nonlocal done
-        done += 1
-        width = 30
-        filled = width * done // total
-        sys.stderr.write(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} requests")
-        if done == total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-    return tick
-
-
 def _print_tables(summaries: dict[str, dict[str, Any]]) -> None:
     print()
     print(f"{'mode':<20}{'hit rate':>9}{'ideal':>8}{'of ideal':>9}{'TTFT mean':>11}{'p50':>9}{'p99':>9}{'tok/s':>10}")
@@ -282,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
                     args=args,
                     budgets=budgets,
                     storage_uri=storage_uri,
-                    progress=_progress_printer(args.clients * args.rounds),
+                    progress=progress_bar(args.clients * args.rounds, "requests"),
                 )
             )
             summaries[mode] = res.summary()

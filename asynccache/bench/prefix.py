@@ -45,6 +45,7 @@ import numpy as np
 import torch
 import uvloop
 
+from asynccache.bench.progress import progress_bar
 from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
 from asynccache.reference.model import HybridModel
@@ -66,6 +67,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--copy-method", default="auto", help=COPY_METHOD_HELP)
     p.add_argument("--storage-dir", default=None, help="local directory for the disk tier (default: temp)")
     p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument(
+        "--plot", default=None, help="write a PNG of TTFT per tier and of the device/host pairs to this path"
+    )
+    p.add_argument(
+        "--from-json", default=None, help="re-print the table and re-plot a previous --json file instead of measuring"
+    )
 
 
 def _drop_page_cache(root: Path) -> None:
@@ -154,12 +161,15 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         tier = ctrl.tiering
         assert tier is not None
 
+        tick = progress_bar(2 + 3 * args.repeats + 2 * args.pairs, "requests")
+
         async def serve(prompt: list[int], key: str) -> None:
             if args.device == "cuda":
                 torch.cuda.synchronize()
             r = await sched.generate(prompt, 1)
             times[key].append(r.ttft_s * 1e3)
             cached[key].append(r.cached_tokens)
+            tick()
 
         async def settle() -> None:
             await ctrl.wait_idle()
@@ -266,10 +276,36 @@ def check_arguments(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if (why := check_arguments(args)) is not None:
-        print(why, file=sys.stderr)
-        return 2
-    res = uvloop.run(_run(args))
+    if args.from_json:
+        try:
+            res = json.loads(Path(args.from_json).read_text())
+        except (OSError, ValueError) as e:
+            print(f"cannot read {args.from_json}: {e}", file=sys.stderr)
+            return 2
+    else:
+        if (why := check_arguments(args)) is not None:
+            print(why, file=sys.stderr)
+            return 2
+        res = uvloop.run(_run(args))
+        if args.json_path:
+            Path(args.json_path).write_text(json.dumps(res, indent=2))
+    _print_report(res)
+    if args.plot:
+        _plot(res, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+_TIERS = {
+    "cold": "cold prefill",
+    "device": "device",
+    "host": "host (layer-by-layer load)",
+    "disk_all": "local disk, restore all",
+    "disk_split": "local disk, cost model",
+}
+
+
+def _print_report(res: dict[str, Any]) -> None:
     print(
         f"prefix TTFT on {res['device']}: {res['preset']}, {res['prefix_tokens']}-token prefix "
         f"({res['prefix_bytes'] / 1e9:.2f} GB) + {res['new_tokens']} new tokens; cold prefill "
@@ -277,14 +313,7 @@ def run(args: argparse.Namespace) -> int:
         f"{res['raw_disk_parallel_read_gbps']:.2f} GB/s on {res['raw_disk_parallel_threads']} threads"
     )
     print(f"{'served from':<28}{'TTFT (ms)':>11}{'cached':>9}")
-    names = {
-        "cold": "cold prefill",
-        "device": "device",
-        "host": "host (layer-by-layer load)",
-        "disk_all": "local disk, restore all",
-        "disk_split": "local disk, cost model",
-    }
-    for key, name in names.items():
+    for key, name in _TIERS.items():
         print(f"{name:<28}{res['ttft_ms'][key]:>11.1f}{res['cached_tokens'][key]:>9}")
     print(f"{'disk optimum (sequential)':<28}{res['disk_optimum_ms']:>11.1f}")
     print(f"{'disk optimum (parallel)':<28}{res['disk_optimum_parallel_ms']:>11.1f}")
@@ -293,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
         f"pairs: median ratio {res['host_over_device_pairwise']:.3f}, median difference "
         f"{res['host_minus_device_ms']:.2f} ms)"
     )
-    if res["h2d_link_ms"] is not None:
+    if res.get("h2d_link_ms") is not None:
         print(
             f"the prefix over the link alone (contiguous pinned copy, same run): {res['h2d_link_ms']:.1f} ms; "
             f"host / max(device, link) {res['host_over_optimum']:.3f}"
@@ -309,6 +338,48 @@ def run(args: argparse.Namespace) -> int:
     print(f"observed / estimated read time: {corr['alone']:.2f} alone, {corr['beside_compute']:.2f} beside a head's computation")
     seen = ", ".join(f"{r:.2f}" for r in corr["beside_compute_observed"]) or "none"
     print(f"  each tail read beside a head (observed / estimated): {seen}")
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(res, indent=2))
-    return 0
+
+
+def _plot(res: dict[str, Any], path: str) -> None:
+    """TTFT per tier (log scale, with the disk optima and the link time), and each alternating
+    device/host pair."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    keys = list(_TIERS)
+    ttft = [res["ttft_ms"][k] for k in keys]
+    bars = ax1.bar(range(len(keys)), ttft, color=["0.6", "tab:green", "tab:blue", "tab:orange", "tab:red"])
+    ax1.bar_label(bars, labels=[f"{t:.1f}" for t in ttft], fontsize=8)
+    ax1.set_xticks(range(len(keys)), [_TIERS[k].replace(" (", "\n(").replace(", ", ",\n") for k in keys], fontsize=8)
+    ax1.set_yscale("log")
+    for value, label, style in (
+        (res["disk_optimum_ms"], "disk optimum, sequential read", "k--"),
+        (res["disk_optimum_parallel_ms"], "disk optimum, parallel read", "k:"),
+        (res.get("h2d_link_ms"), "prefix over the link alone", "b:"),
+    ):
+        if value is not None:
+            ax1.axhline(value, color=style[0], linestyle=style[1:], linewidth=1, label=f"{label} ({value:.1f} ms)")
+    ax1.set(ylabel="TTFT (ms, median)", title="TTFT by the tier that holds the prefix")
+    ax1.legend(fontsize=7, loc="upper right")
+    reps = res["ttft_ms_repeats"]
+    xs = range(1, len(reps["device"]) + 1)
+    ax2.plot(xs, reps["device"], "o-", color="tab:green", label="device")
+    ax2.plot(xs, reps["host"], "o-", color="tab:blue", label="host")
+    ax2.plot(xs, [1.05 * d for d in reps["device"]], color="tab:green", linestyle=":", label="1.05 × device")
+    ax2.set(
+        xlabel="alternating pair",
+        ylabel="TTFT (ms)",
+        title=f"device and host in turn: host/device {res['host_over_device']:.3f} (medians)",
+    )
+    ax2.legend(fontsize=8)
+    fig.suptitle(
+        f"{res['preset']} on {res['device']}: {res['prefix_tokens']:,}-token prefix "
+        f"({res['prefix_bytes'] / 1e9:.2f} GB) + {res['new_tokens']} new tokens",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -36,8 +36,17 @@ def test_every_tier_serves_the_whole_prefix(tmp_path: Path, capsys: pytest.Captu
     # The link's floor is a CUDA measurement: absent on CPU, not made up.
     assert res["h2d_link_ms"] is None and res["host_optimum_ms"] is None and res["host_over_optimum"] is None
     assert set(res["read_time_correction"]) >= {"alone", "beside_compute", "alone_observed", "beside_compute_observed"}
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "host/device" in printed and "each tail read beside a head" in printed
+    # Progress: warm-up, 1 cold, the populating request, 3 device/host pairs, 1 of each disk case.
+    assert captured.err.endswith("11/11 requests\n")
+    # A previous run re-reported and plotted without measuring: the same report, and a PNG.
+    png = tmp_path / "prefix.png"
+    assert prefix.run(bench_args(from_json=str(out), plot=str(png), json_path=None)) == 0
+    again = capsys.readouterr().out
+    assert again.splitlines()[: len(printed.splitlines())] == printed.splitlines()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize(
@@ -58,3 +67,11 @@ def test_geometry_that_cannot_hit_the_whole_prefix_is_refused(
     cold times as cache hits."""
     assert prefix.run(bench_args(**change)) == 2
     assert message in capsys.readouterr().err
+
+
+def test_from_json_that_cannot_be_read_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    for path in (bad, tmp_path / "missing.json"):
+        assert prefix.run(bench_args(from_json=str(path))) == 2
+        assert f"cannot read {path}" in capsys.readouterr().err
