@@ -25,7 +25,9 @@ time)`` (a forward faster than the link cannot hide the load).
 The same run measures the raw read bandwidth of the stored objects — plain sequential file
 reads, and the same reads spread over as many threads as the backend uses — and reports the
 physical optimum for the disk case, ``min over a of max(bytes(a) / raw_read_bw,
-cold_compute(L − a))``, with each. ``--json PATH`` writes every figure.
+cold_compute(L − a))``, with each. ``--json PATH`` writes every figure, ``--plot PATH`` draws
+the TTFT of each tier and the device/host pairs, and ``--from-json PATH`` re-reports (and
+re-plots) an earlier ``--json`` file without measuring.
 """
 
 from __future__ import annotations
