@@ -18,12 +18,12 @@ Where no runtime library loads, each falls back to torch's own calls.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from asynccache.errors import TransferError
+from kernels.api import current_device
 from kernels.cudart import CudaEvent, CudaRuntime, cuda_runtime
 
 __all__ = ["CudaEventLike", "current_device", "current_stream", "make_wait", "order_after", "record_on"]
@@ -33,7 +33,6 @@ __all__ = ["CudaEventLike", "current_device", "current_stream", "make_wait", "or
 CudaEventLike = Any
 
 _get_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
-current_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 _streams: dict[object, int] = {}
 
 

@@ -14,6 +14,7 @@ range; ``validate_indices``), ``check_device_buffers`` (devices, pinning), ``che
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -31,6 +32,7 @@ __all__ = [
     "check_overlap",
     "copy_direction",
     "copy_items",
+    "current_device",
     "layer_copier",
     "resolve_max_ctas",
     "select_method",
@@ -40,6 +42,10 @@ __all__ = [
     "validate_indices",
     "validate_pools",
 ]
+
+#: The current CUDA device's index, without ``torch.cuda.current_device``'s Python layer (the
+#: per-layer paths of loads ask it on every call).
+current_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 #: Values of ``copy_items(method=...)``: ``"auto"`` (the default) picks per call.
 COPY_METHODS: tuple[str, ...] = ("auto", "triton", "dma")

@@ -64,6 +64,7 @@ from kernels.api import (
     PoolBufferLike,
     check_device_buffers,
     check_overlap,
+    current_device,
     validate_copy,
     validate_indices,
     validate_pools,
@@ -552,7 +553,7 @@ def _range_issuer(
 
     def issue(layer: int) -> DmaLaunch:
         s, d = src_base + layer * src_stride, dst_base + layer * dst_stride
-        if _current_device() == index:
+        if current_device() == index:
             memcpy_rows(rows, s, d, handle)
         else:
             with torch.cuda.device(index):
@@ -560,10 +561,6 @@ def _range_issuer(
         return launch
 
     return issue
-
-
-#: The current CUDA device's index without ``torch.cuda.current_device``'s Python layer.
-_current_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 
 def _check_stream(stream: torch.cuda.Stream | None, device: torch.device) -> None:

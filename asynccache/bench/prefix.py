@@ -357,13 +357,13 @@ def _plot(res: dict[str, Any], path: str) -> None:
     ax1.bar_label(bars, labels=[f"{t:.1f}" for t in ttft], fontsize=8)
     ax1.set_xticks(range(len(keys)), [_TIERS[k].replace(" (", "\n(").replace(", ", ",\n") for k in keys], fontsize=8)
     ax1.set_yscale("log")
-    for value, label, style in (
-        (res["disk_optimum_ms"], "disk optimum, sequential read", "k--"),
-        (res["disk_optimum_parallel_ms"], "disk optimum, parallel read", "k:"),
-        (res.get("h2d_link_ms"), "prefix over the link alone", "b:"),
+    for value, label, color, linestyle in (
+        (res["disk_optimum_ms"], "disk optimum, sequential read", "k", "--"),
+        (res["disk_optimum_parallel_ms"], "disk optimum, parallel read", "k", ":"),
+        (res.get("h2d_link_ms"), "prefix over the link alone", "b", ":"),
     ):
         if value is not None:
-            ax1.axhline(value, color=style[0], linestyle=style[1:], linewidth=1, label=f"{label} ({value:.1f} ms)")
+            ax1.axhline(value, color=color, linestyle=linestyle, linewidth=1, label=f"{label} ({value:.1f} ms)")
     ax1.set(ylabel="TTFT (ms, median)", title="TTFT by the tier that holds the prefix")
     ax1.legend(fontsize=7, loc="upper right")
     reps = res["ttft_ms_repeats"]
