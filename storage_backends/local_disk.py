@@ -6,11 +6,14 @@ Layout under the root directory::
     /path/{namespace-digest}/{pool}/{key[:2]}/{key}.*.tmp    a write in progress
 
 I/O runs on a bounded pool of threads (``max_concurrency``; a batch is spread over at most that
-many jobs, each taking the next object as it finishes one) with ``preadv``/``pwritev`` straight
-between the file and the host slot — no intermediate buffer, for page_first and layer_first
-pools alike (a layer_first slot is a list of per-layer iovecs). The payload checksum is
-computed in the same thread, piece by piece (``read_piece_bytes``), while the piece is hot in
-cache.
+many jobs, each taking the next unit of work as it finishes one) with ``preadv``/``pwritev``
+straight between the file and the host slot — no intermediate buffer, for page_first and
+layer_first pools alike (a layer_first slot is a list of per-layer iovecs). The payload checksum
+is computed in the same thread, piece by piece (``read_piece_bytes``), while the piece is hot in
+cache. A payload larger than ``READ_RANGE_BYTES`` (a Mamba state of tens of MB) is read as
+ranges on several jobs at once, first in the batch, and its checksum is the sum of the ranges'
+(the checksum is linear): one thread reading it alone at the end of a batch would leave the
+disk's other queues idle.
 
 Writes are atomic and put-if-absent: the object is written to a temporary name, optionally
 fsynced, then hard-linked to its final name (``link`` fails if the name exists, so exactly one
@@ -40,6 +43,7 @@ from asynccache.errors import BackendError, ConfigError, ObjectFormatError
 from asynccache.storage import PoolName
 from storage_backends.base import BatchItem, ObjectBackend, Outcome, WorkerPool, usable_cores
 from storage_backends.object_format import (
+    CHECKSUM_BLOCK_BYTES,
     IO_CHUNK_BYTES,
     PayloadChecksum,
     StopRequested,
@@ -47,10 +51,14 @@ from storage_backends.object_format import (
     validate_pool_name,
 )
 
-__all__ = ["LocalDiskBackend", "open_local_disk", "STALE_TMP_S"]
+__all__ = ["READ_RANGE_BYTES", "STALE_TMP_S", "LocalDiskBackend", "open_local_disk"]
 
 #: A temporary file older than this is a leftover of a crashed writer.
 STALE_TMP_S = 600.0
+#: Payloads larger than this are read as ranges of this size, several at once (a multiple of
+#: the checksum block).
+READ_RANGE_BYTES = 4 << 20
+_MASK64 = (1 << 64) - 1
 _MAX_IOVECS = 512
 
 
@@ -86,6 +94,37 @@ def _groups(buffers: Sequence[np.ndarray], piece_bytes: int = IO_CHUNK_BYTES) ->
     if group:
         groups.append(group)
     return groups
+
+
+def _payload_views(buffers: Sequence[np.ndarray], offset: int, length: int) -> list[np.ndarray]:
+    """The slot's bytes ``[offset, offset + length)`` of the payload, across its buffers, in order."""
+    views: list[np.ndarray] = []
+    for buf in buffers:
+        flat = buf.reshape(-1).view(np.uint8)
+        if offset >= flat.nbytes:
+            offset -= flat.nbytes
+            continue
+        take = min(flat.nbytes - offset, length)
+        views.append(flat[offset : offset + take])
+        length -= take
+        offset = 0
+        if not length:
+            break
+    return views
+
+
+def _read_units(items: Sequence[BatchItem]) -> list[tuple[int, int, int]]:
+    """``(item, payload offset, length)`` work units: an item whose payload exceeds
+    ``READ_RANGE_BYTES`` as ranges of that size, and those first; the others whole, in order."""
+    big: list[tuple[int, int, int]] = []
+    small: list[tuple[int, int, int]] = []
+    for i, item in enumerate(items):
+        total = item.geometry.payload_bytes
+        if total <= READ_RANGE_BYTES:
+            small.append((i, 0, total))
+        else:
+            big.extend((i, off, min(READ_RANGE_BYTES, total - off)) for off in range(0, total, READ_RANGE_BYTES))
+    return big + small
 
 
 def _advance(views: list[memoryview], n: int) -> list[memoryview]:
@@ -168,25 +207,31 @@ class LocalDiskBackend(ObjectBackend):
         return await self._workers.run(_stat_sizes, list(names))
 
     async def _read_object(self, item: BatchItem) -> bool:
-        return _settled((await self._in_jobs(self._read_file, [item]))[0])
+        return _settled((await self._read_many([item]))[0])
 
     async def _write_object(self, item: BatchItem) -> bool:
-        return _settled((await self._in_jobs(self._write_file, [item]))[0])
+        return _settled((await self._write_many([item]))[0])
 
     async def _read_many(self, items: Sequence[BatchItem]) -> list[Outcome]:
-        return await self._in_jobs(self._read_file, items)
+        units = _read_units(items)
+        results = await self._in_jobs(
+            lambda stop, deadline, unit: self._read_range(stop, deadline, items[unit[0]], unit[1], unit[2]), units
+        )
+        return _item_outcomes(len(items), units, results)
 
     async def _write_many(self, items: Sequence[BatchItem]) -> list[Outcome]:
         return await self._in_jobs(self._write_file, items)
 
-    async def _in_jobs(self, fn: Callable[..., bool], items: Sequence[BatchItem]) -> list[Outcome]:
-        """Run ``fn`` for every item on at most ``max_concurrency`` worker jobs, each taking the
-        next item when it finishes one: one thread handoff per job instead of one per item (a
-        handoff costs as much as reading a page from the page cache on a busy 2-core machine).
-        Each item has its own deadline, ``timeout_s`` from its start, checked between pieces."""
-        outcomes: list[Outcome] = [BackendError("not started: the call was cancelled")] * len(items)
+    async def _in_jobs(self, fn: Callable[[threading.Event, float, Any], Any], work: Sequence[Any]) -> list[Any]:
+        """Run ``fn(stop, deadline, unit)`` for every unit of ``work`` on at most
+        ``max_concurrency`` worker jobs, each taking the next unit when it finishes one: one
+        thread handoff per job instead of one per unit (a handoff costs as much as reading a
+        page from the page cache on a busy 2-core machine). Each unit has its own deadline,
+        ``timeout_s`` from its start, checked between pieces. A unit's result is what ``fn``
+        returned or the :class:`BackendError` / :class:`OSError` it raised."""
+        outcomes: list[Any] = [BackendError("not started: the call was cancelled")] * len(work)
         lock = threading.Lock()
-        pending = iter(range(len(items)))
+        pending = iter(range(len(work)))
 
         def job(stop: threading.Event) -> None:
             while not stop.is_set():
@@ -194,18 +239,17 @@ class LocalDiskBackend(ObjectBackend):
                     i = next(pending, None)
                 if i is None:
                     return
-                item = items[i]
                 deadline = time.monotonic() + self.timeout_s
                 try:
-                    outcomes[i] = fn(stop, deadline, item)
+                    outcomes[i] = fn(stop, deadline, work[i])
                 except StopRequested:
                     return
                 except (BackendError, OSError) as e:
                     outcomes[i] = e
 
-        if items:
+        if work:
             async with asyncio.TaskGroup() as tg:
-                for _ in range(min(self.max_concurrency, len(items))):
+                for _ in range(min(self.max_concurrency, len(work))):
                     tg.create_task(self._workers.run(job))
         return outcomes
 
@@ -219,7 +263,13 @@ class LocalDiskBackend(ObjectBackend):
     def _make_root(self, stop: threading.Event) -> None:
         os.makedirs(self.namespace_dir, exist_ok=True)
 
-    def _read_file(self, stop: threading.Event, deadline: float, item: BatchItem) -> bool:
+    def _read_range(
+        self, stop: threading.Event, deadline: float, item: BatchItem, offset: int, length: int
+    ) -> tuple[int | None, int] | bool:
+        """Payload bytes ``[offset, offset + length)`` of ``item`` into their place in its slot.
+        ``False`` when the object is absent; else ``(want, partial)``: the checksum the header
+        records (read and checked with the first range — in the same ``preadv`` as the first
+        piece — ``None`` for the others) and the range's partial checksum."""
         path, geometry, key = item.name, item.geometry, item.key
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -231,18 +281,26 @@ class LocalDiskBackend(ObjectBackend):
             if size != expected:
                 raise ObjectFormatError(f"object of {size} bytes, expected {expected} (truncated or foreign)")
             header = bytearray(self.codec.header_bytes(geometry, key))
-            _preadv_all(fd, [memoryview(header)], 0)
-            want = self.codec.verify_header(header, geometry, key)
-            check, offset = PayloadChecksum(), len(header)
-            for group in _groups(item.buffers(), self.read_piece_bytes):
+            want: int | None = None
+            check = PayloadChecksum(first_block=offset // CHECKSUM_BLOCK_BYTES)
+            position = len(header) + offset
+            groups = _groups(_payload_views(item.buffers(), offset, length), self.read_piece_bytes)
+            if offset == 0:
+                first = groups[0] if groups else []
                 _check(stop, deadline)
-                _preadv_all(fd, group, offset)
+                _preadv_all(fd, [memoryview(header), *first], 0)
+                want = self.codec.verify_header(header, geometry, key)
+                for view in first:
+                    check.update(view)
+                    position += len(view)
+                groups = groups[1:]
+            for group in groups:
+                _check(stop, deadline)
+                _preadv_all(fd, group, position)
                 for view in group:
                     check.update(view)
-                    offset += len(view)
-            if check.digest() != want:
-                raise ObjectFormatError("payload checksum mismatch")
-            return True
+                    position += len(view)
+            return want, check.digest()
         finally:
             os.close(fd)
 
@@ -309,6 +367,27 @@ class LocalDiskBackend(ObjectBackend):
                         found.append((st.st_mtime, entry.path, st.st_size))
         found.sort()
         return [(path, size) for _, path, size in found]
+
+
+def _item_outcomes(num_items: int, units: Sequence[tuple[int, int, int]], results: Sequence[Any]) -> list[Outcome]:
+    """Each item's outcome from its ranges' results: the first corruption, else the first
+    failure, else ``False`` if a range found the object absent, else ``True`` when the ranges'
+    partial checksums add up (mod 2⁶⁴) to the header's (else a corruption)."""
+    parts: list[list[Any]] = [[] for _ in range(num_items)]
+    for (i, _, _), result in zip(units, results, strict=True):
+        parts[i].append(result)
+    outcomes: list[Outcome] = []
+    for results_of_item in parts:
+        errors = [r for r in results_of_item if isinstance(r, BaseException)]
+        if errors:
+            outcomes.append(next((e for e in errors if isinstance(e, ObjectFormatError)), errors[0]))
+        elif any(r is False for r in results_of_item):
+            outcomes.append(False)
+        else:
+            want = next(w for w, _ in results_of_item if w is not None)
+            total = sum(partial for _, partial in results_of_item) & _MASK64
+            outcomes.append(True if total == want else ObjectFormatError("payload checksum mismatch"))
+    return outcomes
 
 
 def _settled(outcome: Outcome) -> bool:

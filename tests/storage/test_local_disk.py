@@ -214,3 +214,83 @@ async def test_read_piece_size_round_trips_and_catches_corruption(tmp_path: Path
 def test_read_piece_size_is_checked(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="read_piece_bytes"):
         LocalDiskBackend(tmp_path.as_uri(), namespace=NAMESPACE, read_piece_bytes=100)
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("piece", [4096, 4 << 20])
+async def test_large_objects_are_read_as_ranges_and_checked_as_a_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str, piece: int
+) -> None:
+    monkeypatch.setattr(local_disk, "READ_RANGE_BYTES", 4096)  # every object of the tiny spec is "large"
+    backend = LocalDiskBackend((tmp_path / "l3").as_uri(), namespace=NAMESPACE, read_piece_bytes=piece)
+    kv, mamba = make_pools(num_items=8, layout=layout, seed=5)
+    await backend.register_host_pool_v2(PoolName.KV, kv)
+    await backend.register_host_pool_v2(PoolName.MAMBA, mamba)
+    keys = make_keys(3, seed=f"ranges-{layout}-{piece}")
+    assert await backend.batch_set_v2([kv_transfer(keys, [0, 1, 2]), mamba_transfer(keys[-1:], [0])]) == [[True] * 3, [True]]
+    calls: list[tuple[bool, int, int]] = []
+    real = backend._read_range
+
+    def spy(stop: threading.Event, deadline: float, item: object, offset: int, length: int) -> object:
+        calls.append((item.pool is mamba, offset, length))  # type: ignore[attr-defined]
+        return real(stop, deadline, item, offset, length)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(backend, "_read_range", spy)
+    assert await backend.batch_get_v2([kv_transfer(keys, [4, 5, 6]), mamba_transfer(keys[-1:], [5])]) == [[True] * 3, [True]]
+    assert [slot(kv, i) for i in (4, 5, 6)] == [slot(kv, i) for i in (0, 1, 2)]
+    assert slot(mamba, 5) == slot(mamba, 0)
+    state_bytes = len(slot(mamba, 0))
+    state_ranges = [(o, n) for is_state, o, n in calls if is_state]
+    assert sorted(state_ranges) == [(o, min(4096, state_bytes - o)) for o in range(0, state_bytes, 4096)]
+    assert len(calls) > 4  # the pages too: more ranges than objects
+    # A flipped byte in the state's last range (not the one that carries the header) is caught
+    # when the ranges' checksums are added up: a miss, counted as a corruption, the object removed.
+    path = Path(backend.object_name(PoolName.MAMBA, keys[-1]))
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x10
+    path.write_bytes(bytes(data))
+    before = backend.statistics().num_corrupt
+    assert await backend.batch_get_v2([mamba_transfer(keys[-1:], [6])]) == [[False]]
+    assert backend.statistics().num_corrupt == before + 1
+    assert not path.exists()
+    await backend.aclose()
+
+
+def test_read_units_put_the_ranges_of_large_objects_first() -> None:
+    from types import SimpleNamespace
+
+    def item(payload: int) -> object:
+        return SimpleNamespace(geometry=SimpleNamespace(payload_bytes=payload))
+
+    big = local_disk.READ_RANGE_BYTES
+    units = local_disk._read_units([item(100), item(big), item(2 * big + 16), item(7)])  # type: ignore[list-item]
+    assert units == [(2, 0, big), (2, big, big), (2, 2 * big, 16), (0, 0, 100), (1, 0, big), (3, 0, 7)]
+
+
+def test_item_outcomes_combine_the_ranges() -> None:
+    from asynccache.errors import ObjectFormatError
+
+    units = [(0, 0, 4096), (0, 4096, 4096), (1, 0, 10), (2, 0, 4096), (2, 4096, 4096), (3, 0, 4096), (3, 4096, 5)]
+    corrupt = ObjectFormatError("bad header")
+    results: list[object] = [(7, 3), (None, 4), False, (9, 5), OSError("io"), (2**64 - 1, 2**64 - 1), (None, 0)]
+    outcomes = local_disk._item_outcomes(4, units, results)
+    assert outcomes[0] is True  # 3 + 4 == 7
+    assert outcomes[1] is False  # absent
+    assert isinstance(outcomes[2], OSError)
+    assert outcomes[3] is True  # sums wrap mod 2**64: (2**64 - 1) + 0
+    mismatch = local_disk._item_outcomes(1, units[:2], [(7, 3), (None, 5)])[0]
+    assert isinstance(mismatch, ObjectFormatError) and "checksum" in str(mismatch)
+    absent_late = local_disk._item_outcomes(1, units[:2], [(7, 3), False])[0]
+    assert absent_late is False  # removed between two ranges: a miss
+    first_error = local_disk._item_outcomes(1, units[:2], [OSError("io"), corrupt])[0]
+    assert first_error is corrupt  # a corruption is reported before other failures
+
+
+def test_payload_views_cross_buffers() -> None:
+    import numpy as np
+
+    bufs = [np.arange(10, dtype=np.uint8), np.arange(10, 16, dtype=np.uint8).reshape(2, 3), np.arange(16, 20, dtype=np.uint8)]
+    views = local_disk._payload_views(bufs, 8, 9)
+    assert np.concatenate(views).tolist() == list(range(8, 17))
+    assert np.concatenate(local_disk._payload_views(bufs, 0, 20)).tolist() == list(range(20))
+    assert local_disk._payload_views(bufs, 16, 4)[0].tolist() == [16, 17, 18, 19]
