@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from storage_harness import NAMESPACE, kv_transfer, make_keys, make_pools, mamba_transfer, slot
 
 import storage_backends.local_disk as local_disk
@@ -294,3 +296,43 @@ def test_payload_views_cross_buffers() -> None:
     assert np.concatenate(views).tolist() == list(range(8, 17))
     assert np.concatenate(local_disk._payload_views(bufs, 0, 20)).tolist() == list(range(20))
     assert local_disk._payload_views(bufs, 16, 4)[0].tolist() == [16, 17, 18, 19]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    range_blocks=st.integers(1, 4),
+    layout=st.sampled_from(["page_first", "layer_first"]),
+    piece=st.sampled_from([4096, 8192, 4 << 20]),
+    flip=st.one_of(st.none(), st.floats(0.0, 1.0, exclude_max=True)),
+    bit=st.integers(0, 7),
+)
+async def test_ranged_reads_serve_exact_bytes_or_miss(
+    tmp_path_factory: pytest.TempPathFactory, range_blocks: int, layout: str, piece: int, flip: float | None, bit: int
+) -> None:
+    """Whatever the range size, slot layout and piece size: an intact object reads back bit for
+    bit, and one flipped bit anywhere in the file (header or payload) is a miss, never served."""
+    root = tmp_path_factory.mktemp("ranged")
+    saved = local_disk.READ_RANGE_BYTES
+    local_disk.READ_RANGE_BYTES = range_blocks * 4096
+    try:
+        backend = LocalDiskBackend(root.as_uri(), namespace=NAMESPACE, read_piece_bytes=piece, fsync=False)
+        kv, mamba = make_pools(num_items=4, layout=layout, seed=range_blocks)
+        await backend.register_host_pool_v2(PoolName.KV, kv)
+        await backend.register_host_pool_v2(PoolName.MAMBA, mamba)
+        keys = make_keys(2, seed=f"prop-{range_blocks}-{layout}-{piece}")
+        assert await backend.batch_set_v2([kv_transfer(keys, [0, 1]), mamba_transfer(keys[-1:], [0])]) == [[True] * 2, [True]]
+        if flip is not None:
+            path = Path(backend.object_name(PoolName.MAMBA, keys[-1]))
+            data = bytearray(path.read_bytes())
+            data[int(flip * len(data))] ^= 1 << bit
+            path.write_bytes(bytes(data))
+        got = await backend.batch_get_v2([kv_transfer(keys, [2, 3]), mamba_transfer(keys[-1:], [1])])
+        assert got[0] == [True, True]
+        assert [slot(kv, 2), slot(kv, 3)] == [slot(kv, 0), slot(kv, 1)]
+        if flip is None:
+            assert got[1] == [True] and slot(mamba, 1) == slot(mamba, 0)
+        else:
+            assert got[1] == [False]
+        await backend.aclose()
+    finally:
+        local_disk.READ_RANGE_BYTES = saved
