@@ -47,6 +47,7 @@ from storage_backends.object_format import (
     IO_CHUNK_BYTES,
     PayloadChecksum,
     StopRequested,
+    add_checksums,
     validate_key,
     validate_pool_name,
 )
@@ -58,7 +59,6 @@ STALE_TMP_S = 600.0
 #: Payloads larger than this are read as ranges of this size, several at once (a multiple of
 #: the checksum block).
 READ_RANGE_BYTES = 4 << 20
-_MASK64 = (1 << 64) - 1
 _MAX_IOVECS = 512
 
 
@@ -385,7 +385,7 @@ def _item_outcomes(num_items: int, units: Sequence[tuple[int, int, int]], result
             outcomes.append(False)
         else:
             want = next(w for w, _ in results_of_item if w is not None)
-            total = sum(partial for _, partial in results_of_item) & _MASK64
+            total = add_checksums(partial for _, partial in results_of_item)
             outcomes.append(True if total == want else ObjectFormatError("payload checksum mismatch"))
     return outcomes
 

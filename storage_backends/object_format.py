@@ -39,7 +39,7 @@ import re
 import struct
 import threading
 import zlib
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -68,6 +68,7 @@ __all__ = [
     "StopRequested",
     "PayloadChecksum",
     "payload_checksum",
+    "add_checksums",
     "payload_range",
     "CHECKSUM_BLOCK_BYTES",
     "run_steps",
@@ -285,6 +286,12 @@ class PayloadChecksum:
         last[self._num_pending :] = 0
         sums = int(last.view(np.uint64).sum(dtype=np.uint64))
         return (self._value + (2 * self._num_blocks + 1) * sums) & _MASK64
+
+
+def add_checksums(partials: Iterable[int]) -> int:
+    """The payload's checksum from the partial checksums of block-aligned ranges that cover it
+    once each (``PayloadChecksum(first_block=…)``; the checksum is linear)."""
+    return sum(partials) & _MASK64
 
 
 def payload_checksum(buffers: Sequence[np.ndarray | memoryview | bytes | bytearray]) -> int:

@@ -46,7 +46,11 @@ from urllib.parse import parse_qsl, urlsplit
 from asynccache.errors import BackendError, ConfigError, ObjectFormatError
 from asynccache.storage import PoolName
 from storage_backends.base import BatchItem, ObjectBackend, WorkerPool, usable_cores
-from storage_backends.object_format import CHECKSUM_BLOCK_BYTES, validate_pool_name
+from storage_backends.object_format import (
+    CHECKSUM_BLOCK_BYTES,
+    add_checksums,
+    validate_pool_name,
+)
 
 if TYPE_CHECKING:
     from obstore.store import S3Store
@@ -316,7 +320,7 @@ class ObjectStoreBackend(ObjectBackend):
         except BaseExceptionGroup as group:  # report one error as the item's outcome: corruption first
             errors = _leaves(group)
             raise next((e for e in errors if isinstance(e, ObjectFormatError)), errors[0]) from None
-        checksum = (head + sum(t.result() for t in rest)) & ((1 << 64) - 1)
+        checksum = add_checksums([head, *(t.result() for t in rest)])
         if checksum != want:
             raise ObjectFormatError("payload checksum mismatch")
         return True

@@ -48,6 +48,7 @@ import torch
 import uvloop
 
 from asynccache.bench.progress import progress_bar
+from asynccache.bench.transfer import time_median_s
 from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
 from asynccache.reference.model import HybridModel
@@ -116,17 +117,8 @@ def _h2d_link_ms(num_bytes: int, device: str, repeats: int = 3) -> float | None:
         return None
     src = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-    stream = torch.cuda.Stream(device=dst.device)
-    times = []
-    with torch.cuda.stream(stream):
-        for _ in range(repeats + 1):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src, non_blocking=True)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    return statistics.median(times[1:])
+    with torch.cuda.stream(torch.cuda.Stream(device=dst.device)):
+        return time_median_s(lambda: dst.copy_(src, non_blocking=True), reps=repeats, device=dst.device) * 1e3
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
