@@ -57,7 +57,7 @@ class HybridCache:
             else None
         )
         if backend is None and config.storage_uri is not None:
-            backend = open_backend(config.storage_uri, namespace=spec.namespace_id)
+            backend = open_backend(config.storage_uri, namespace=spec.namespace_id, **config.storage_options)
         self.tree = HybridRadixTree(
             spec,
             device_kv=self.device_kv,

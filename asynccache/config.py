@@ -1,13 +1,18 @@
 """HybridCacheConfig: every knob of the cache in one frozen dataclass.
 
 Sizes are in items (device) or bytes (host); KV and state host pools are sized independently.
-The storage tier is opened from ``storage_uri`` (``file:///…``, ``s3://…``, ``memory://``).
+The storage tier is opened from ``storage_uri`` (``file:///…``, ``s3://…``, ``memory://``) with
+``storage_options`` (the backend's keyword options, e.g. ``{"direct_io": True}`` for
+``file://``; the namespace is the spec's).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import Enum
+from types import MappingProxyType
+from typing import Any
 
 from asynccache.errors import ConfigError
 from asynccache.pools.base import PoolLayout
@@ -39,6 +44,7 @@ class HybridCacheConfig:
     max_ctas: int | None = 8
     copy_method: str = "auto"  # auto | triton | dma | dma:batch | dma:strided | dma:2d | dma:loop (kernels.copy_items)
     storage_uri: str | None = None
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
     prefetch_policy: PrefetchPolicy = PrefetchPolicy.TIMEOUT
     prefetch_timeout_base_s: float = 0.5
     prefetch_timeout_per_1k_tokens_s: float = 0.05
@@ -56,6 +62,13 @@ class HybridCacheConfig:
             raise ConfigError("max_backups_in_flight must be >= 1")
         if self.prefetch_timeout_base_s < 0 or self.prefetch_timeout_per_1k_tokens_s < 0:
             raise ConfigError("prefetch timeouts must be >= 0")
+        if not isinstance(self.storage_options, Mapping) or not all(
+            isinstance(k, str) and k.isidentifier() for k in self.storage_options
+        ):
+            raise ConfigError(f"storage_options must map option names to values, got {self.storage_options!r}")
+        if "namespace" in self.storage_options:
+            raise ConfigError("storage_options: the namespace is the spec's (namespace_id), not an option")
+        object.__setattr__(self, "storage_options", MappingProxyType(dict(self.storage_options)))
         object.__setattr__(self, "host_layout", PoolLayout.parse(self.host_layout))
         object.__setattr__(self, "prefetch_policy", PrefetchPolicy(self.prefetch_policy))
 

@@ -301,6 +301,8 @@ class ObjectBackend(ABC):
     probe_window: int = 32
     #: objects in flight when ``max_concurrency`` is not given
     default_max_concurrency: int = 8
+    #: objects' headers are padded to a multiple of this (see ``ObjectCodec``)
+    header_align: int = 64
 
     def __init__(
         self,
@@ -320,7 +322,7 @@ class ObjectBackend(ABC):
         check_common_options(capacity_bytes=capacity_bytes, max_concurrency=max_concurrency, timeout_s=timeout_s)
         self.uri = uri
         self.namespace = namespace
-        self.codec = ObjectCodec(namespace)
+        self.codec = ObjectCodec(namespace, header_align=self.header_align)
         self.max_concurrency = max_concurrency
         self.timeout_s = float(timeout_s)
         self._limit = asyncio.Semaphore(max_concurrency)

@@ -22,7 +22,7 @@ An object is a header followed by the payload (little-endian)::
     │"ACSO" │ ver │ hlen│ payload len│ payload sum│ h.crc │ namespace digest  │ dlen │pad │
     └───────┴─────┴─────┴────────────┴────────────┴───────┴───────────────────┴──────┴────┘
     48: descriptor "pool;page_first;dtype;LxB;key" (ASCII, dlen bytes), zeros up to hlen
-    hlen (a multiple of 64): payload in page_first order — layer 0's item, layer 1's item, …
+    hlen (a multiple of 64; 4096 on the local disk): payload in page_first order — layer 0's item, layer 1's item, …
 
 ``payload sum`` is the :class:`PayloadChecksum` of the payload, ``h.crc`` the CRC-32 of the
 header with that field zeroed. Given the namespace, pool and key every header byte except the
@@ -339,8 +339,8 @@ def iter_chunks(buffers: Sequence[np.ndarray], chunk_bytes: int | None = None) -
             yield buf[start : start + chunk_bytes]
 
 
-def _header_bytes(descriptor_bytes: int) -> int:
-    return -(-(_FIXED.size + descriptor_bytes) // _HEADER_ALIGN) * _HEADER_ALIGN
+def _header_bytes(descriptor_bytes: int, align: int = _HEADER_ALIGN) -> int:
+    return -(-(_FIXED.size + descriptor_bytes) // align) * align
 
 
 def _check_stop(stop: threading.Event | None) -> None:
@@ -349,11 +349,19 @@ def _check_stop(stop: threading.Event | None) -> None:
 
 
 class ObjectCodec:
-    """Headers of one namespace. Thread-safe (immutable after construction)."""
+    """Headers of one namespace. Thread-safe (immutable after construction).
 
-    def __init__(self, namespace: str) -> None:
+    ``header_align``: the header is padded to a multiple of this (64 by default; a multiple of
+    64). The local disk uses 4 KiB so that payloads can be read with ``O_DIRECT``; the length
+    is in the header, so readers of the format need no option, but a backend expects its own
+    alignment and takes an object of another size for a foreign one (a miss)."""
+
+    def __init__(self, namespace: str, *, header_align: int = _HEADER_ALIGN) -> None:
+        if not isinstance(header_align, int) or header_align <= 0 or header_align % _HEADER_ALIGN:
+            raise ConfigError(f"header_align must be a positive multiple of {_HEADER_ALIGN}, got {header_align!r}")
         self.digest = namespace_digest(namespace)
         self.digest_hex = self.digest.hex()
+        self.header_align = header_align
 
     def relpath(self, pool_name: str, key: str) -> str:
         return object_relpath(self.digest_hex, pool_name, key)
@@ -366,7 +374,7 @@ class ObjectCodec:
 
     def header_bytes(self, geometry: ObjectGeometry, key: str) -> int:
         """Size of the header of ``key``'s object (known before reading)."""
-        return _header_bytes(len(self._descriptor(geometry, key)))
+        return _header_bytes(len(self._descriptor(geometry, key)), self.header_align)
 
     def object_bytes(self, geometry: ObjectGeometry, key: str) -> int:
         """Exact size of a valid object of ``key``."""
@@ -374,7 +382,7 @@ class ObjectCodec:
 
     def encode_header(self, geometry: ObjectGeometry, key: str, payload_sum: int) -> bytearray:
         desc = self._descriptor(geometry, key)
-        hlen = _header_bytes(len(desc))
+        hlen = _header_bytes(len(desc), self.header_align)
         out = bytearray(hlen)
         _FIXED.pack_into(
             out, 0, MAGIC, FORMAT_VERSION, hlen, geometry.payload_bytes, payload_sum, 0, self.digest, len(desc)

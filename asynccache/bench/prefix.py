@@ -23,9 +23,10 @@ link's floor for the host row, and the host tier's physical optimum ``max(device
 time)`` (a forward faster than the link cannot hide the load).
 
 The same run measures the raw read bandwidth of the stored objects — plain sequential file
-reads, and the same reads spread over as many threads as the backend uses — and reports the
-physical optimum for the disk case, ``min over a of max(bytes(a) / raw_read_bw,
-cold_compute(L − a))``, with each. ``--json PATH`` writes every figure, ``--plot PATH`` draws
+reads, the same reads spread over as many threads as the backend uses, and those with
+``O_DIRECT`` (past the page cache, where the filesystem allows it) — and reports the physical
+optimum for the disk case, ``min over a of max(bytes(a) / raw_read_bw, cold_compute(L − a))``,
+with each and with the best of them. ``--json PATH`` writes every figure, ``--plot PATH`` draws
 the TTFT of each tier and the device/host pairs, and ``--from-json PATH`` re-reports (and
 re-plots) an earlier ``--json`` file without measuring.
 """
@@ -48,14 +49,17 @@ import torch
 import uvloop
 
 from asynccache.bench.progress import progress_bar
+from asynccache.bench.storage import parse_options
 from asynccache.bench.transfer import time_median_s
 from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
+from asynccache.errors import ConfigError
 from asynccache.reference.model import HybridModel
 from asynccache.reference.scheduler import Scheduler, SchedulerConfig
 from asynccache.spec import HybridSpec
 from asynccache.tiering import RestoreCost
 from kernels.api import COPY_METHOD_HELP
+from storage_backends.file_io import aligned_empty, open_read, probe_direct
 from storage_backends.local_disk import LocalDiskBackend
 
 
@@ -69,6 +73,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--copy-method", default="auto", help=COPY_METHOD_HELP)
     p.add_argument("--storage-dir", default=None, help="local directory for the disk tier (default: temp)")
+    p.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option of the local-disk backend, repeatable (e.g. direct_io=true, max_concurrency=16)",
+    )
     p.add_argument("--json", dest="json_path", default=None)
     p.add_argument(
         "--plot", default=None, help="write a PNG of TTFT per tier and of the device/host pairs to this path"
@@ -89,24 +100,33 @@ def _drop_page_cache(root: Path) -> None:
                 os.close(fd)
 
 
-def _read_files(files: list[Path]) -> int:
-    buf = bytearray(8 << 20)
+def _read_files(files: list[Path], direct: bool = False) -> int:
+    buf = memoryview(aligned_empty(8 << 20))
     total = 0
     for path in files:
-        with open(path, "rb", buffering=0) as f:
-            while n := f.readinto(buf):
-                total += n
+        fd = open_read(str(path), direct)
+        try:
+            offset = 0
+            while True:  # a short read is the end (a direct read past it could be refused)
+                n = os.preadv(fd, [buf], offset)
+                offset += n
+                if n < len(buf):
+                    break
+        finally:
+            os.close(fd)
+        total += offset
     return total
 
 
-def _raw_read_bytes_per_s(root: Path, threads: int = 1) -> tuple[float, int]:
+def _raw_read_bytes_per_s(root: Path, threads: int = 1, *, direct: bool = False) -> tuple[float, int]:
     """Plain reads of every stored object (after dropping them from the page cache), one file
-    after another on each of ``threads`` threads."""
+    after another on each of ``threads`` threads, into one buffer per thread; ``direct``:
+    with ``O_DIRECT`` (past the page cache)."""
     _drop_page_cache(root)
     files = sorted(p for p in root.rglob("*") if p.is_file())
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
-        total = sum(pool.map(_read_files, [files[i::threads] for i in range(threads)]))
+        total = sum(pool.map(lambda part: _read_files(part, direct), [files[i::threads] for i in range(threads)]))
     return total / (time.perf_counter() - t0), total
 
 
@@ -122,6 +142,11 @@ def _h2d_link_ms(num_bytes: int, device: str, repeats: int = 3) -> float | None:
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="asynccache-prefix-") as tmp:
+        return await _measure(args, Path(args.storage_dir or tmp))
+
+
+async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     spec = HybridSpec.preset(args.preset, page_size=args.page_size)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = HybridModel(spec, device=args.device, dtype=dtype, seed=0)
@@ -133,19 +158,18 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 
     L = args.prefix_tokens + args.new_tokens
     pages = -(-L // spec.page_size) + 2
-    tmp = tempfile.TemporaryDirectory(prefix="asynccache-prefix-")
-    root = Path(args.storage_dir or tmp.name)
     cfg = HybridCacheConfig(
         device_kv_pages=3 * pages,
         device_state_slots=16,
         host_kv_bytes=3 * pages * spec.kv_page_bytes,
         host_state_bytes=8 * spec.state_bytes,
         storage_uri=root.as_uri(),
+        storage_options=parse_options(args.storage_option),
         prefetch_policy="wait_complete",
         copy_method=args.copy_method,
     )
     out: dict[str, Any] = {"device": args.device, "preset": args.preset, "prefix_tokens": args.prefix_tokens,
-                           "new_tokens": args.new_tokens}
+                           "new_tokens": args.new_tokens, "storage_options": dict(cfg.storage_options)}
     times: dict[str, list[float]] = {k: [] for k in ("cold", "device", "host", "disk_all", "disk_split")}
     cached: dict[str, list[int]] = {k: [] for k in times}
     async with HybridCache(spec, cfg, device=args.device) as cache, Scheduler(
@@ -190,9 +214,18 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             await settle()
         link_ms = _h2d_link_ms(args.prefix_tokens * spec.kv_bytes_per_token + spec.state_bytes, args.device)
         raw_bps, stored_bytes = _raw_read_bytes_per_s(root)
-        par_threads = LocalDiskBackend.default_max_concurrency
+        par_threads = getattr(tier.backend, "max_concurrency", LocalDiskBackend.default_max_concurrency)
         raw_par_bps, _ = _raw_read_bytes_per_s(root, threads=par_threads)
-        split_cost = RestoreCost(read_bytes_per_s=max(raw_bps, raw_par_bps), prefill_tokens_per_s=prefill_tps)
+        direct_refused = probe_direct(str(root))
+        raw_direct_bps = None
+        if direct_refused is None:
+            raw_direct_bps, _ = _raw_read_bytes_per_s(root, threads=par_threads, direct=True)
+        best_bps = max(raw_bps, raw_par_bps, raw_direct_bps or 0.0)
+        # the cost model's prior: the raw speed of the way the backend reads
+        backend_bps = raw_direct_bps if getattr(tier.backend, "direct_io", False) and raw_direct_bps else None
+        split_cost = RestoreCost(
+            read_bytes_per_s=backend_bps or max(raw_bps, raw_par_bps), prefill_tokens_per_s=prefill_tps
+        )
         for key, cost in (("disk_all", None), ("disk_split", split_cost)):
             tier.cost = cost
             for _ in range(args.repeats):
@@ -202,13 +235,13 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                 await serve(prefix + tokens(args.new_tokens), key)
                 await settle()
         tier.cost = None
+        storage_direct_io = getattr(tier.backend, "direct_io", None)
         out["read_time_correction"] = {
             "alone": tier.read_alone.factor,
             "beside_compute": tier.read_beside_compute.factor,
             "alone_observed": list(tier.read_alone.ratios),
             "beside_compute_observed": list(tier.read_beside_compute.ratios),
         }
-    tmp.cleanup()
     med = {k: statistics.median(v) for k, v in times.items()}
     pairs = list(zip(times["device"], times["host"], strict=True))
     per_token_bytes = spec.kv_bytes_per_token
@@ -221,6 +254,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         )
 
     opt_ms, opt_par_ms = optimum_s(raw_bps) * 1e3, optimum_s(raw_par_bps) * 1e3
+    opt_best_ms = optimum_s(best_bps) * 1e3
     out.update(
         {
             "ttft_ms": med,
@@ -231,10 +265,14 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             "raw_disk_read_gbps": raw_bps / 1e9,
             "raw_disk_parallel_read_gbps": raw_par_bps / 1e9,
             "raw_disk_parallel_threads": par_threads,
+            "raw_disk_direct_read_gbps": None if raw_direct_bps is None else raw_direct_bps / 1e9,
+            "raw_disk_direct_refused": direct_refused,
+            "storage_direct_io": storage_direct_io,
             "stored_bytes": stored_bytes,
             "prefix_bytes": args.prefix_tokens * per_token_bytes + spec.state_bytes,
             "disk_optimum_ms": opt_ms,
             "disk_optimum_parallel_ms": opt_par_ms,
+            "disk_optimum_best_ms": opt_best_ms,
             "host_over_device": med["host"] / med["device"],
             "host_over_device_pairwise": statistics.median(h / d for d, h in pairs),
             "host_minus_device_ms": statistics.median(h - d for d, h in pairs),
@@ -244,6 +282,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             "disk_split_over_cold": med["disk_split"] / med["cold"],
             "disk_split_over_optimum": med["disk_split"] / opt_ms,
             "disk_split_over_optimum_parallel": med["disk_split"] / opt_par_ms,
+            "disk_split_over_optimum_best": med["disk_split"] / opt_best_ms,
             "disk_all_over_optimum": med["disk_all"] / opt_ms,
             "disk_all_over_optimum_parallel": med["disk_all"] / opt_par_ms,
         }
@@ -280,7 +319,11 @@ def run(args: argparse.Namespace) -> int:
         if (why := check_arguments(args)) is not None:
             print(why, file=sys.stderr)
             return 2
-        res = uvloop.run(_run(args))
+        try:
+            res = uvloop.run(_run(args))
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         if args.json_path:
             Path(args.json_path).write_text(json.dumps(res, indent=2))
     _print_report(res)
@@ -299,18 +342,31 @@ _TIERS = {
 }
 
 
+def _direct_note(res: dict[str, Any]) -> str:
+    """The direct-read part of the report's first line (absent from runs before it was measured)."""
+    if "raw_disk_direct_read_gbps" not in res:
+        return ""
+    if res["raw_disk_direct_read_gbps"] is None:
+        return f"; no direct reads ({res['raw_disk_direct_refused']})"
+    used = "direct" if res.get("storage_direct_io") else "through the page cache"
+    return f", {res['raw_disk_direct_read_gbps']:.2f} GB/s direct (O_DIRECT); the backend read {used}"
+
+
 def _print_report(res: dict[str, Any]) -> None:
     print(
         f"prefix TTFT on {res['device']}: {res['preset']}, {res['prefix_tokens']}-token prefix "
         f"({res['prefix_bytes'] / 1e9:.2f} GB) + {res['new_tokens']} new tokens; cold prefill "
         f"{res['prefill_tokens_per_s']:.0f} tok/s; raw disk read {res['raw_disk_read_gbps']:.2f} GB/s sequential, "
         f"{res['raw_disk_parallel_read_gbps']:.2f} GB/s on {res['raw_disk_parallel_threads']} threads"
+        + _direct_note(res)
     )
     print(f"{'served from':<28}{'TTFT (ms)':>11}{'cached':>9}")
     for key, name in _TIERS.items():
         print(f"{name:<28}{res['ttft_ms'][key]:>11.1f}{res['cached_tokens'][key]:>9}")
     print(f"{'disk optimum (sequential)':<28}{res['disk_optimum_ms']:>11.1f}")
     print(f"{'disk optimum (parallel)':<28}{res['disk_optimum_parallel_ms']:>11.1f}")
+    if "disk_optimum_best_ms" in res:
+        print(f"{'disk optimum (best read)':<28}{res['disk_optimum_best_ms']:>11.1f}")
     print(
         f"host/device {res['host_over_device']:.3f} (medians; {len(res['ttft_ms_repeats']['host'])} alternating "
         f"pairs: median ratio {res['host_over_device_pairwise']:.3f}, median difference "
@@ -325,6 +381,7 @@ def _print_report(res: dict[str, Any]) -> None:
         f"disk (cost model)/cold {res['disk_split_over_cold']:.3f}; "
         f"disk (cost model)/optimum {res['disk_split_over_optimum']:.3f} (sequential read), "
         f"{res['disk_split_over_optimum_parallel']:.3f} (parallel read)"
+        + (f", {res['disk_split_over_optimum_best']:.3f} (best read)" if "disk_split_over_optimum_best" in res else "")
     )
     reps = zip(res["ttft_ms_repeats"]["disk_split"], res["cached_tokens_repeats"]["disk_split"], strict=True)
     print("cost model, each repeat (TTFT ms / tokens restored): " + ", ".join(f"{t:.0f} / {c}" for t, c in reps))
@@ -352,6 +409,7 @@ def _plot(res: dict[str, Any], path: str) -> None:
     for value, label, color, linestyle in (
         (res["disk_optimum_ms"], "disk optimum, sequential read", "k", "--"),
         (res["disk_optimum_parallel_ms"], "disk optimum, parallel read", "k", ":"),
+        (res.get("disk_optimum_best_ms"), "disk optimum, best read", "tab:red", ":"),
         (res.get("h2d_link_ms"), "prefix over the link alone", "b", ":"),
     ):
         if value is not None:

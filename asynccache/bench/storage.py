@@ -224,12 +224,16 @@ async def _bounded(n: int, limit: int, one: Callable[[int], Awaitable[None]]) ->
 
 
 def parse_options(pairs: list[str]) -> dict[str, Any]:
-    """``["key=value", …]`` → options for :func:`open_backend` (integer values become ints)."""
+    """``["key=value", …]`` → options for :func:`open_backend` (integer values become ints,
+    ``true`` / ``false`` booleans)."""
     options: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key.isidentifier():
-            raise ConfigError(f"--option wants KEY=VALUE, got {pair!r}")
+            raise ConfigError(f"a backend option is KEY=VALUE, got {pair!r}")
+        if value.lower() in ("true", "false"):
+            options[key] = value.lower() == "true"
+            continue
         try:
             options[key] = int(value)
         except ValueError:

@@ -14,7 +14,11 @@ import torch
 
 from asynccache.errors import CapacityError, PinningError
 
-__all__ = ["pinning_available", "allocate_bytes", "available_host_bytes"]
+__all__ = ["HOST_ALIGN", "pinning_available", "allocate_bytes", "available_host_bytes"]
+
+#: Pageable host buffers start on a 4 KiB boundary, so that storage can read into them with
+#: ``O_DIRECT`` (direct reads fall back to the page cache for views that are not aligned).
+HOST_ALIGN = 4096
 
 
 @functools.cache
@@ -44,7 +48,9 @@ def available_host_bytes() -> int | None:
 def allocate_bytes(
     nbytes: int, *, device: torch.device, pin: bool | None, what: str
 ) -> tuple[torch.Tensor, bool]:
-    """A flat uint8 buffer of ``nbytes`` on ``device``; returns (buffer, pinned)."""
+    """A flat uint8 buffer of ``nbytes`` on ``device``; returns (buffer, pinned). A pageable
+    host buffer's address is a multiple of ``HOST_ALIGN``; a pinned one's is where the pinned
+    allocator puts it (a page boundary for pool-sized blocks)."""
     if device.type != "cpu":
         try:
             return torch.empty(nbytes, dtype=torch.uint8, device=device), False
@@ -58,6 +64,14 @@ def allocate_bytes(
     if do_pin and not pinning_available():
         raise PinningError(f"{what}: pinned host memory was demanded but no accelerator can pin memory here")
     try:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=do_pin), do_pin
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=do_pin)
+        if buf.data_ptr() % HOST_ALIGN and not do_pin:
+            # pageable blocks start on 64 bytes: pad and slice. (Not pinned ones: the pinned
+            # allocator rounds sizes up to a power of two, so padding could double the block.)
+            del buf
+            raw = torch.empty(nbytes + HOST_ALIGN, dtype=torch.uint8, pin_memory=do_pin)
+            start = -raw.data_ptr() % HOST_ALIGN
+            buf = raw[start : start + nbytes]
     except RuntimeError as e:
         raise CapacityError(f"{what}: cannot allocate {nbytes} bytes of host memory: {e}") from e
+    return buf, do_pin

@@ -164,10 +164,10 @@ def _state_of(cache: HybridCache, slot: int) -> torch.Tensor:
     return torch.cat([cache.device_mamba.layer_items(lid)[slot].reshape(-1) for lid in cache.spec.mamba_layer_ids])
 
 
-async def _load_into_working_slot(cache: HybridCache, tokens: list[int], *, next_step: bool) -> tuple[Any, ...]:
+async def _load_into_working_slot(cache: HybridCache, tokens: list[int]) -> tuple[Any, ...]:
     """Load ``tokens`` with ``state_to=`` a fresh slot, wait for every layer, read the working
-    slot after each recurrent layer's wait, then (after the next ``start_loading`` when
-    ``next_step``) read the node's slot on the same stream, before the operation completes."""
+    slot after each recurrent layer's wait, then, after the next ``start_loading``, read the
+    node's slot on the same stream, before the operation completes."""
     m = cache.tree.match_prefix(tokens)
     mine = cache.device_mamba.alloc(1)
     assert m.needs_load and mine is not None
@@ -179,8 +179,7 @@ async def _load_into_working_slot(cache: HybridCache, tokens: list[int], *, next
         await counter.wait(lid)
         if lid in cache.spec.mamba_layer_ids:
             working.append(cache.device_mamba.layer_items(lid)[int(mine[0])].reshape(-1).clone())
-    if next_step:
-        assert cache.controller.start_loading().layer_ids == ()
+    assert cache.controller.start_loading().layer_ids == ()
     node = _state_of(cache, m.last_node.device_state).clone()
     await op
     cache.device_mamba.free(mine)
@@ -190,8 +189,9 @@ async def _load_into_working_slot(cache: HybridCache, tokens: list[int], *, next
 async def test_a_state_loaded_for_a_working_slot_reaches_the_node_slot_by_the_next_step() -> None:
     """``load(state_to=)``: the working slot holds the state once each layer is waited for; the
     node's slot, filled after the last layer (no layer waits for it), is ready for any work the
-    next step's ``start_loading`` precedes. Control: read before that ``start_loading``, the
-    node's slot is still the poison (77 MB of states land ~1.5 ms after the last layer)."""
+    next step's ``start_loading`` precedes. (Read before that ``start_loading`` the node's slot
+    may or may not hold the state yet — 77 MB land ~1.5 ms after the last layer, and on some
+    H200 machines that is before the read — so only the ordered read is asserted.)"""
     _, cache = make_cache(16)
     tokens = list(range(1, 16 * PAGE + 1))
     async with cache:
@@ -206,16 +206,13 @@ async def test_a_state_loaded_for_a_working_slot_reaches_the_node_slot_by_the_ne
         assert op is not None
         cache.controller.start_writing()
         await op
-        for next_step in (True, False):
+        for _ in range(2):
             cache.flush_device()
             for pool in (cache.device_kv, cache.device_mamba):
                 assert pool.buffer is not None
                 pool.buffer.fill_(0xA5)
-            working, node = await _load_into_working_slot(cache, tokens, next_step=next_step)
+            working, node = await _load_into_working_slot(cache, tokens)
             torch.cuda.synchronize()
             assert torch.equal(working, expected)
-            if next_step:
-                assert torch.equal(node, expected)
-            else:
-                assert not torch.equal(node, expected)
+            assert torch.equal(node, expected)
         cache.tree.check_integrity()

@@ -36,6 +36,15 @@ def test_every_tier_serves_the_whole_prefix(tmp_path: Path, capsys: pytest.Captu
     # The link's floor is a CUDA measurement: absent on CPU, not made up.
     assert res["h2d_link_ms"] is None and res["host_optimum_ms"] is None and res["host_over_optimum"] is None
     assert set(res["read_time_correction"]) >= {"alone", "beside_compute", "alone_observed", "beside_compute_observed"}
+    # Direct reads: measured where the filesystem allows them (the backend reads through the page
+    # cache unless told otherwise), and the best read's optimum is the lowest of the optima.
+    if res["raw_disk_direct_refused"] is None:
+        assert res["raw_disk_direct_read_gbps"] > 0
+    else:
+        assert res["raw_disk_direct_read_gbps"] is None
+    assert res["storage_direct_io"] is False and res["storage_options"] == {}
+    assert res["disk_optimum_best_ms"] <= min(res["disk_optimum_ms"], res["disk_optimum_parallel_ms"])
+    assert res["disk_split_over_optimum_best"] == pytest.approx(res["ttft_ms"]["disk_split"] / res["disk_optimum_best_ms"])
     captured = capsys.readouterr()
     printed = captured.out
     assert "host/device" in printed and "each tail read beside a head" in printed
@@ -47,6 +56,23 @@ def test_every_tier_serves_the_whole_prefix(tmp_path: Path, capsys: pytest.Captu
     again = capsys.readouterr().out
     assert again.splitlines()[: len(printed.splitlines())] == printed.splitlines()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_storage_options_reach_the_backend(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from storage_backends.file_io import probe_direct
+
+    if probe_direct(str(tmp_path)) is not None:
+        pytest.skip("no direct reads here")
+    out = tmp_path / "prefix.json"
+    options = ["direct_io=true", "max_concurrency=3"]
+    assert prefix.run(bench_args(json_path=str(out), storage_option=options, pairs=1)) == 0
+    res = json.loads(out.read_text())
+    assert res["storage_options"] == {"direct_io": True, "max_concurrency": 3}
+    assert res["storage_direct_io"] is True and res["raw_disk_parallel_threads"] == 3
+    assert res["cached_tokens"]["disk_all"] == res["cached_tokens"]["disk_split"] == 64
+    assert "the backend read direct" in capsys.readouterr().out
+    assert prefix.run(bench_args(storage_option=["direct_io=maybe"], pairs=1)) == 2
+    assert "direct_io must be" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -47,7 +47,7 @@ async def test_disk_full_skips_the_backup_and_leaves_nothing(tmp_path: Path, mon
     def no_space(fd: int, views: list[memoryview], offset: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(local_disk, "_pwritev_all", no_space)
+    monkeypatch.setattr(local_disk, "pwritev_all", no_space)
     with caplog.at_level(logging.WARNING, logger="asynccache.storage"):
         assert await backend.batch_set_v2([kv_transfer(keys[1:], [1, 2])]) == [[False, False]]
     assert "2 of 2 items failed" in caplog.text and "No space left" in caplog.text
@@ -147,7 +147,7 @@ async def test_a_timed_out_read_never_touches_the_slot_after_returning(tmp_path:
     dst_kv, dst = make_pools(seed=None)
     await backend.register_host_pool_v2(PoolName.MAMBA, dst)
     release = threading.Event()
-    real = local_disk._preadv_all
+    real = local_disk.preadv_all
     returned = threading.Event()
 
     def slow(fd: int, views: list[memoryview], offset: int) -> None:
@@ -156,7 +156,7 @@ async def test_a_timed_out_read_never_touches_the_slot_after_returning(tmp_path:
         real(fd, views, offset)
         returned.set()
 
-    monkeypatch.setattr(local_disk, "_preadv_all", slow)
+    monkeypatch.setattr(local_disk, "preadv_all", slow)
     async with asyncio.timeout(20):
         assert await backend.batch_get_v2([mamba_transfer(keys, [1])]) == [[False]]
     assert returned.is_set()  # the worker's last write into the slot happened before the call returned
