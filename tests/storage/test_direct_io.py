@@ -191,3 +191,24 @@ async def test_the_cache_config_passes_storage_options_to_the_backend(tmp_path: 
     for bad, message in (({"namespace": "x"}, "namespace"), ({"no such": 1}, "option names")):
         with pytest.raises(ConfigError, match=message):
             HybridCacheConfig(device_kv_pages=1, device_state_slots=1, storage_options=bad)
+
+
+def test_the_probe_names_why_direct_reads_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from storage_backends import file_io
+
+    def refuse(path: str, direct: bool) -> int:
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(file_io, "open_read", refuse)
+    assert file_io.probe_direct(str(tmp_path)) == "the filesystem refuses O_DIRECT (Invalid argument)"
+    assert list(tmp_path.iterdir()) == []  # the probe file is gone either way
+
+    def broken(path: str, direct: bool) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(file_io, "open_read", broken)
+    with pytest.raises(OSError, match="Input/output"):
+        file_io.probe_direct(str(tmp_path))  # other errors are not a refusal
+    assert list(tmp_path.iterdir()) == []
