@@ -50,7 +50,13 @@ import numpy as np
 
 from asynccache.errors import BackendError, ConfigError, ObjectFormatError
 from asynccache.storage import PoolName
-from storage_backends.base import BatchItem, ObjectBackend, Outcome, WorkerPool, usable_cores
+from storage_backends.base import (
+    BatchItem,
+    ObjectBackend,
+    Outcome,
+    WorkerPool,
+    usable_cores,
+)
 from storage_backends.file_io import (
     DIRECT_ALIGN,
     aligned_empty,
@@ -67,10 +73,11 @@ from storage_backends.object_format import (
     IO_CHUNK_BYTES,
     PayloadChecksum,
     StopRequested,
-    add_checksums,
+    payload_range,
     validate_key,
     validate_pool_name,
 )
+from storage_backends.ranged_reads import item_outcomes, read_units
 
 __all__ = ["READ_RANGE_BYTES", "STALE_TMP_S", "LocalDiskBackend", "open_local_disk"]
 
@@ -94,37 +101,6 @@ def parse_file_uri(uri: str) -> str:
     if not path.startswith("/") or "\0" in path:
         raise ConfigError(f"file URI must name an absolute path, got {uri!r}")
     return os.path.normpath(path)
-
-
-def _payload_views(buffers: Sequence[np.ndarray], offset: int, length: int) -> list[np.ndarray]:
-    """The slot's bytes ``[offset, offset + length)`` of the payload, across its buffers, in order."""
-    views: list[np.ndarray] = []
-    for buf in buffers:
-        flat = buf.reshape(-1).view(np.uint8)
-        if offset >= flat.nbytes:
-            offset -= flat.nbytes
-            continue
-        take = min(flat.nbytes - offset, length)
-        views.append(flat[offset : offset + take])
-        length -= take
-        offset = 0
-        if not length:
-            break
-    return views
-
-
-def _read_units(items: Sequence[BatchItem]) -> list[tuple[int, int, int]]:
-    """``(item, payload offset, length)`` work units: an item whose payload exceeds
-    ``READ_RANGE_BYTES`` as ranges of that size, and those first; the others whole, in order."""
-    big: list[tuple[int, int, int]] = []
-    small: list[tuple[int, int, int]] = []
-    for i, item in enumerate(items):
-        total = item.geometry.payload_bytes
-        if total <= READ_RANGE_BYTES:
-            small.append((i, 0, total))
-        else:
-            big.extend((i, off, min(READ_RANGE_BYTES, total - off)) for off in range(0, total, READ_RANGE_BYTES))
-    return big + small
 
 
 def _check(stop: threading.Event, deadline: float | None = None) -> None:
@@ -208,11 +184,11 @@ class LocalDiskBackend(ObjectBackend):
         return _settled((await self._write_many([item]))[0])
 
     async def _read_many(self, items: Sequence[BatchItem]) -> list[Outcome]:
-        units = _read_units(items)
+        units = read_units(items, READ_RANGE_BYTES)
         results = await self._in_jobs(
             lambda stop, deadline, unit: self._read_range(stop, deadline, items[unit[0]], unit[1], unit[2]), units
         )
-        return _item_outcomes(len(items), units, results)
+        return item_outcomes(len(items), units, results)
 
     async def _write_many(self, items: Sequence[BatchItem]) -> list[Outcome]:
         return await self._in_jobs(self._write_file, items)
@@ -275,7 +251,7 @@ class LocalDiskBackend(ObjectBackend):
         (``O_DIRECT``) when the backend does and the slot's views allow it."""
         path, geometry, key = item.name, item.geometry, item.key
         hlen = self.codec.header_bytes(geometry, key)
-        views: list[np.ndarray] = _payload_views(item.buffers(), offset, length)
+        views: list[np.ndarray] = payload_range(item.buffers(), offset, offset + length)
         tail: np.ndarray | None = None
         split = direct_views(views, hlen + offset) if self.direct_io else None
         if split is not None:
@@ -379,27 +355,6 @@ class LocalDiskBackend(ObjectBackend):
                         found.append((st.st_mtime, entry.path, st.st_size))
         found.sort()
         return [(path, size) for _, path, size in found]
-
-
-def _item_outcomes(num_items: int, units: Sequence[tuple[int, int, int]], results: Sequence[Any]) -> list[Outcome]:
-    """Each item's outcome from its ranges' results: the first corruption, else the first
-    failure, else ``False`` if a range found the object absent, else ``True`` when the ranges'
-    partial checksums add up (mod 2⁶⁴) to the header's (else a corruption)."""
-    parts: list[list[Any]] = [[] for _ in range(num_items)]
-    for (i, _, _), result in zip(units, results, strict=True):
-        parts[i].append(result)
-    outcomes: list[Outcome] = []
-    for results_of_item in parts:
-        errors = [r for r in results_of_item if isinstance(r, BaseException)]
-        if errors:
-            outcomes.append(next((e for e in errors if isinstance(e, ObjectFormatError)), errors[0]))
-        elif any(r is False for r in results_of_item):
-            outcomes.append(False)
-        else:
-            want = next(w for w, _ in results_of_item if w is not None)
-            total = add_checksums(partial for _, partial in results_of_item)
-            outcomes.append(True if total == want else ObjectFormatError("payload checksum mismatch"))
-    return outcomes
 
 
 def _settled(outcome: Outcome) -> bool:

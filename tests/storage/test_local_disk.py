@@ -17,13 +17,22 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from storage_harness import NAMESPACE, kv_transfer, make_keys, make_pools, mamba_transfer, slot
+from storage_harness import (
+    NAMESPACE,
+    kv_transfer,
+    make_keys,
+    make_pools,
+    mamba_transfer,
+    slot,
+)
 
-import storage_backends.local_disk as local_disk
 from asynccache.errors import ConfigError
 from asynccache.storage import PoolName
+from storage_backends import local_disk
 from storage_backends.base import WorkerPool
 from storage_backends.local_disk import STALE_TMP_S, LocalDiskBackend
+from storage_backends.object_format import payload_range
+from storage_backends.ranged_reads import item_outcomes, read_units
 
 
 async def open_disk(root: Path, **options: object) -> tuple[LocalDiskBackend, object, object]:
@@ -265,7 +274,7 @@ def test_read_units_put_the_ranges_of_large_objects_first() -> None:
         return SimpleNamespace(geometry=SimpleNamespace(payload_bytes=payload))
 
     big = local_disk.READ_RANGE_BYTES
-    units = local_disk._read_units([item(100), item(big), item(2 * big + 16), item(7)])  # type: ignore[list-item]
+    units = read_units([item(100), item(big), item(2 * big + 16), item(7)], big)  # type: ignore[list-item]
     assert units == [(2, 0, big), (2, big, big), (2, 2 * big, 16), (0, 0, 100), (1, 0, big), (3, 0, 7)]
 
 
@@ -275,27 +284,26 @@ def test_item_outcomes_combine_the_ranges() -> None:
     units = [(0, 0, 4096), (0, 4096, 4096), (1, 0, 10), (2, 0, 4096), (2, 4096, 4096), (3, 0, 4096), (3, 4096, 5)]
     corrupt = ObjectFormatError("bad header")
     results: list[object] = [(7, 3), (None, 4), False, (9, 5), OSError("io"), (2**64 - 1, 2**64 - 1), (None, 0)]
-    outcomes = local_disk._item_outcomes(4, units, results)
+    outcomes = item_outcomes(4, units, results)
     assert outcomes[0] is True  # 3 + 4 == 7
     assert outcomes[1] is False  # absent
     assert isinstance(outcomes[2], OSError)
     assert outcomes[3] is True  # sums wrap mod 2**64: (2**64 - 1) + 0
-    mismatch = local_disk._item_outcomes(1, units[:2], [(7, 3), (None, 5)])[0]
+    mismatch = item_outcomes(1, units[:2], [(7, 3), (None, 5)])[0]
     assert isinstance(mismatch, ObjectFormatError) and "checksum" in str(mismatch)
-    absent_late = local_disk._item_outcomes(1, units[:2], [(7, 3), False])[0]
+    absent_late = item_outcomes(1, units[:2], [(7, 3), False])[0]
     assert absent_late is False  # removed between two ranges: a miss
-    first_error = local_disk._item_outcomes(1, units[:2], [OSError("io"), corrupt])[0]
+    first_error = item_outcomes(1, units[:2], [OSError("io"), corrupt])[0]
     assert first_error is corrupt  # a corruption is reported before other failures
 
 
-def test_payload_views_cross_buffers() -> None:
+def test_payload_range_crosses_buffers() -> None:
     import numpy as np
 
-    bufs = [np.arange(10, dtype=np.uint8), np.arange(10, 16, dtype=np.uint8).reshape(2, 3), np.arange(16, 20, dtype=np.uint8)]
-    views = local_disk._payload_views(bufs, 8, 9)
-    assert np.concatenate(views).tolist() == list(range(8, 17))
-    assert np.concatenate(local_disk._payload_views(bufs, 0, 20)).tolist() == list(range(20))
-    assert local_disk._payload_views(bufs, 16, 4)[0].tolist() == [16, 17, 18, 19]
+    bufs = [np.arange(10, dtype=np.uint8), np.arange(10, 16, dtype=np.uint8), np.arange(16, 20, dtype=np.uint8)]
+    assert np.concatenate(payload_range(bufs, 8, 17)).tolist() == list(range(8, 17))
+    assert np.concatenate(payload_range(bufs, 0, 20)).tolist() == list(range(20))
+    assert [v.tolist() for v in payload_range(bufs, 16, 20)] == [[16, 17, 18, 19]]
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
