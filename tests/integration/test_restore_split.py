@@ -203,8 +203,10 @@ async def test_observed_slow_tail_reads_turn_a_split_into_a_whole_restore() -> N
         assert res.tail is not None
         assert await res.tail.fetch
         res.tail.release()
-        # The memory backend reads at far more than the 1 MB/s estimate: the tail was observed fast.
-        assert tier.read_beside_compute.samples == 1 and tier.read_beside_compute.factor < 1
+        # The tail's read was observed: the correction is its observed / estimated time (how
+        # fast the memory backend was depends on the machine's moment, a GC pause included).
+        observed = tier.read_beside_compute
+        assert observed.samples == 1 and list(observed.ratios) == [observed.factor] and observed.factor > 0
         tier.read_beside_compute.factor = 2.0  # as if tails read at half the estimate beside a head
         res = await tier.prefetch(TOKENS, cache.tree.match_prefix(TOKENS), allow_tail=True)
         assert res.tail is None and res.num_pages_fetched == NUM_PAGES
