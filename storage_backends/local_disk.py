@@ -265,7 +265,7 @@ class LocalDiskBackend(ObjectBackend):
             expected = hlen + geometry.payload_bytes
             if size != expected:
                 raise ObjectFormatError(f"object of {size} bytes, expected {expected} (truncated or foreign)")
-            header = aligned_empty(hlen) if split is not None else np.empty(hlen, dtype=np.uint8)
+            header = aligned_empty(hlen)  # aligned for a direct read, harmless for the other
             want: int | None = None
             check = PayloadChecksum(first_block=offset // CHECKSUM_BLOCK_BYTES)
             position = hlen + offset

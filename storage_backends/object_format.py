@@ -22,7 +22,8 @@ An object is a header followed by the payload (little-endian)::
     │"ACSO" │ ver │ hlen│ payload len│ payload sum│ h.crc │ namespace digest  │ dlen │pad │
     └───────┴─────┴─────┴────────────┴────────────┴───────┴───────────────────┴──────┴────┘
     48: descriptor "pool;page_first;dtype;LxB;key" (ASCII, dlen bytes), zeros up to hlen
-    hlen (a multiple of 64; 4096 on the local disk): payload in page_first order — layer 0's item, layer 1's item, …
+    hlen (a multiple of 64; 4096 on the local disk): payload in page_first order — layer 0's
+    item, layer 1's item, …
 
 ``payload sum`` is the :class:`PayloadChecksum` of the payload, ``h.crc`` the CRC-32 of the
 header with that field zeroed. Given the namespace, pool and key every header byte except the

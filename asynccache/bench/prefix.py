@@ -221,11 +221,10 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         if direct_refused is None:
             raw_direct_bps, _ = _raw_read_bytes_per_s(root, threads=par_threads, direct=True)
         best_bps = max(raw_bps, raw_par_bps, raw_direct_bps or 0.0)
+        storage_direct_io = getattr(tier.backend, "direct_io", None)  # settled by the first use
         # the cost model's prior: the raw speed of the way the backend reads
-        backend_bps = raw_direct_bps if getattr(tier.backend, "direct_io", False) and raw_direct_bps else None
-        split_cost = RestoreCost(
-            read_bytes_per_s=backend_bps or max(raw_bps, raw_par_bps), prefill_tokens_per_s=prefill_tps
-        )
+        backend_bps = raw_direct_bps if storage_direct_io and raw_direct_bps else max(raw_bps, raw_par_bps)
+        split_cost = RestoreCost(read_bytes_per_s=backend_bps, prefill_tokens_per_s=prefill_tps)
         for key, cost in (("disk_all", None), ("disk_split", split_cost)):
             tier.cost = cost
             for _ in range(args.repeats):
@@ -235,7 +234,6 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                 await serve(prefix + tokens(args.new_tokens), key)
                 await settle()
         tier.cost = None
-        storage_direct_io = getattr(tier.backend, "direct_io", None)
         out["read_time_correction"] = {
             "alone": tier.read_alone.factor,
             "beside_compute": tier.read_beside_compute.factor,

@@ -64,12 +64,12 @@ def allocate_bytes(
     if do_pin and not pinning_available():
         raise PinningError(f"{what}: pinned host memory was demanded but no accelerator can pin memory here")
     try:
-        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=do_pin)
-        if buf.data_ptr() % HOST_ALIGN and not do_pin:
-            # pageable blocks start on 64 bytes: pad and slice. (Not pinned ones: the pinned
-            # allocator rounds sizes up to a power of two, so padding could double the block.)
-            del buf
-            raw = torch.empty(nbytes + HOST_ALIGN, dtype=torch.uint8, pin_memory=do_pin)
+        if do_pin:
+            # not padded: the pinned allocator rounds sizes up to a power of two, so padding
+            # could double the block
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        else:  # pageable blocks start on 64 bytes: pad and slice
+            raw = torch.empty(nbytes + HOST_ALIGN, dtype=torch.uint8)
             start = -raw.data_ptr() % HOST_ALIGN
             buf = raw[start : start + nbytes]
     except RuntimeError as e:
