@@ -29,12 +29,13 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from asynccache.errors import ConfigError
 from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer, StorageBackend
 
 if TYPE_CHECKING:
@@ -52,7 +53,14 @@ _MAX_PENDING_BACKUPS = 4096
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RestoreCost:
     """What restoring from storage costs against recomputing: the storage tier's read bandwidth
-    and the engine's prefill rate (both measured by the caller, e.g. in a warm-up).
+    and the engine's prefill time (both measured by the caller, e.g. in a warm-up).
+
+    Prefill time is linear in the tokens plus attention's share, which grows with the context:
+    the token at position ``p`` costs ``1 / prefill_tokens_per_s + p · prefill_s_per_context_token``
+    seconds, so computing positions ``[begin, end)`` costs :meth:`compute_s`. With
+    ``prefill_s_per_context_token = 0`` (the default) the rate is flat. A prefix's head (computed
+    from position 0) is then cheaper per token than its tail: :meth:`fit` takes both terms from
+    cold prefills of two lengths.
 
     The tier corrects the read estimate by what it observes (:class:`ReadTimeCorrection`):
     separately for reads alone (restore everything) and for reads beside the engine computing a
@@ -60,6 +68,49 @@ class RestoreCost:
 
     read_bytes_per_s: float
     prefill_tokens_per_s: float
+    prefill_s_per_context_token: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.read_bytes_per_s > 0 and self.prefill_tokens_per_s > 0):
+            raise ConfigError(
+                f"RestoreCost needs positive rates, got read_bytes_per_s={self.read_bytes_per_s}, "
+                f"prefill_tokens_per_s={self.prefill_tokens_per_s}"
+            )
+        if not self.prefill_s_per_context_token >= 0:
+            raise ConfigError(
+                f"prefill_s_per_context_token must be >= 0, got {self.prefill_s_per_context_token}"
+            )
+
+    def compute_s(self, begin: int, end: int) -> float:
+        """Seconds to prefill positions ``[begin, end)`` after a cached prefix of ``begin`` tokens."""
+        n = end - begin
+        return n / self.prefill_tokens_per_s + self.prefill_s_per_context_token * (end * end - begin * begin) / 2
+
+    @classmethod
+    def fit(cls, *, read_bytes_per_s: float, prefills: Sequence[tuple[int, float]]) -> RestoreCost:
+        """From cold prefills ``(tokens, seconds)`` (each from position 0): with one length, a
+        flat rate; with two or more, least squares of ``seconds = n / rate + c · n² / 2`` over
+        ``rate > 0, c >= 0`` (``c`` dropped when the data would make it negative)."""
+        points = [(float(n), float(t)) for n, t in prefills]
+        if not points or any(n <= 0 or t <= 0 for n, t in points):
+            raise ConfigError(f"prefills need positive (tokens, seconds) pairs, got {list(prefills)}")
+        flat = cls(
+            read_bytes_per_s=read_bytes_per_s,
+            prefill_tokens_per_s=sum(n * n for n, _ in points) / sum(n * t for n, t in points),
+        )
+        if len({n for n, _ in points}) < 2:
+            return flat
+        # Normal equations of t ≈ u·n + c·(n²/2).
+        a11 = sum(n * n for n, _ in points)
+        a12 = sum(n**3 / 2 for n, _ in points)
+        a22 = sum(n**4 / 4 for n, _ in points)
+        b1 = sum(n * t for n, t in points)
+        b2 = sum(n * n / 2 * t for n, t in points)
+        det = a11 * a22 - a12 * a12
+        u, c = (b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det
+        if c < 0 or u <= 0:
+            return flat
+        return cls(read_bytes_per_s=read_bytes_per_s, prefill_tokens_per_s=1 / u, prefill_s_per_context_token=c)
 
 
 class ReadTimeCorrection:
@@ -279,34 +330,48 @@ class StorageTier:
         everything stored, ``start < begin < n`` computes the head ``[start, begin)`` while reading
         the tail ``[begin, n)`` and the state at ``n``.
 
-        Reading ``p`` pages and the state costs ``(p·kv_page_bytes + state_bytes) / read_bw`` and
-        computing ``t`` tokens ``t / prefill_rate``. Restoring first and computing after costs the
-        sum, linear in the depth, so among such splits only the two ends can win: everything
-        (reading pages is cheaper than computing them) or nothing. Recomputing is always a
-        candidate, so restoring is never chosen when estimated slower. A tail restore overlaps
-        the two and costs the max; the best head balances them. Read times are scaled by the
-        observed corrections (:attr:`read_alone`, :attr:`read_beside_compute`).
+        Reading ``p`` pages and the state costs ``(p·kv_page_bytes + state_bytes) / read_bw``;
+        computing positions ``[a, b)`` costs ``RestoreCost.compute_s(a, b)``. Restoring first and
+        computing after costs the sum, which is concave in the depth (reading is linear in it,
+        and a token costs more to compute the deeper it sits), so among such splits only the two
+        ends can win: everything or nothing. Recomputing is always a candidate, so restoring is never chosen when estimated
+        slower. A tail restore overlaps the two and costs the max; the best head balances them
+        (computing grows with the head and reading shrinks, so the crossing is found by
+        bisection). Read times are scaled by the observed corrections (:attr:`read_alone`,
+        :attr:`read_beside_compute`).
         """
         assert self.cost is not None
+        cost = self.cost
         spec = self.tree.spec
         page, kvb, sb = spec.page_size, spec.kv_page_bytes, spec.state_bytes
-        rate = self.cost.prefill_tokens_per_s
-        bw_all = self.cost.read_bytes_per_s / self.read_alone.factor
-        bw_tail = self.cost.read_bytes_per_s / self.read_beside_compute.factor
-        rest_s = (num_tokens - n * page) / rate  # computed after the stored prefix in every plan
+        bw_all = cost.read_bytes_per_s / self.read_alone.factor
+        bw_tail = cost.read_bytes_per_s / self.read_beside_compute.factor
+        rest_s = cost.compute_s(n * page, num_tokens)  # computed after the stored prefix in every plan
+
+        def head_s(begin: int) -> float:
+            return cost.compute_s(start_page * page, begin * page)
+
+        def tail_s(begin: int) -> float:
+            return ((n - begin) * kvb + sb) / bw_tail
 
         def plan_cost(begin: int, end: int) -> float:
             if end == start_page:
-                return (num_tokens - start_page * page) / rate
+                return cost.compute_s(start_page * page, num_tokens)
             if begin == start_page:  # restore everything (every page is read, see _fetch)
                 return (end * kvb + sb) / bw_all + rest_s
-            return max((begin - start_page) * page / rate, ((end - begin) * kvb + sb) / bw_tail) + rest_s
+            return max(head_s(begin), tail_s(begin)) + rest_s
 
         plans = [(start_page, start_page), (start_page, n)]
         if allow_tail and n - start_page >= 2:
-            # The head b where computing [start, b) takes as long as reading [b, n) + the state.
-            b = (start_page * page / rate + (n * kvb + sb) / bw_tail) / (page / rate + kvb / bw_tail)
-            for cand in {int(b), int(b) + 1}:
+            # The last head b in (start, n) whose computation is not longer than the tail's read.
+            lo, hi = start_page, n  # head_s(lo) <= tail_s(lo); the answer is in [lo, hi)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if head_s(mid) <= tail_s(mid):
+                    lo = mid
+                else:
+                    hi = mid
+            for cand in {lo, lo + 1}:
                 if start_page < cand < n:
                     plans.append((cand, n))
         best = min(plans, key=lambda p: (plan_cost(*p), -p[1], p[0]))

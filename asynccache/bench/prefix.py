@@ -4,7 +4,8 @@ One request = a ``--prefix-tokens`` prefix + ``--new-tokens`` fresh tokens, serv
 reference scheduler. Measured in one run, median of ``--repeats`` (``--pairs`` for device and
 host):
 
-- ``cold``: nothing cached (a fresh prefix each repeat);
+- ``cold``: nothing cached (a fresh prefix each repeat); ``cold_short``: the same at a quarter of
+  the length (for the prefill-time fit);
 - ``device``: the prefix (KV + state) is on the device;
 - ``host``: demoted to pinned host memory, loaded back layer by layer. Device and host repeats
   alternate, ``--pairs`` times (each pair a few tens of milliseconds, so more of them than of
@@ -14,7 +15,7 @@ host):
 - ``disk``: only in local-disk storage (device and host flushed, the objects dropped from the
   page cache) — once restoring everything (read to host, then loaded layer by layer), once with
   the storage tier's cost model (``RestoreCost`` from the measured read bandwidth and prefill
-  rate, corrected by the read times the tier observes from one repeat to the next), which picks
+  times, corrected by the read times the tier observes from one repeat to the next), which picks
   recomputing, restoring everything, or a split restore: the head of the prefix computed while
   the tail is read.
 
@@ -26,7 +27,11 @@ The same run measures the raw read bandwidth of the stored objects — plain seq
 reads, the same reads spread over as many threads as the backend uses, and those with
 ``O_DIRECT`` (past the page cache, where the filesystem allows it) — and reports the physical
 optimum for the disk case, ``min over a of max(bytes(a) / raw_read_bw, cold_compute(L − a))``,
-with each and with the best of them. ``--json PATH`` writes every figure, ``--plot PATH`` draws
+with each and with the best of them. ``cold_compute(L − a)`` is taken two ways: at the cold
+prefill's average rate (``disk_optimum_*``), and as the compute of positions ``[a, L)`` after a
+prefix of ``a`` (``disk_optimum_fit_*``) from a fit of cold prefills of ``L`` and ``L / 4``
+tokens (``RestoreCost.fit``: a flat per-token cost plus attention's, which grows with the
+position). The cost model computes its heads with the same fit. ``--json PATH`` writes every figure, ``--plot PATH`` draws
 the TTFT of each tier and the device/host pairs, and ``--from-json PATH`` re-reports (and
 re-plots) an earlier ``--json`` file without measuring.
 """
@@ -48,6 +53,7 @@ import numpy as np
 import torch
 import uvloop
 
+from asynccache.bench.prefix_report import plot, print_report
 from asynccache.bench.progress import progress_bar
 from asynccache.bench.storage import parse_options
 from asynccache.bench.transfer import time_median_s
@@ -157,6 +163,7 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         return rng.integers(1, vocab, size=n).tolist()
 
     L = args.prefix_tokens + args.new_tokens
+    short = max(1, L // 4)
     pages = -(-L // spec.page_size) + 2
     cfg = HybridCacheConfig(
         device_kv_pages=3 * pages,
@@ -170,7 +177,9 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     )
     out: dict[str, Any] = {"device": args.device, "preset": args.preset, "prefix_tokens": args.prefix_tokens,
                            "new_tokens": args.new_tokens, "storage_options": dict(cfg.storage_options)}
-    times: dict[str, list[float]] = {k: [] for k in ("cold", "device", "host", "disk_all", "disk_split")}
+    times: dict[str, list[float]] = {
+        k: [] for k in ("cold", "cold_short", "device", "host", "disk_all", "disk_split")
+    }
     cached: dict[str, list[int]] = {k: [] for k in times}
     async with HybridCache(spec, cfg, device=args.device) as cache, Scheduler(
         model, cache, SchedulerConfig(max_running=1, chunk_size=L, max_batch_tokens=L)
@@ -179,7 +188,7 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         tier = ctrl.tiering
         assert tier is not None
 
-        tick = progress_bar(2 + 3 * args.repeats + 2 * args.pairs, "requests")
+        tick = progress_bar(3 + 4 * args.repeats + 2 * args.pairs, "requests")
 
         async def serve(prompt: list[int], key: str) -> None:
             if args.device == "cuda":
@@ -199,7 +208,15 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         cached["cold"].clear()
         for _ in range(args.repeats):
             await serve(tokens(L), "cold")
+        # A shorter cold prefill too: attention makes a token's cost grow with its position, and
+        # the two lengths give the cost model (and the optimum) both terms.
+        await serve(tokens(short), "cold_short")
+        times["cold_short"].clear()
+        cached["cold_short"].clear()
+        for _ in range(args.repeats):
+            await serve(tokens(short), "cold_short")
         prefill_tps = L / (statistics.median(times["cold"]) / 1e3)
+        prefills = [(L, statistics.median(times["cold"]) / 1e3), (short, statistics.median(times["cold_short"]) / 1e3)]
         prefix = tokens(args.prefix_tokens)
         await serve(prefix + tokens(args.new_tokens), "device")  # populates device, host, disk
         times["device"].clear()
@@ -224,7 +241,7 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         storage_direct_io = getattr(tier.backend, "direct_io", None)  # settled by the first use
         # the cost model's prior: the raw speed of the way the backend reads
         backend_bps = raw_direct_bps if storage_direct_io and raw_direct_bps else max(raw_bps, raw_par_bps)
-        split_cost = RestoreCost(read_bytes_per_s=backend_bps, prefill_tokens_per_s=prefill_tps)
+        split_cost = RestoreCost.fit(read_bytes_per_s=backend_bps, prefills=prefills)
         for key, cost in (("disk_all", None), ("disk_split", split_cost)):
             tier.cost = cost
             for _ in range(args.repeats):
@@ -251,8 +268,19 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             max((a * per_token_bytes + (spec.state_bytes if a else 0)) / read_bps, (L - a) / prefill_tps) for a in grid
         )
 
+    def fit_optimum_s(read_bps: float) -> float:
+        """The same with the remaining tokens' compute from the two-length fit: positions
+        ``[a, L)`` continuing a prefix of ``a`` cost more per token than the average of a cold
+        prefill from 0."""
+        grid = range(0, args.prefix_tokens + 1, spec.page_size)
+        return min(
+            max((a * per_token_bytes + (spec.state_bytes if a else 0)) / read_bps, split_cost.compute_s(a, L))
+            for a in grid
+        )
+
     opt_ms, opt_par_ms = optimum_s(raw_bps) * 1e3, optimum_s(raw_par_bps) * 1e3
     opt_best_ms = optimum_s(best_bps) * 1e3
+    fit_par_ms, fit_best_ms = fit_optimum_s(raw_par_bps) * 1e3, fit_optimum_s(best_bps) * 1e3
     out.update(
         {
             "ttft_ms": med,
@@ -260,6 +288,11 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             "cached_tokens": {k: int(statistics.median(v)) for k, v in cached.items()},
             "cached_tokens_repeats": cached,
             "prefill_tokens_per_s": prefill_tps,
+            "prefill_fit": {
+                "prefills_ms": [[n, t * 1e3] for n, t in prefills],
+                "tokens_per_s": split_cost.prefill_tokens_per_s,
+                "s_per_context_token": split_cost.prefill_s_per_context_token,
+            },
             "raw_disk_read_gbps": raw_bps / 1e9,
             "raw_disk_parallel_read_gbps": raw_par_bps / 1e9,
             "raw_disk_parallel_threads": par_threads,
@@ -271,6 +304,8 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             "disk_optimum_ms": opt_ms,
             "disk_optimum_parallel_ms": opt_par_ms,
             "disk_optimum_best_ms": opt_best_ms,
+            "disk_optimum_fit_parallel_ms": fit_par_ms,
+            "disk_optimum_fit_best_ms": fit_best_ms,
             "host_over_device": med["host"] / med["device"],
             "host_over_device_pairwise": statistics.median(h / d for d, h in pairs),
             "host_minus_device_ms": statistics.median(h - d for d, h in pairs),
@@ -281,6 +316,8 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             "disk_split_over_optimum": med["disk_split"] / opt_ms,
             "disk_split_over_optimum_parallel": med["disk_split"] / opt_par_ms,
             "disk_split_over_optimum_best": med["disk_split"] / opt_best_ms,
+            "disk_split_over_optimum_fit_parallel": med["disk_split"] / fit_par_ms,
+            "disk_split_over_optimum_fit_best": med["disk_split"] / fit_best_ms,
             "disk_all_over_optimum": med["disk_all"] / opt_ms,
             "disk_all_over_optimum_parallel": med["disk_all"] / opt_par_ms,
         }
@@ -324,112 +361,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
         if args.json_path:
             Path(args.json_path).write_text(json.dumps(res, indent=2))
-    _print_report(res)
+    print_report(res)
     if args.plot:
-        _plot(res, args.plot)
+        plot(res, args.plot)
         print(f"wrote {args.plot}")
     return 0
-
-
-_TIERS = {
-    "cold": "cold prefill",
-    "device": "device",
-    "host": "host (layer-by-layer load)",
-    "disk_all": "local disk, restore all",
-    "disk_split": "local disk, cost model",
-}
-
-
-def _direct_note(res: dict[str, Any]) -> str:
-    """The direct-read part of the report's first line (absent from runs before it was measured)."""
-    if "raw_disk_direct_read_gbps" not in res:
-        return ""
-    if res["raw_disk_direct_read_gbps"] is None:
-        return f"; no direct reads ({res['raw_disk_direct_refused']})"
-    used = "direct" if res.get("storage_direct_io") else "through the page cache"
-    return f", {res['raw_disk_direct_read_gbps']:.2f} GB/s direct (O_DIRECT); the backend read {used}"
-
-
-def _print_report(res: dict[str, Any]) -> None:
-    print(
-        f"prefix TTFT on {res['device']}: {res['preset']}, {res['prefix_tokens']}-token prefix "
-        f"({res['prefix_bytes'] / 1e9:.2f} GB) + {res['new_tokens']} new tokens; cold prefill "
-        f"{res['prefill_tokens_per_s']:.0f} tok/s; raw disk read {res['raw_disk_read_gbps']:.2f} GB/s sequential, "
-        f"{res['raw_disk_parallel_read_gbps']:.2f} GB/s on {res['raw_disk_parallel_threads']} threads"
-        + _direct_note(res)
-    )
-    print(f"{'served from':<28}{'TTFT (ms)':>11}{'cached':>9}")
-    for key, name in _TIERS.items():
-        print(f"{name:<28}{res['ttft_ms'][key]:>11.1f}{res['cached_tokens'][key]:>9}")
-    print(f"{'disk optimum (sequential)':<28}{res['disk_optimum_ms']:>11.1f}")
-    print(f"{'disk optimum (parallel)':<28}{res['disk_optimum_parallel_ms']:>11.1f}")
-    if "disk_optimum_best_ms" in res:
-        print(f"{'disk optimum (best read)':<28}{res['disk_optimum_best_ms']:>11.1f}")
-    print(
-        f"host/device {res['host_over_device']:.3f} (medians; {len(res['ttft_ms_repeats']['host'])} alternating "
-        f"pairs: median ratio {res['host_over_device_pairwise']:.3f}, median difference "
-        f"{res['host_minus_device_ms']:.2f} ms)"
-    )
-    if res.get("h2d_link_ms") is not None:
-        print(
-            f"the prefix over the link alone (contiguous pinned copy, same run): {res['h2d_link_ms']:.1f} ms; "
-            f"host / max(device, link) {res['host_over_optimum']:.3f}"
-        )
-    print(
-        f"disk (cost model)/cold {res['disk_split_over_cold']:.3f}; "
-        f"disk (cost model)/optimum {res['disk_split_over_optimum']:.3f} (sequential read), "
-        f"{res['disk_split_over_optimum_parallel']:.3f} (parallel read)"
-        + (f", {res['disk_split_over_optimum_best']:.3f} (best read)" if "disk_split_over_optimum_best" in res else "")
-    )
-    reps = zip(res["ttft_ms_repeats"]["disk_split"], res["cached_tokens_repeats"]["disk_split"], strict=True)
-    print("cost model, each repeat (TTFT ms / tokens restored): " + ", ".join(f"{t:.0f} / {c}" for t, c in reps))
-    corr = res["read_time_correction"]
-    print(f"observed / estimated read time: {corr['alone']:.2f} alone, {corr['beside_compute']:.2f} beside a head's computation")
-    seen = ", ".join(f"{r:.2f}" for r in corr["beside_compute_observed"]) or "none"
-    print(f"  each tail read beside a head (observed / estimated): {seen}")
-
-
-def _plot(res: dict[str, Any], path: str) -> None:
-    """TTFT per tier (log scale, with the disk optima and the link time), and each alternating
-    device/host pair."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
-    keys = list(_TIERS)
-    ttft = [res["ttft_ms"][k] for k in keys]
-    bars = ax1.bar(range(len(keys)), ttft, color=["0.6", "tab:green", "tab:blue", "tab:orange", "tab:red"])
-    ax1.bar_label(bars, labels=[f"{t:.1f}" for t in ttft], fontsize=8)
-    ax1.set_xticks(range(len(keys)), [_TIERS[k].replace(" (", "\n(").replace(", ", ",\n") for k in keys], fontsize=8)
-    ax1.set_yscale("log")
-    for value, label, color, linestyle in (
-        (res["disk_optimum_ms"], "disk optimum, sequential read", "k", "--"),
-        (res["disk_optimum_parallel_ms"], "disk optimum, parallel read", "k", ":"),
-        (res.get("disk_optimum_best_ms"), "disk optimum, best read", "tab:red", ":"),
-        (res.get("h2d_link_ms"), "prefix over the link alone", "b", ":"),
-    ):
-        if value is not None:
-            ax1.axhline(value, color=color, linestyle=linestyle, linewidth=1, label=f"{label} ({value:.1f} ms)")
-    ax1.set(ylabel="TTFT (ms, median)", title="TTFT by the tier that holds the prefix")
-    ax1.legend(fontsize=7, loc="upper right")
-    reps = res["ttft_ms_repeats"]
-    xs = range(1, len(reps["device"]) + 1)
-    ax2.plot(xs, reps["device"], "o-", color="tab:green", label="device")
-    ax2.plot(xs, reps["host"], "o-", color="tab:blue", label="host")
-    ax2.plot(xs, [1.05 * d for d in reps["device"]], color="tab:green", linestyle=":", label="1.05 × device")
-    ax2.set(
-        xlabel="alternating pair",
-        ylabel="TTFT (ms)",
-        title=f"device and host in turn: host/device {res['host_over_device']:.3f} (medians)",
-    )
-    ax2.legend(fontsize=8)
-    fig.suptitle(
-        f"{res['preset']} on {res['device']}: {res['prefix_tokens']:,}-token prefix "
-        f"({res['prefix_bytes'] / 1e9:.2f} GB) + {res['new_tokens']} new tokens",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -12,6 +12,7 @@ import pytest
 
 from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
+from asynccache.errors import ConfigError
 from asynccache.policy import EveryPageAdmission
 from asynccache.spec import HybridSpec
 from asynccache.tiering import ReadTimeCorrection, RestoreCost, StorageTier
@@ -181,6 +182,88 @@ async def test_a_tail_arriving_after_the_deadline_is_released() -> None:
         assert res.tail is not None and res.tail.released  # nobody took it: released on arrival
         await res.tail.fetch
         assert cache.host_kv.num_free == free_kv
+
+
+async def test_a_context_cost_lengthens_the_head() -> None:
+    """Attention makes a token dearer the deeper it sits, so the head of a prefix (computed from
+    position 0) is cheaper than a flat rate says: with the same time for the whole prefix, a
+    model with a context term computes a longer head and reads less — and still balances the
+    head's computation against the tail's read to within a page."""
+    spec = HybridSpec.preset("tiny", page_size=PAGE)
+    flat = balanced_cost(spec, 3.0)
+    whole = flat.compute_s(0, NUM_PAGES * PAGE)
+    # Half of the whole prefix's time from the context term, the same total.
+    c = whole / ((NUM_PAGES * PAGE) ** 2 / 2) / 2
+    rate = NUM_PAGES * PAGE / (whole / 2)
+    deep = RestoreCost(read_bytes_per_s=1e6, prefill_tokens_per_s=rate, prefill_s_per_context_token=c)
+    assert deep.compute_s(0, NUM_PAGES * PAGE) == pytest.approx(whole)
+    heads = {}
+    for name, cost in (("flat", flat), ("deep", deep)):
+        async with balanced_tier() as (cache, tier):
+            tier.cost = cost
+            tail = (await tier.prefetch(TOKENS, cache.tree.match_prefix(TOKENS), allow_tail=True)).tail
+            assert tail is not None
+            b, n = tail.begin_tokens // PAGE, tail.end_tokens // PAGE
+            assert await tail.fetch
+            tail.release()
+
+            def read_s(head: int, n: int = n, bw: float = cost.read_bytes_per_s) -> float:
+                return ((n - head) * spec.kv_page_bytes + spec.state_bytes) / bw
+
+            # b is where computing the head catches up with reading the tail (± one page).
+            assert cost.compute_s(0, (b - 1) * PAGE) <= read_s(b - 1)
+            assert cost.compute_s(0, (b + 1) * PAGE) >= read_s(b + 1)
+            heads[name] = b
+    assert heads["deep"] > heads["flat"]
+
+
+def test_restore_cost_compute_time_adds_up_and_grows_with_the_context() -> None:
+    cost = RestoreCost(read_bytes_per_s=1e9, prefill_tokens_per_s=1000.0, prefill_s_per_context_token=1e-6)
+    assert cost.compute_s(0, 100) + cost.compute_s(100, 300) == pytest.approx(cost.compute_s(0, 300))
+    assert cost.compute_s(1000, 1100) > cost.compute_s(0, 100)
+    assert cost.compute_s(0, 100) == pytest.approx(0.1 + 1e-6 * 100**2 / 2)
+    flat = RestoreCost(read_bytes_per_s=1e9, prefill_tokens_per_s=1000.0)
+    assert flat.compute_s(1000, 1100) == pytest.approx(flat.compute_s(0, 100)) == pytest.approx(0.1)
+
+
+def test_restore_cost_fit_from_cold_prefills() -> None:
+    def cold(n: int, rate: float = 20_000.0, c: float = 3e-9) -> float:
+        return n / rate + c * n * n / 2
+
+    fit = RestoreCost.fit(read_bytes_per_s=1e9, prefills=[(8192, cold(8192)), (32768, cold(32768))])
+    assert fit.prefill_tokens_per_s == pytest.approx(20_000.0, rel=1e-6)
+    assert fit.prefill_s_per_context_token == pytest.approx(3e-9, rel=1e-6)
+    assert fit.read_bytes_per_s == 1e9
+    # Three lengths, least squares: the same model back.
+    three = RestoreCost.fit(read_bytes_per_s=1e9, prefills=[(n, cold(n)) for n in (4096, 16384, 32768)])
+    assert three.prefill_s_per_context_token == pytest.approx(3e-9, rel=1e-6)
+    # One length: a flat rate through it.
+    one = RestoreCost.fit(read_bytes_per_s=1e9, prefills=[(32768, 2.0)])
+    assert one.prefill_s_per_context_token == 0 and one.prefill_tokens_per_s == pytest.approx(16384.0)
+    # Longer prompts faster per token than short ones (noise): no negative context cost.
+    odd = RestoreCost.fit(read_bytes_per_s=1e9, prefills=[(8192, 0.5), (32768, 1.0)])
+    assert odd.prefill_s_per_context_token == 0 and odd.prefill_tokens_per_s > 0
+    assert odd.prefill_tokens_per_s == pytest.approx((8192**2 + 32768**2) / (8192 * 0.5 + 32768 * 1.0))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"read_bytes_per_s": 0.0, "prefill_tokens_per_s": 1.0},
+        {"read_bytes_per_s": 1.0, "prefill_tokens_per_s": -1.0},
+        {"read_bytes_per_s": 1.0, "prefill_tokens_per_s": float("nan")},
+        {"read_bytes_per_s": 1.0, "prefill_tokens_per_s": 1.0, "prefill_s_per_context_token": -1e-9},
+    ],
+)
+def test_restore_cost_refuses_rates_that_are_not_positive(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ConfigError):
+        RestoreCost(**kwargs)
+
+
+@pytest.mark.parametrize("prefills", [[], [(0, 1.0)], [(100, 0.0)], [(100, -1.0), (200, 1.0)]])
+def test_restore_cost_fit_refuses_empty_or_meaningless_prefills(prefills: list[tuple[int, float]]) -> None:
+    with pytest.raises(ConfigError, match="prefills"):
+        RestoreCost.fit(read_bytes_per_s=1e9, prefills=prefills)
 
 
 def test_read_time_correction_is_a_moving_average_of_large_reads() -> None:
