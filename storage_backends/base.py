@@ -45,7 +45,7 @@ from asynccache.pools.base import ItemPool
 from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer, PoolTransferResult, longest_hit
 from storage_backends.object_format import ObjectCodec, ObjectGeometry, slot_buffers, validate_key
 
-__all__ = ["BackendStatistics", "ObjectBackend", "BatchItem", "Outcome", "LRUCapacity", "WorkerPool", "check_common_options", "usable_cores"]
+__all__ = ["BackendStatistics", "ObjectBackend", "BatchItem", "Outcome", "LRUCapacity", "WorkerPool", "check_common_options", "check_int", "check_seconds", "usable_cores"]
 
 logger = logging.getLogger("asynccache.storage")
 
@@ -87,15 +87,27 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def check_int(name: str, value: Any, *, minimum: int) -> int:
+    """``value`` if it is an ``int`` (not a ``bool``) of at least ``minimum``, else a ConfigError."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def check_seconds(name: str, value: Any) -> float:
+    """``value`` as seconds if it is a finite positive number, else a ConfigError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ConfigError(f"{name} must be a finite positive number of seconds, got {value!r}")
+    return float(value)
+
+
 def check_common_options(
     *, capacity_bytes: int | None, max_concurrency: int, timeout_s: float
 ) -> None:
-    if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or capacity_bytes <= 0):
-        raise ConfigError(f"capacity_bytes must be a positive int or None, got {capacity_bytes!r}")
-    if not isinstance(max_concurrency, int) or max_concurrency < 1:
-        raise ConfigError(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
-    if not timeout_s > 0:
-        raise ConfigError(f"timeout_s must be positive, got {timeout_s!r}")
+    if capacity_bytes is not None:
+        check_int("capacity_bytes", capacity_bytes, minimum=1)
+    check_int("max_concurrency", max_concurrency, minimum=1)
+    check_seconds("timeout_s", timeout_s)
 
 
 class LRUCapacity:
@@ -103,7 +115,8 @@ class LRUCapacity:
 
     ``reserve`` counts a new object's bytes before it is written and picks victims (removed
     from the index at once, so concurrent writers never pick the same victim); ``commit`` /
-    ``release`` settle the reservation."""
+    ``release`` settle the reservation. An object the index already holds reserves nothing (a
+    put of it is a put-if-absent that finds it) and is never its own victim."""
 
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
@@ -127,8 +140,12 @@ class LRUCapacity:
         if size is not None:
             self.used_bytes -= size
 
+    def holds(self, name: str) -> bool:
+        return name in self._sizes
+
     def reserve(self, size: int) -> list[str] | None:
-        """Room for ``size`` more bytes: the victims to delete, or ``None`` (nothing changed)."""
+        """Room for ``size`` more bytes: the victims to delete, or ``None`` (nothing changed).
+        Busy objects (:meth:`busy`) are never victims."""
         if size > self.capacity_bytes:
             return None
         need = self.used_bytes + size - self.capacity_bytes
@@ -148,16 +165,18 @@ class LRUCapacity:
         self.used_bytes += size
         return victims
 
-    def commit(self, name: str, size: int) -> None:
-        """A reserved object now exists under ``name``."""
+    def commit(self, name: str, size: int, reserved: int) -> None:
+        """An object of ``size`` bytes exists under ``name``, for which ``reserved`` bytes were
+        reserved (0 when the index held it at the time)."""
         if name in self._sizes:
-            self.used_bytes -= size
+            self.used_bytes -= reserved
             self._sizes.move_to_end(name)
         else:
             self._sizes[name] = size
+            self.used_bytes += size - reserved
 
-    def release(self, size: int) -> None:
-        self.used_bytes -= size
+    def release(self, reserved: int) -> None:
+        self.used_bytes -= reserved
 
     @contextmanager
     def busy(self, name: str) -> Iterator[None]:
@@ -195,7 +214,10 @@ class WorkerPool:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
         stop = threading.Event()
-        fut = loop.run_in_executor(self._executor, functools.partial(fn, stop, *args))
+        try:
+            fut = loop.run_in_executor(self._executor, functools.partial(fn, stop, *args))
+        except RuntimeError as e:  # shut down: the backend was closed while the call ran
+            raise BackendError("the backend was closed") from e
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -378,18 +400,29 @@ class ObjectBackend(ABC):
         self._closed = True
         await self._close()
 
-    async def _ensure_ready(self) -> None:
+    async def _ensure_ready(self, call: str, num_items: int) -> bool:
+        """Set the backend up at its first use. ``False`` when that failed (the store is down,
+        the root cannot be made): counted and reported, the call's items are misses, and the
+        next call tries again. A closed backend raises."""
         if self._closed:
             raise BackendError(f"storage {self.uri}: backend is closed")
         if self._ready:
-            return
+            return True
         async with self._ready_lock:
             if self._ready:
-                return
-            await self._prepare()
-            if self._capacity is not None:
-                self._capacity.load(await self._list_objects())
+                return True
+            try:
+                await self._prepare()
+                if self._capacity is not None:
+                    self._capacity.load(await self._list_objects())
+            except (BackendError, OSError, TimeoutError) as e:
+                self._count_failure(e)
+                report = _BatchReport(self, call, num_items)
+                report.fail(self.uri, f"not ready: {_describe(e)}")
+                report.emit()
+                return False
             self._ready = True
+            return True
 
     def statistics(self) -> BackendStatistics:
         cap = self._capacity
@@ -443,9 +476,10 @@ class ObjectBackend(ABC):
         pool_names = [_value(t.pool_name) for t in transfers]
         for name in pool_names:
             self._geometry(name)
-        await self._ensure_ready()
         n = len(keys)
         flags: dict[str, list[bool]] = {name: [False] * n for name in pool_names}
+        if not await self._ensure_ready("batch_exists_v2", n):
+            return PoolTransferResult(num_hit_pages=0, exists={t.pool_name: (False,) * n for t in transfers})
         report = _BatchReport(self, "batch_exists_v2", 0)
 
         async def probe(names: Iterable[str], lo: int, hi: int) -> None:
@@ -514,7 +548,8 @@ class ObjectBackend(ABC):
         items = [item for plan in plans for item in plan.items]
         if len({(id(item.pool), item.index) for item in items}) != len(items):
             raise ConfigError("a batch reads two objects into one host slot")
-        await self._ensure_ready()
+        if not await self._ensure_ready("batch_get_v2", len(items)):
+            return _split([False] * len(items), plans)
         report = _BatchReport(self, "batch_get_v2", len(items))
         with self._busy(items):
             outcomes = await self._read_many(items)
@@ -547,37 +582,36 @@ class ObjectBackend(ABC):
         """Write ``host_indices[i]`` under ``keys[i]`` (put-if-absent; an existing object counts
         as success); success per item. Slots are only read."""
         plans = [self._plan(t, distinct_slots=False) for t in transfers]
-        await self._ensure_ready()
         items = [item for plan in plans for item in plan.items]
+        if not await self._ensure_ready("batch_set_v2", len(items)):
+            return _split([False] * len(items), plans)
         report = _BatchReport(self, "batch_set_v2", len(items))
         sizes = [self.codec.object_bytes(item.geometry, item.key) for item in items]
-        accepted = list(range(len(items)))
-        if self._capacity is not None:
-            accepted, victims = [], []
-            for i, size in enumerate(sizes):
-                room = self._capacity.reserve(size)
-                if room is None:
-                    self._counts["num_rejected"] += 1
-                    report.fail(items[i].name, f"no room: {size} bytes, capacity {self._capacity.capacity_bytes}")
-                    continue
-                accepted.append(i)
-                victims.extend(room)
-            if victims:
-                self._counts["num_evictions"] += len(victims)
-                await self._remove(victims, report)
-        with self._busy(items):
-            outcomes = await self._write_many([items[i] for i in accepted])
         done = [False] * len(items)
+        with self._busy(items):  # before reserving: no item of the batch is a victim
+            accepted, reserved, victims = self._reserve(items, sizes, report)
+            try:
+                if victims:
+                    await self._remove(victims, report)
+                outcomes = await self._write_many([items[i] for i in accepted])
+            except BaseException:
+                # Cut short (cancelled): some writes may have landed. Count them all as stored,
+                # so the index never undercounts the disk; one that did not land is dropped
+                # from it by a later read's miss or by its eviction.
+                if self._capacity is not None:
+                    for i in accepted:
+                        self._capacity.commit(items[i].name, sizes[i], reserved[i])
+                raise
         for i, outcome in zip(accepted, outcomes, strict=True):
             if isinstance(outcome, BaseException):
                 if self._capacity is not None:
-                    self._capacity.release(sizes[i])
+                    self._capacity.release(reserved[i])
                 self._count_failure(outcome)
                 report.fail(items[i].name, outcome)
                 continue
             done[i] = True
             if self._capacity is not None:
-                self._capacity.commit(items[i].name, sizes[i])
+                self._capacity.commit(items[i].name, sizes[i], reserved[i])
             if outcome:
                 self._counts["num_writes"] += 1
                 self._counts["bytes_written"] += items[i].geometry.payload_bytes
@@ -585,6 +619,33 @@ class ObjectBackend(ABC):
                 self._counts["num_write_skips"] += 1
         report.emit()
         return _split(done, plans)
+
+    def _reserve(
+        self, items: Sequence[BatchItem], sizes: Sequence[int], report: _BatchReport
+    ) -> tuple[list[int], dict[int, int], list[str]]:
+        """The items that may be written, the bytes reserved for each (nothing for an object
+        the index already holds: the put finds it), and the victims to delete (already out of
+        the index)."""
+        if self._capacity is None:
+            return list(range(len(items))), dict.fromkeys(range(len(items)), 0), []
+        accepted: list[int] = []
+        reserved: dict[int, int] = {}
+        victims: list[str] = []
+        for i, size in enumerate(sizes):
+            if self._capacity.holds(items[i].name):
+                accepted.append(i)
+                reserved[i] = 0
+                continue
+            room = self._capacity.reserve(size)
+            if room is None:
+                self._counts["num_rejected"] += 1
+                report.fail(items[i].name, f"no room: {size} bytes, capacity {self._capacity.capacity_bytes}")
+                continue
+            accepted.append(i)
+            reserved[i] = size
+            victims.extend(room)
+        self._counts["num_evictions"] += len(victims)
+        return accepted, reserved, victims
 
     # ---- item I/O: one task per item by default; backends may do better -----------------
     async def _read_many(self, items: Sequence[BatchItem]) -> list[Outcome]:

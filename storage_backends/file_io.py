@@ -1,5 +1,6 @@
-"""Vectored file I/O for the local disk backend: iovec groups, ``preadv`` / ``pwritev`` loops,
-and direct (``O_DIRECT``) reads straight into host slots.
+"""File I/O for the local disk backend: iovec groups, ``preadv`` / ``pwritev`` loops, direct
+(``O_DIRECT``) reads straight into host slots, and the metadata helpers of its jobs (sizes,
+removal, directory listing), which stop between files when the job's caller has gone.
 
 A direct read moves the bytes from the drive into the slot by DMA, past the page cache: no copy
 by a core, no page-cache pages to fill and evict. Linux requires the file offset, the address and
@@ -18,16 +19,20 @@ from __future__ import annotations
 import errno
 import os
 import tempfile
+import threading
+import time
 from collections.abc import Sequence
 
 import numpy as np
 
 from asynccache.errors import ObjectFormatError
+from storage_backends.object_format import StopRequested
 
 __all__ = [
     "DIRECT_ALIGN",
     "MAX_IOVECS",
     "aligned_empty",
+    "check_stop",
     "direct_views",
     "groups",
     "open_read",
@@ -35,6 +40,9 @@ __all__ = [
     "probe_direct",
     "pwritev_all",
     "read_tail",
+    "stat_sizes",
+    "subdirs",
+    "unlink_all",
 ]
 
 DIRECT_ALIGN = 4096
@@ -162,3 +170,42 @@ def probe_direct(directory: str) -> str | None:
         return None
     finally:
         os.unlink(path)
+
+
+def check_stop(stop: threading.Event, deadline: float | None = None) -> None:
+    """Between pieces of a job: stop when its caller was cancelled or its deadline passed."""
+    if stop.is_set():
+        raise StopRequested("stopped: the caller was cancelled")
+    if deadline is not None and time.monotonic() > deadline:
+        raise TimeoutError("timed out")
+
+
+def subdirs(path: str) -> list[str]:
+    """The directories in ``path`` (none when it does not exist)."""
+    try:
+        with os.scandir(path) as entries:
+            return [e.path for e in entries if e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return []
+
+
+def stat_sizes(stop: threading.Event, names: list[str]) -> list[int | None]:
+    """Each file's size, ``None`` where it does not exist; stops when ``stop`` is set."""
+    sizes: list[int | None] = []
+    for name in names:
+        check_stop(stop)
+        try:
+            sizes.append(os.stat(name).st_size)
+        except (FileNotFoundError, NotADirectoryError):
+            sizes.append(None)
+    return sizes
+
+
+def unlink_all(stop: threading.Event, names: list[str]) -> None:
+    """Remove the files (one already gone is fine); stops when ``stop`` is set."""
+    for name in names:
+        check_stop(stop)
+        try:
+            os.unlink(name)
+        except FileNotFoundError:
+            continue  # already gone: the state we want

@@ -38,6 +38,7 @@ objects of this namespace written through this process (and those found by the s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
@@ -60,6 +61,7 @@ from storage_backends.base import (
 from storage_backends.file_io import (
     DIRECT_ALIGN,
     aligned_empty,
+    check_stop,
     direct_views,
     groups,
     open_read,
@@ -67,6 +69,9 @@ from storage_backends.file_io import (
     probe_direct,
     pwritev_all,
     read_tail,
+    stat_sizes,
+    subdirs,
+    unlink_all,
 )
 from storage_backends.object_format import (
     CHECKSUM_BLOCK_BYTES,
@@ -101,13 +106,6 @@ def parse_file_uri(uri: str) -> str:
     if not path.startswith("/") or "\0" in path:
         raise ConfigError(f"file URI must name an absolute path, got {uri!r}")
     return os.path.normpath(path)
-
-
-def _check(stop: threading.Event, deadline: float | None = None) -> None:
-    if stop.is_set():
-        raise StopRequested("stopped: the caller was cancelled")
-    if deadline is not None and time.monotonic() > deadline:
-        raise TimeoutError("timed out")
 
 
 class LocalDiskBackend(ObjectBackend):
@@ -155,7 +153,9 @@ class LocalDiskBackend(ObjectBackend):
         if direct_io is not None and not isinstance(direct_io, bool):
             raise ConfigError(f"direct_io must be None (when the filesystem allows), True or False, got {direct_io!r}")
         self.read_piece_bytes = read_piece_bytes
-        self.fsync = bool(fsync)
+        if not isinstance(fsync, bool):
+            raise ConfigError(f"fsync must be True or False, got {fsync!r}")
+        self.fsync = fsync
         #: ``None`` until first use, then whether reads bypass the page cache (``O_DIRECT``)
         self.direct_io: bool | None = None
         self._direct_io_option = direct_io
@@ -175,7 +175,7 @@ class LocalDiskBackend(ObjectBackend):
         await self._workers.aclose()
 
     async def _object_sizes(self, names: Sequence[str]) -> list[int | None]:
-        return await self._workers.run(_stat_sizes, list(names))
+        return await self._workers.run(stat_sizes, list(names))
 
     async def _read_object(self, item: BatchItem) -> bool:
         return _settled((await self._read_many([item]))[0])
@@ -200,7 +200,7 @@ class LocalDiskBackend(ObjectBackend):
         page from the page cache on a busy 2-core machine). Each unit has its own deadline,
         ``timeout_s`` from its start, checked between pieces. A unit's result is what ``fn``
         returned or the :class:`BackendError` / :class:`OSError` it raised."""
-        outcomes: list[Any] = [BackendError("not started: the call was cancelled")] * len(work)
+        outcomes: list[Any] = [BackendError("not started: the call was cancelled or the backend closed")] * len(work)
         lock = threading.Lock()
         pending = iter(range(len(work)))
 
@@ -218,14 +218,18 @@ class LocalDiskBackend(ObjectBackend):
                 except (BackendError, OSError) as e:
                     outcomes[i] = e
 
+        async def one_job() -> None:
+            with contextlib.suppress(BackendError):  # closed meanwhile: its units stay failed
+                await self._workers.run(job)
+
         if work:
             async with asyncio.TaskGroup() as tg:
                 for _ in range(min(self.max_concurrency, len(work))):
-                    tg.create_task(self._workers.run(job))
+                    tg.create_task(one_job())
         return outcomes
 
     async def _delete_objects(self, names: Sequence[str]) -> None:
-        await self._workers.run(_unlink_all, list(names))
+        await self._workers.run(unlink_all, list(names))
 
     async def _list_objects(self) -> list[tuple[str, int]]:
         return await self._workers.run(self._scan)
@@ -243,11 +247,12 @@ class LocalDiskBackend(ObjectBackend):
 
     def _read_range(
         self, stop: threading.Event, deadline: float, item: BatchItem, offset: int, length: int
-    ) -> tuple[int | None, int] | bool:
+    ) -> tuple[int | None, int, tuple[int, int]] | bool:
         """Payload bytes ``[offset, offset + length)`` of ``item`` into their place in its slot.
-        ``False`` when the object is absent; else ``(want, partial)``: the checksum the header
-        records (read and checked with the first range — in the same ``preadv`` as the first
-        piece — ``None`` for the others) and the range's partial checksum. Read directly
+        ``False`` when the object is absent; else ``(want, partial, file)``: the checksum the
+        header records (read and checked with the first range — in the same ``preadv`` as the
+        first piece — ``None`` for the others), the range's partial checksum, and the file's
+        ``(device, inode)``. Read directly
         (``O_DIRECT``) when the backend does and the slot's views allow it."""
         path, geometry, key = item.name, item.geometry, item.key
         hlen = self.codec.header_bytes(geometry, key)
@@ -261,7 +266,8 @@ class LocalDiskBackend(ObjectBackend):
         except (FileNotFoundError, NotADirectoryError):
             return False
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
             expected = hlen + geometry.payload_bytes
             if size != expected:
                 raise ObjectFormatError(f"object of {size} bytes, expected {expected} (truncated or foreign)")
@@ -272,7 +278,7 @@ class LocalDiskBackend(ObjectBackend):
             pieces = groups(views, self.read_piece_bytes)
             if offset == 0:
                 first = pieces[0] if pieces else []
-                _check(stop, deadline)
+                check_stop(stop, deadline)
                 preadv_all(fd, [memoryview(header), *first], 0)
                 want = self.codec.verify_header(header, geometry, key)
                 for view in first:
@@ -280,7 +286,7 @@ class LocalDiskBackend(ObjectBackend):
                     position += len(view)
                 pieces = pieces[1:]
             for group in pieces:
-                _check(stop, deadline)
+                check_stop(stop, deadline)
                 preadv_all(fd, group, position)
                 for view in group:
                     check.update(view)
@@ -288,7 +294,7 @@ class LocalDiskBackend(ObjectBackend):
             if tail is not None:
                 read_tail(fd, tail, position)
                 check.update(tail)
-            return want, check.digest()
+            return want, check.digest(), (st.st_dev, st.st_ino)
         finally:
             os.close(fd)
 
@@ -302,7 +308,7 @@ class LocalDiskBackend(ObjectBackend):
             try:
                 check, offset = PayloadChecksum(), self.codec.header_bytes(geometry, key)
                 for group in groups(item.buffers(), IO_CHUNK_BYTES):
-                    _check(stop, deadline)
+                    check_stop(stop, deadline)
                     for view in group:
                         check.update(view)
                     pwritev_all(fd, group, offset)
@@ -336,23 +342,29 @@ class LocalDiskBackend(ObjectBackend):
         """Objects of this namespace, oldest first; removes stale temporary files."""
         found: list[tuple[float, str, int]] = []
         now = time.time()
-        for pool_dir in _subdirs(self.namespace_dir):
-            for shard_dir in _subdirs(pool_dir):
-                with os.scandir(shard_dir) as entries:
-                    for entry in entries:
-                        _check(stop)
-                        if not entry.is_file(follow_symlinks=False):
-                            continue
+        for pool_dir in subdirs(self.namespace_dir):
+            for shard_dir in subdirs(pool_dir):
+                try:
+                    entries = list(os.scandir(shard_dir))
+                except FileNotFoundError:  # removed meanwhile (another process)
+                    continue
+                for entry in entries:
+                    check_stop(stop)
+                    if not entry.is_file(follow_symlinks=False):
+                        continue
+                    try:
                         st = entry.stat(follow_symlinks=False)
-                        if entry.name.endswith(".tmp"):
-                            if now - st.st_mtime > STALE_TMP_S:
-                                _unlink_all(stop, [entry.path])
-                            continue
-                        try:
-                            validate_key(entry.name)
-                        except ConfigError:
-                            continue  # not ours
-                        found.append((st.st_mtime, entry.path, st.st_size))
+                    except FileNotFoundError:  # removed meanwhile (another process)
+                        continue
+                    if entry.name.endswith(".tmp"):
+                        if now - st.st_mtime > STALE_TMP_S:
+                            unlink_all(stop, [entry.path])
+                        continue
+                    try:
+                        validate_key(entry.name)
+                    except ConfigError:
+                        continue  # not ours
+                    found.append((st.st_mtime, entry.path, st.st_size))
         found.sort()
         return [(path, size) for _, path, size in found]
 
@@ -361,32 +373,6 @@ def _settled(outcome: Outcome) -> bool:
     if isinstance(outcome, BaseException):
         raise outcome
     return outcome
-
-
-def _subdirs(path: str) -> list[str]:
-    try:
-        with os.scandir(path) as entries:
-            return [e.path for e in entries if e.is_dir(follow_symlinks=False)]
-    except FileNotFoundError:
-        return []
-
-
-def _stat_sizes(stop: threading.Event, names: list[str]) -> list[int | None]:
-    sizes: list[int | None] = []
-    for name in names:
-        try:
-            sizes.append(os.stat(name).st_size)
-        except (FileNotFoundError, NotADirectoryError):
-            sizes.append(None)
-    return sizes
-
-
-def _unlink_all(stop: threading.Event, names: list[str]) -> None:
-    for name in names:
-        try:
-            os.unlink(name)
-        except FileNotFoundError:
-            continue  # already gone: the state we want
 
 
 def open_local_disk(uri: str, **options: Any) -> LocalDiskBackend:

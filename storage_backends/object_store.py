@@ -45,7 +45,13 @@ from urllib.parse import parse_qsl, urlsplit
 
 from asynccache.errors import BackendError, ConfigError, ObjectFormatError
 from asynccache.storage import PoolName
-from storage_backends.base import BatchItem, ObjectBackend, WorkerPool, usable_cores
+from storage_backends.base import (
+    BatchItem,
+    ObjectBackend,
+    WorkerPool,
+    check_int,
+    usable_cores,
+)
 from storage_backends.object_format import (
     CHECKSUM_BLOCK_BYTES,
     add_checksums,
@@ -119,6 +125,10 @@ def parse_s3_uri(uri: str) -> S3Location:
     endpoint = seen.get("endpoint_url")
     if endpoint is not None:
         ep = urlsplit(endpoint)
+        try:
+            ep.port  # noqa: B018 (parses the port: a bad one raises ValueError)
+        except ValueError as e:
+            raise ConfigError(f"s3 URI {_shown(uri)}: endpoint_url has an invalid port ({e})") from e
         if ep.scheme not in ("http", "https") or not ep.hostname or "@" in ep.netloc or ep.query or ep.fragment:
             raise ConfigError(f"s3 URI {_shown(uri)}: endpoint_url must be http(s)://host[:port] without credentials")
     region = seen.get("region")
@@ -162,10 +172,10 @@ class ObjectStoreBackend(ObjectBackend):
         **options: Any,
     ) -> None:
         location = parse_s3_uri(uri)
-        if multipart_part_bytes < 5 << 20 or multipart_threshold_bytes < multipart_part_bytes:
-            raise ConfigError("multipart parts must be >= 5 MiB and the threshold >= the part size")
-        if max_retries < 0 or multipart_concurrency < 1:
-            raise ConfigError("max_retries must be >= 0 and multipart_concurrency >= 1")
+        check_int("multipart_part_bytes", multipart_part_bytes, minimum=5 << 20)
+        check_int("multipart_threshold_bytes", multipart_threshold_bytes, minimum=multipart_part_bytes)
+        check_int("max_retries", max_retries, minimum=0)
+        check_int("multipart_concurrency", multipart_concurrency, minimum=1)
         if inline_bytes is None:
             inline_bytes = self.INLINE_BYTES_FEW_CORES if usable_cores() <= self.INLINE_MAX_CORES else 0
         if not isinstance(inline_bytes, int) or isinstance(inline_bytes, bool) or inline_bytes < 0:

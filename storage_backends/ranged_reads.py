@@ -4,7 +4,10 @@ results add up to each object's outcome.
 A payload larger than the range size (a Mamba state of tens of MB) is cut into ranges that go
 first in the batch, so that several jobs read it at once instead of one job at the end; each
 range is checksummed on its own (``PayloadChecksum(first_block=…)``), and the object is a hit only
-when the ranges' partial checksums add up (mod 2⁶⁴) to the checksum its header records.
+when the ranges' partial checksums add up (mod 2⁶⁴) to the checksum its header records. Each
+range opens the object on its own, so each also says which file it read (device and inode): an
+object replaced between two of its ranges is a failure (read again later), not a corruption
+(which would remove the valid replacement).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from asynccache.errors import ObjectFormatError
+from asynccache.errors import BackendError, ObjectFormatError
 from storage_backends.base import BatchItem, Outcome
 from storage_backends.object_format import add_checksums
 
@@ -38,10 +41,11 @@ def read_units(items: Sequence[BatchItem], range_bytes: int) -> list[Unit]:
 
 def item_outcomes(num_items: int, units: Sequence[Unit], results: Sequence[Any]) -> list[Outcome]:
     """Each item's outcome from its ranges' results — ``False`` (absent), an exception, or
-    ``(want, partial)``: the header's checksum (``None`` but for the range that read the header)
-    and the range's partial checksum. The first corruption, else the first failure, else
-    ``False`` if a range found the object absent, else ``True`` when the partial checksums add
-    up to the header's (else a corruption)."""
+    ``(want, partial, file)``: the header's checksum (``None`` but for the range that read the
+    header), the range's partial checksum and the identity of the file it read. The first
+    corruption, else the first failure, else ``False`` if a range found the object absent, else
+    a failure if the ranges read different files (replaced meanwhile), else ``True`` when the
+    partial checksums add up to the header's (else a corruption)."""
     parts: list[list[Any]] = [[] for _ in range(num_items)]
     for (i, _, _), result in zip(units, results, strict=True):
         parts[i].append(result)
@@ -52,8 +56,10 @@ def item_outcomes(num_items: int, units: Sequence[Unit], results: Sequence[Any])
             outcomes.append(next((e for e in errors if isinstance(e, ObjectFormatError)), errors[0]))
         elif any(r is False for r in results_of_item):
             outcomes.append(False)
+        elif len({file for _, _, file in results_of_item}) > 1:
+            outcomes.append(BackendError("object replaced while its ranges were read"))
         else:
-            want = next(w for w, _ in results_of_item if w is not None)
-            total = add_checksums(partial for _, partial in results_of_item)
+            want = next(w for w, _, _ in results_of_item if w is not None)
+            total = add_checksums(partial for _, partial, _ in results_of_item)
             outcomes.append(True if total == want else ObjectFormatError("payload checksum mismatch"))
     return outcomes

@@ -296,6 +296,55 @@ async def test_capacity_limit_evicts_least_recently_used(harness: Harness, caplo
     assert again.statistics().used_bytes == 3 * size
 
 
+async def test_a_stored_object_put_again_under_a_full_capacity_stays_and_evicts_nothing(harness: Harness) -> None:
+    """Put-if-absent holds at capacity too: the object is found, not evicted to make room for
+    itself, and no other object goes — also while a reader holds it."""
+    keys = make_keys(3, seed="reput")
+    probe = harness.open()
+    size = probe.codec.object_bytes(ObjectGeometry.of_pool(PoolName.KV, make_pools(1)[0]), keys[0])
+    backend, kv, _ = await opened(harness, capacity_bytes=3 * size)
+    assert await put(backend, kv_transfer(keys, [0, 1, 2])) == [[True, True, True]]
+    assert await put(backend, kv_transfer(keys[2:], [5])) == [[True]]  # other bytes, same key
+    assert await get(backend, kv_transfer(keys, [3, 4, 6])) == [[True, True, True]]
+    assert [slot(kv, i) for i in (3, 4, 6)] == [slot(kv, i) for i in (0, 1, 2)]
+    stats = backend.statistics()
+    assert stats.num_evictions == 0 and stats.num_write_skips == 1 and stats.used_bytes == 3 * size
+    # The same while a read of it is in flight (it is busy, so it could not be a victim).
+    reading = asyncio.create_task(get(backend, kv_transfer(keys[:1], [7])))
+    await asyncio.sleep(0)
+    assert await put(backend, kv_transfer(keys[:1], [5])) == [[True]]
+    assert await reading == [[True]] and slot(kv, 7) == slot(kv, 0)
+    assert backend.statistics().num_rejected == 0 and backend.statistics().num_evictions == 0
+
+
+async def test_a_cancelled_put_leaves_the_capacity_usable(harness: Harness) -> None:
+    """A put cut short by its caller's timeout settles its reservation: the bytes it may have
+    stored are counted (never under the disk), and later puts still find room by eviction."""
+    keys = make_keys(3, seed="cancelput")
+    probe = harness.open()
+    size = probe.codec.object_bytes(ObjectGeometry.of_pool(PoolName.KV, make_pools(1)[0]), keys[0])
+    backend, kv, _ = await opened(harness, capacity_bytes=2 * size)
+    real = backend._write_many
+    gate = asyncio.Event()
+
+    async def stuck(items):  # the writes land, then the call waits on: its caller gives up
+        out = await real(items)
+        await gate.wait()
+        return out
+
+    backend._write_many = stuck  # type: ignore[method-assign]
+    for key in keys[:2]:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.2):
+                await backend.batch_set_v2([kv_transfer([key], [0])])
+    backend._write_many = real  # type: ignore[method-assign]
+    assert backend.statistics().used_bytes == 2 * size  # both landed and are counted
+    assert await put(backend, kv_transfer(keys[2:], [1])) == [[True]]  # room by eviction
+    stats = backend.statistics()
+    assert stats.num_rejected == 0 and stats.num_evictions == 1 and stats.used_bytes == 2 * size
+    assert await get(backend, kv_transfer(keys[2:], [7])) == [[True]] and slot(kv, 7) == slot(kv, 1)
+
+
 # ---- misuse raises before any I/O ----------------------------------------------------------------
 TRAVERSAL_KEYS = ["../../../../etc/passwd", "ab/../../cd", "/etc/passwd", "..", "", ".", "a" * 7,
                   "ABCDEF0123456789", "0123456789abcdef/", "0123456789abcdef\0", "0123456789abcdeg",

@@ -13,6 +13,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Self
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -26,7 +27,7 @@ from storage_harness import (
     slot,
 )
 
-from asynccache.errors import ConfigError
+from asynccache.errors import BackendError, ConfigError
 from asynccache.storage import PoolName
 from storage_backends import local_disk
 from storage_backends.base import WorkerPool
@@ -283,15 +284,21 @@ def test_item_outcomes_combine_the_ranges() -> None:
 
     units = [(0, 0, 4096), (0, 4096, 4096), (1, 0, 10), (2, 0, 4096), (2, 4096, 4096), (3, 0, 4096), (3, 4096, 5)]
     corrupt = ObjectFormatError("bad header")
-    results: list[object] = [(7, 3), (None, 4), False, (9, 5), OSError("io"), (2**64 - 1, 2**64 - 1), (None, 0)]
+    f = (1, 10)  # the file each range read
+    results: list[object] = [(7, 3, f), (None, 4, f), False, (9, 5, f), OSError("io"), (2**64 - 1, 2**64 - 1, f), (None, 0, f)]
     outcomes = item_outcomes(4, units, results)
     assert outcomes[0] is True  # 3 + 4 == 7
     assert outcomes[1] is False  # absent
     assert isinstance(outcomes[2], OSError)
     assert outcomes[3] is True  # sums wrap mod 2**64: (2**64 - 1) + 0
-    mismatch = item_outcomes(1, units[:2], [(7, 3), (None, 5)])[0]
+    mismatch = item_outcomes(1, units[:2], [(7, 3, f), (None, 5, f)])[0]
     assert isinstance(mismatch, ObjectFormatError) and "checksum" in str(mismatch)
-    absent_late = item_outcomes(1, units[:2], [(7, 3), False])[0]
+    # Ranges that read two files (the object was replaced between them): a failure, not a
+    # corruption, even though their checksums do not add up.
+    replaced = item_outcomes(1, units[:2], [(7, 3, f), (None, 5, (1, 11))])[0]
+    assert isinstance(replaced, BackendError) and not isinstance(replaced, ObjectFormatError)
+    assert "replaced" in str(replaced)
+    absent_late = item_outcomes(1, units[:2], [(7, 3, f), False])[0]
     assert absent_late is False  # removed between two ranges: a miss
     first_error = item_outcomes(1, units[:2], [OSError("io"), corrupt])[0]
     assert first_error is corrupt  # a corruption is reported before other failures
@@ -344,3 +351,152 @@ async def test_ranged_reads_serve_exact_bytes_or_miss(
         await backend.aclose()
     finally:
         local_disk.READ_RANGE_BYTES = saved
+
+
+async def test_a_root_that_cannot_be_made_is_a_miss_until_it_can(tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Setting the backend up at first use can fail like any I/O (a file where the root should
+    be): the calls are misses, counted and reported, and the next call tries again."""
+    blocker = tmp_path / "store"
+    blocker.write_bytes(b"not a directory")
+    backend, kv, _ = await open_disk(blocker / "root", capacity_bytes=1 << 30)
+    keys = make_keys(2, seed="notready")
+    with caplog.at_level(logging.WARNING, logger="asynccache.storage"):
+        assert await backend.batch_set_v2([kv_transfer(keys, [0, 1])]) == [[False, False]]
+        assert await backend.batch_get_v2([kv_transfer(keys, [2, 3])]) == [[False, False]]
+        res = await backend.batch_exists_v2(keys, [kv_transfer([])])
+    assert res.num_hit_pages == 0 and res.exists[PoolName.KV] == (False, False)
+    assert backend.statistics().num_failures == 3 and "not ready" in caplog.text
+    blocker.unlink()  # the obstacle is gone: the next call sets the backend up
+    assert await backend.batch_set_v2([kv_transfer(keys, [0, 1])]) == [[True, True]]
+    assert await backend.batch_get_v2([kv_transfer(keys, [2, 3])]) == [[True, True]]
+    assert [slot(kv, 2), slot(kv, 3)] == [slot(kv, 0), slot(kv, 1)]
+    await backend.aclose()
+
+
+async def test_objects_removed_during_the_scan_are_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first-use scan races with other processes: a shard directory or an object that is
+    gone by the time it is looked at is skipped, not an error."""
+    writer, _, _ = await open_disk(tmp_path)
+    keys = make_keys(6, seed="scanrace")
+    assert await writer.batch_set_v2([kv_transfer(keys, range(6))]) == [[True] * 6]
+    await writer.aclose()
+    real_scandir = os.scandir
+    vanished = {writer.object_name(PoolName.KV, keys[0])}
+    gone_shard = os.path.dirname(writer.object_name(PoolName.KV, keys[1]))
+
+    class Vanishing:
+        def __init__(self, entry: os.DirEntry) -> None:
+            self._entry = entry
+            self.name, self.path = entry.name, entry.path
+
+        def is_file(self, *, follow_symlinks: bool = True) -> bool:
+            return self._entry.is_file(follow_symlinks=follow_symlinks)
+
+        def is_dir(self, *, follow_symlinks: bool = True) -> bool:
+            return self._entry.is_dir(follow_symlinks=follow_symlinks)
+
+        def stat(self, *, follow_symlinks: bool = True) -> os.stat_result:
+            if self.path in vanished:
+                raise FileNotFoundError(self.path)
+            return self._entry.stat(follow_symlinks=follow_symlinks)
+
+    class Listing(list):  # what os.scandir gives: iterable and a context manager
+        def __enter__(self) -> Self:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    def scandir(path: str) -> Listing:
+        if path == gone_shard:
+            raise FileNotFoundError(path)
+        with real_scandir(path) as entries:
+            return Listing(Vanishing(e) for e in entries)
+
+    monkeypatch.setattr(local_disk.os, "scandir", scandir)
+    backend, _, _ = await open_disk(tmp_path, capacity_bytes=1 << 30)
+    res = await backend.batch_exists_v2(keys[2:], [kv_transfer([])])
+    monkeypatch.undo()
+    assert res.num_hit_pages == 4
+    listed = {name for name, _ in backend._scan(threading.Event())}
+    assert {backend.object_name(PoolName.KV, k) for k in keys} == listed
+    skipped = {backend.object_name(PoolName.KV, k) for k in keys[:2]}
+    tracked = set(backend._capacity._sizes)  # type: ignore[union-attr]
+    assert tracked.isdisjoint(skipped) and len(tracked) >= 4
+    await backend.aclose()
+
+
+async def test_exists_on_slow_metadata_stops_at_its_timeout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    backend, _, _ = await open_disk(tmp_path, timeout_s=0.2)
+    keys = make_keys(200, seed="slowstat")
+    await backend.batch_exists_v2(keys[:1], [kv_transfer([])])  # set up before the slow part
+    real_stat = os.stat
+
+    def slow_stat(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if str(path).startswith(str(tmp_path)):
+            time.sleep(0.01)
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(local_disk.os, "stat", slow_stat)
+    t0 = time.perf_counter()
+    res = await backend.batch_exists_v2(keys, [kv_transfer([])])
+    took = time.perf_counter() - t0
+    monkeypatch.undo()
+    assert res.num_hit_pages == 0 and backend.statistics().num_timeouts == 1
+    assert took < 1.0  # 200 stats of 10 ms would take 2 s: the job stopped at the timeout
+    await backend.aclose()
+
+
+async def test_closing_during_a_call_makes_its_unread_items_misses(tmp_path: Path) -> None:
+    writer, _, _ = await open_disk(tmp_path)
+    keys = make_keys(8, seed="closing")
+    assert await writer.batch_set_v2([kv_transfer(keys, range(8))]) == [[True] * 8]
+    await writer.aclose()
+    backend, _, _ = await open_disk(tmp_path, max_concurrency=1)
+    await backend.batch_exists_v2(keys[:1], [kv_transfer([])])  # set up
+    call = asyncio.create_task(backend.batch_get_v2([kv_transfer(keys[:4], [4, 5, 6, 7])]))
+    await asyncio.sleep(0)  # the call is past its checks
+    await backend.aclose()
+    got = await call  # no exception: what was read is a hit, the rest misses
+    assert len(got[0]) == 4 and backend.statistics().num_failures == got[0].count(False)
+    with pytest.raises(Exception, match="closed"):
+        await backend.batch_get_v2([kv_transfer(keys[:1], [4])])
+
+
+async def test_a_large_object_replaced_between_its_ranges_is_a_failure_not_corruption(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each range opens the object by name; when another writer replaces it with another valid
+    object between two ranges, the read is a failure (tried again later), and the replacement
+    stays: it is not taken for a corruption and removed."""
+    monkeypatch.setattr(local_disk, "READ_RANGE_BYTES", 4096)  # the small spec's state as ranges
+    keys = make_keys(1, seed="replaced")
+    backend, _, mamba = await open_disk(tmp_path / "a", max_concurrency=1)
+    assert await backend.batch_set_v2([mamba_transfer(keys, [0])]) == [[True]]
+    other, _, _ = await open_disk(tmp_path / "b")
+    _, other_mamba = make_pools(seed=9)
+    await other.register_host_pool_v2(PoolName.MAMBA, other_mamba)
+    assert await other.batch_set_v2([mamba_transfer(keys, [0])]) == [[True]]
+    name, replacement = backend.object_name(PoolName.MAMBA, keys[0]), other.object_name(PoolName.MAMBA, keys[0])
+    real = backend._read_range
+    replaced: list[bool] = []
+
+    def read_then_replace(*args):  # type: ignore[no-untyped-def]
+        out = real(*args)
+        if not replaced:
+            replaced.append(True)
+            shutil.copyfile(replacement, name + ".x.tmp")
+            os.replace(name + ".x.tmp", name)
+        return out
+
+    monkeypatch.setattr(backend, "_read_range", read_then_replace)
+    assert await backend.batch_get_v2([mamba_transfer(keys, [3])]) == [[False]]
+    stats = backend.statistics()
+    assert stats.num_corrupt == 0 and stats.num_failures == 1
+    assert Path(name).read_bytes() == Path(replacement).read_bytes()  # the replacement stays
+    monkeypatch.setattr(backend, "_read_range", real)
+    assert await backend.batch_get_v2([mamba_transfer(keys, [3])]) == [[True]]  # read again: whole
+    assert slot(mamba, 3) == slot(other_mamba, 0)
+    await backend.aclose()
+    await other.aclose()

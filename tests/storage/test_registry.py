@@ -72,6 +72,9 @@ BAD_URIS = [
     "s3://bucket-name:9000/prefix",
     "s3://bucket-name/prefix#frag",
     "s3://bucket-name/prefix?region=US East",
+    "s3://bucket-name/prefix?endpoint_url=http://127.0.0.1:99999",
+    "s3://bucket-name/prefix?endpoint_url=http://127.0.0.1:9000:9000",
+    "s3://bucket-name/prefix?endpoint_url=http://127.0.0.1:abc",
 ]
 
 
@@ -106,6 +109,23 @@ def test_options_are_validated(tmp_path: Any) -> None:
     for options in ({"capacity_bytes": 0}, {"max_concurrency": 0}, {"timeout_s": 0}):
         with pytest.raises(ConfigError):
             open_backend("memory://", namespace=NAMESPACE, **options)
+    # Options of the wrong type are refused as such, not taken for something else or left to
+    # fail later with an untyped error.
+    for uri, option, value in [
+        ("memory://", "timeout_s", "30"),
+        ("memory://", "timeout_s", None),
+        ("memory://", "timeout_s", float("inf")),
+        ("memory://", "capacity_bytes", True),
+        ("memory://", "max_concurrency", True),
+        ("s3://bucket-name", "timeout_s", float("inf")),
+        ("s3://bucket-name", "max_retries", None),
+        ("s3://bucket-name", "max_retries", 2.5),
+        ("s3://bucket-name", "multipart_concurrency", 2.5),
+        ("s3://bucket-name", "multipart_part_bytes", "8MiB"),
+        (f"file://{tmp_path}", "fsync", "no"),
+    ]:
+        with pytest.raises(ConfigError, match=option):
+            open_backend(uri, namespace=NAMESPACE, **{option: value})
     with pytest.raises(ConfigError, match="namespace"):
         open_backend(f"file://{tmp_path}", namespace="")
     with pytest.raises(ConfigError, match="multipart"):
