@@ -35,7 +35,7 @@ import torch
 
 from asynccache.completion import CompletionQueue
 from asynccache.config import HybridCacheConfig
-from asynccache.errors import TransferError
+from asynccache.errors import TransferError, TreeError
 from asynccache.layer_counter import LayerTransferCounter
 from asynccache.ops import CacheOperation, MergedTransfer, OpKind, OpState
 from asynccache.pools.base import ItemPool
@@ -178,6 +178,7 @@ class HybridCacheController:
         self._write_completion = CompletionQueue("write")
         self._stats = StatsRecorder()
         self._tg: asyncio.TaskGroup | None = None
+        self._closing: asyncio.Future[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._loaders: set[asyncio.Task[None]] = set()
         #: The copy function of backups, and the copier factory of layer-by-layer loads,
@@ -210,25 +211,39 @@ class HybridCacheController:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Finish in-flight copies and backups, then stop background tasks. Idempotent."""
+        """Cancel queued operations, finish in-flight copies and backups, then stop background
+        tasks and close the backend. Idempotent; concurrent calls wait for the first."""
+        if self._closing is not None:
+            await asyncio.shield(self._closing)
+            return
         if self._tg is None:
             return
-        for op in self._load_queue + self._write_queue:
-            self._cancel_queued(op)
-        self._load_queue.clear()
-        self._write_queue.clear()
-        if self._loaders:
-            await asyncio.gather(*self._loaders, return_exceptions=True)
-        await self._load_completion.drain()
-        await self._write_completion.drain()
-        if self.tiering is not None:
-            await self.tiering.drain()
-        for t in self._tasks:
-            t.cancel()
-        tg, self._tg = self._tg, None
-        await tg.__aexit__(None, None, None)
-        if self.backend is not None:
-            await self.backend.aclose()
+        self._closing = asyncio.get_running_loop().create_future()
+        try:
+            # Newest first: a queued operation may hang below an older one in the tree. One
+            # that others build on cannot be cancelled: it is issued and completes instead.
+            for op in reversed(self._load_queue + self._write_queue):
+                self.cancel(op)
+            if self._load_queue:
+                self.start_loading()
+            if self._write_queue:
+                self.start_writing()
+            if self._loaders:
+                await asyncio.gather(*self._loaders, return_exceptions=True)
+            await self._load_completion.drain()
+            await self._write_completion.drain()
+            if self.tiering is not None:
+                await self.tiering.drain()
+        finally:
+            for t in self._tasks:
+                t.cancel()
+            tg, self._tg = self._tg, None
+            try:
+                await tg.__aexit__(None, None, None)
+            finally:
+                if self.backend is not None:
+                    await self.backend.aclose()
+                self._closing.set_result(None)
 
     def _require_started(self) -> asyncio.TaskGroup:
         if self._tg is None:
@@ -612,8 +627,21 @@ class HybridCacheController:
         tg = self._require_started()
         if self.tiering is None or len(match.page_hashes) * self.spec.page_size <= match.num_tokens:
             return None
-        coro = self.tiering.prefetch(tokens, match, salt=salt, allow_tail=allow_tail)
-        return tg.create_task(coro, name="asynccache-prefetch")
+        # The match's node must outlive the fetch: the task starts later, and storage lookups
+        # take a while, during which other requests evict.
+        node = match.last_node
+        self.tree.lock(node)
+        self.tree.lock_host(node)
+
+        def unlock(_: asyncio.Task[Any]) -> None:
+            self.tree.unlock(node)
+            self.tree.unlock_host(node)
+
+        task = tg.create_task(
+            self.tiering.prefetch(tokens, match, salt=salt, allow_tail=allow_tail), name="asynccache-prefetch"
+        )
+        task.add_done_callback(unlock)
+        return task
 
     def load_tail(self, tail: Any, device_pages: torch.Tensor, state_slots: torch.Tensor) -> CacheOperation:
         """Queue the load of a landed :class:`~asynccache.tiering.TailRestore` into
@@ -646,9 +674,14 @@ class HybridCacheController:
     async def wait_prefetch(self, task: asyncio.Task[Any], num_tokens: int) -> Any | None:
         """The prefetch's result if it finished within the policy's deadline, else None."""
         timeout = self.config.prefetch_timeout_s(num_tokens)
-        if timeout == 0.0 and not task.done():
-            await asyncio.sleep(0)
-        done, _ = await asyncio.wait({task}, timeout=timeout)
+        try:
+            if timeout == 0.0 and not task.done():
+                await asyncio.sleep(0)
+            done, _ = await asyncio.wait({task}, timeout=timeout)
+        except asyncio.CancelledError:
+            # The waiter is gone (its request was cancelled): nobody takes a split restore.
+            task.add_done_callback(_release_late_tail)
+            raise
         if task not in done:
             self._stats.count("prefetch_deadline_passed")
             # Nobody takes a split restore that arrives after the deadline: release it then.
@@ -670,7 +703,9 @@ class HybridCacheController:
         # has completed.
         def done() -> None:
             del_merged = merged  # noqa: F841 - keeps the index tensors alive until here
-            for op in ops:
+            # A failed step is undone newest first: a later op's nodes may hang below an
+            # earlier op's.
+            for op in ops if error is None else reversed(ops):
                 self._complete(op, error)
 
         completion.submit(event, done)
@@ -690,7 +725,10 @@ class HybridCacheController:
             if not op.future.done():
                 op.future.set_result(None)
             return
-        self._abort(op)
+        try:
+            self._abort(op)
+        except TreeError as e:  # never leave the op unresolved: its waiter must hear of it
+            log.error("could not undo the failed %r: %s", op, e)
         op.state = OpState.FAILED
         self._stats.count(f"{op.kind.value}_failed")
         if not op.future.done():
@@ -740,14 +778,19 @@ class HybridCacheController:
     def cancel(self, op: CacheOperation) -> bool:
         """Cancel a queued operation (frees what it allocated, unlocks its nodes).
 
-        An issued copy cannot be recalled: it completes normally and ``False`` is returned.
+        ``False`` when it cannot be: an issued copy cannot be recalled, and a queued one that a
+        later queued operation builds on (nodes inserted below its own) stays queued; either
+        completes normally.
         """
         if op.state is not OpState.QUEUED:
+            return False
+        try:
+            self._cancel_queued(op)
+        except TreeError:
             return False
         queue = self._load_queue if op.kind is OpKind.LOAD else self._write_queue
         with contextlib.suppress(ValueError):
             queue.remove(op)
-        self._cancel_queued(op)
         return True
 
     # ---- introspection -----------------------------------------------------------------

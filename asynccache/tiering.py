@@ -293,6 +293,18 @@ class StorageTier:
         start_page = match.num_tokens // page
         if len(match.page_hashes) <= start_page or self.controller.pools[PoolName.MAMBA][1] is None:
             return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
+        # The lookup below awaits storage; meanwhile the match's node must not be evicted.
+        self.tree.lock(match.last_node)
+        self.tree.lock_host(match.last_node)
+        try:
+            return await self._prefetch(tokens, match, start_page, salt=salt, allow_tail=allow_tail)
+        finally:
+            self.tree.unlock(match.last_node)
+            self.tree.unlock_host(match.last_node)
+
+    async def _prefetch(
+        self, tokens: Any, match: Any, start_page: int, *, salt: str, allow_tail: bool
+    ) -> PrefetchResult:
         keys = list(match.page_hashes)
         try:
             n = await self._deepest_stored(keys)
@@ -391,13 +403,7 @@ class StorageTier:
         _, host_kv_pool = ctrl.pools[PoolName.KV]
         _, host_state_pool = ctrl.pools[PoolName.MAMBA]
         assert host_kv_pool is not None and host_state_pool is not None
-        self.tree.lock(match.last_node)
-        self.tree.lock_host(match.last_node)
-        try:
-            alloc = self.tree.alloc_host(n - begin, 1)
-        finally:
-            self.tree.unlock(match.last_node)
-            self.tree.unlock_host(match.last_node)
+        alloc = self.tree.alloc_host(n - begin, 1)  # the match's node is locked (see prefetch)
         if alloc is None:
             self.counts["prefetch_no_room"] += 1
             return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
@@ -446,11 +452,8 @@ class StorageTier:
         page = self.tree.spec.page_size
         _, host_kv_pool = ctrl.pools[PoolName.KV]
         _, host_state_pool = ctrl.pools[PoolName.MAMBA]
-        node = match.last_node
         host_kv = host_slot = None
-        self.tree.lock(node)
-        self.tree.lock_host(node)
-        inserted = False
+        inserted = False  # the match's node is locked throughout (see prefetch)
         try:
             # Every page of the prefix is read (pages the tree already holds come back as
             # duplicates and are freed by insert_host): host-only nodes need all their pages.
@@ -489,5 +492,3 @@ class StorageTier:
                 if host_slot is not None and host_slot.numel():
                     assert host_state_pool is not None
                     host_state_pool.free(host_slot)
-            self.tree.unlock(node)
-            self.tree.unlock_host(node)

@@ -96,6 +96,7 @@ class _Request:
     seed_slot: int | None = None  # cached boundary state to copy into state_slot
     snapshots: dict[int, int] = field(default_factory=dict)
     tail: Any = None  # a TailRestore still to apply
+    load_op: Any = None  # the CacheOperation bringing the request's prefix (and state) to the device
     num_restored: int = 0  # tokens a tail restore brought (not computed)
     output: list[int] = field(default_factory=list)
     first_token_at: float | None = None
@@ -235,7 +236,8 @@ class Scheduler:
             if self._waiting and not await self.cache.controller.wait_idle():
                 # Nothing could be admitted and no copy in flight will free memory.
                 req = self._waiting.pop(0)
-                req.future.set_exception(CapacityError("request does not fit in the device pools"))
+                if not req.future.done():  # (it may have been cancelled meanwhile)
+                    req.future.set_exception(CapacityError("request does not fit in the device pools"))
             return
         ctrl = self.cache.controller
         await self._resume_tails()
@@ -365,6 +367,7 @@ class Scheduler:
                 tree.unlock(match.last_node)
             req.kv_pages = own
         req.own_pages = own
+        req.load_op = op
         req.state_slot = int(slots[0])
         req.snapshots = dict(zip(snap_positions, (int(s) for s in slots[1:]), strict=True))
         req.num_cached = req.num_computed = num_cached
@@ -509,15 +512,26 @@ class Scheduler:
             self._cancel(req)
 
     def _cancel(self, req: _Request) -> None:
-        """Free everything a request holds (between steps: no forward is using it)."""
+        """Free everything a request holds (between steps: no forward is using it). Its load,
+        if still queued, is cancelled; one that cannot be (issued, or built on by another)
+        copies into the request's working slot, so the slots are freed once it has completed."""
         if req in self._waiting:
             self._waiting.remove(req)
         if req in self._running:
             self._running.remove(req)
-            if req.own_pages is not None and req.own_pages.numel():
-                self.cache.device_kv.free(req.own_pages)
-            slots = [*req.snapshots.values(), req.state_slot]
-            self.cache.device_mamba.free(torch.tensor(slots, dtype=torch.int64))
+            own = req.own_pages
+            slots = torch.tensor([*req.snapshots.values(), req.state_slot], dtype=torch.int64)
+
+            def free(_: object = None) -> None:
+                if own is not None and own.numel():
+                    self.cache.device_kv.free(own)
+                self.cache.device_mamba.free(slots)
+
+            op, req.load_op = req.load_op, None
+            if op is None or op.future.done() or self.cache.controller.cancel(op):
+                free()
+            else:
+                op.future.add_done_callback(free)
             if req.locked_node is not None:
                 self.cache.tree.unlock(req.locked_node)
         if req.tail is not None:

@@ -1,10 +1,11 @@
 """Set-up shared by the end-to-end model tests: the tiny hybrid spec, its reference model on the
-test's device, and the cache budgets they serve through."""
+test's device, the cache budgets they serve through, and a prefix left in storage only."""
 
 from __future__ import annotations
 
 import torch
 
+from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
 from asynccache.reference.model import HybridModel
 from asynccache.spec import HybridSpec
@@ -36,3 +37,23 @@ def serving_config(spec: HybridSpec, storage_uri: str | None = None) -> HybridCa
         storage_uri=storage_uri,
         prefetch_policy="wait_complete",
     )
+
+
+async def store_only(cache: HybridCache, tokens: list[int], *, grid: int) -> None:
+    """Insert ``tokens`` (whole pages) with a state every ``grid`` pages, back them up to the
+    cache's storage, then flush device and host: the prefix is in storage only."""
+    page = cache.spec.page_size
+    positions = list(range(grid * page, len(tokens) + 1, grid * page))
+    alloc = cache.tree.alloc_device(len(tokens) // page, len(positions))
+    assert alloc is not None
+    states = dict(zip(positions, alloc.state_slots.tolist(), strict=True))
+    res = cache.tree.insert(tokens, alloc.kv_indices, states=states)
+    op = cache.controller.write(res.backup_nodes)
+    assert op is not None
+    cache.controller.start_writing()
+    await op
+    assert cache.controller.tiering is not None
+    await cache.controller.tiering.drain()
+    cache.flush_device()
+    cache.flush_host()
+    assert cache.tree.match_prefix(tokens).num_tokens == 0

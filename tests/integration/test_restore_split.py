@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from serving import store_only
 
 from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
@@ -34,19 +35,7 @@ async def stored_prefix_cache(spec: HybridSpec, **config: object) -> HybridCache
     )
     cache = HybridCache(spec, cfg, admission=EveryPageAdmission())
     await cache.__aenter__()
-    positions = list(range(GRID * PAGE, NUM_PAGES * PAGE + 1, GRID * PAGE))
-    alloc = cache.tree.alloc_device(NUM_PAGES, len(positions))
-    assert alloc is not None
-    res = cache.tree.insert(TOKENS, alloc.kv_indices, states=dict(zip(positions, alloc.state_slots.tolist(), strict=True)))
-    op = cache.controller.write(res.backup_nodes)
-    assert op is not None
-    cache.controller.start_writing()
-    await op
-    assert cache.controller.tiering is not None
-    await cache.controller.tiering.drain()
-    cache.flush_device()
-    cache.flush_host()
-    assert cache.tree.match_prefix(TOKENS).num_tokens == 0
+    await store_only(cache, TOKENS, grid=GRID)
     return cache
 
 
