@@ -11,7 +11,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# Install the CPU build of torch first when none is importable (a plain `torch` would pull CUDA).
+	# Pin torch first when none is importable: the development and CI machines keep a CPU build of
+	# 2.13.0 on disk, which pip takes; a torch already in the venv (any build) is kept.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[s3,dev]"
 	touch $(STAMP)

@@ -19,8 +19,10 @@
   two: ``min over b of max(compute(head b), read(tail from b))``. Read estimates are corrected
   by the read times observed, separately for whole restores and for tails read beside a head's
   computation (:class:`ReadTimeCorrection`): the two share the host's CPU, so a split overlaps
-  less than perfectly, and the model learns by how much. While splits are not chosen, their
-  correction fades back toward the whole-restore one, so a split is tried again.
+  less than perfectly, and the model learns by how much. While whole restores are chosen over a
+  possible split, the split's correction fades back toward the whole-restore one, so a split is
+  tried again. (``counts["prefetch_split"]`` counts every choice other than a whole restore:
+  recomputing or a tail restore.)
 """
 
 from __future__ import annotations

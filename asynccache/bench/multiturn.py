@@ -53,12 +53,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=1, help="tokens per KV page (default 1)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="model dtype (default: fp32 on CPU, bf16 on CUDA)")
-    p.add_argument("--device-kv-pages", type=int, default=None, help="device KV pages (default: fits ~3 clients)")
+    p.add_argument("--device-kv-pages", type=int, default=None, help="device KV pages (default: the requests in flight plus ~3 whole conversations)")
     p.add_argument(
         "--device-state-slots", type=int, default=None, help="device state slots (default: room for half the clients)"
     )
     p.add_argument("--host-kv-bytes", type=int, default=None, help="host KV bytes (default: holds every client)")
-    p.add_argument("--host-state-bytes", type=int, default=None, help="host state bytes (default: 4 per client)")
+    p.add_argument("--host-state-bytes", type=int, default=None, help="host state bytes (default: 4 states per client per round)")
     p.add_argument("--storage", default=None, help="storage URI for kv+mamba+storage (default: temp directory)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", default=None, help="write results as JSON to this path")

@@ -5,7 +5,7 @@ What it measures, for ``--uri`` (default: a temporary local directory):
 - **Backend path**: ``batch_set_v2`` then ``batch_get_v2`` of the KV pages and Mamba states of a
   real spec (``--preset``, ``--tp-size``; Qwen3-Next-80B at tp 1: 1.5 MiB per 64-token KV page,
   77 MB per state), ``--batch-pages`` pages per call, from page_first host pools into fresh host
-  slots — object header, payload checksum, put-if-absent, atomic rename/conditional PUT included.
+  slots — object header, payload checksum, put-if-absent, atomic link/conditional PUT included.
 - **Raw path**, the same bytes in the same run: for ``file://`` plain sequential file I/O (one
   ``open``/``write``/[``fsync`` when the backend fsyncs]/``close`` per object, ``readinto`` the
   destination slot); for ``s3://`` obstore ``put``/``get`` of each payload with as many requests
@@ -81,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a backend option (integer or text value), e.g. --option inline_bytes=0; repeatable",
+        help="a backend option (true/false, integer or text value), e.g. --option inline_bytes=0; repeatable",
     )
     parser.add_argument("--json", dest="json_path", default=None, help="write results as JSON to this path")
 

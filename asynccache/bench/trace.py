@@ -1,7 +1,9 @@
 """``asynccache bench trace``: replay a Mooncake-format trace under cache policies and budgets.
 
 Every (policy combination, host budget, storage budget) cell replays the whole trace through the
-real tree and pools in accounting mode (``asynccache.trace.replay``) on the trace's own clock,
+real tree and pools in accounting mode on the trace's own clock — through the asyncio controller
+(``asynccache.trace.controller_replay``, the default ``--engine controller``) or the tree's
+synchronous stand-in (``asynccache.trace.replay``, ``--engine sync``) —
 and reports the token hit rate overall and by tier, its fraction of the infinite-cache bound,
 the prefill FLOPs saved, the bytes moved per tier and the evictions. Cells run in parallel
 processes (``--jobs``). Output: a table on stdout (``--markdown`` for Markdown), a PNG comparing
@@ -68,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--spec", default="qwen3-next-80b", help=f"preset ({', '.join(PRESETS)}) or an HF config path")
     p.add_argument(
-        "--page-size", type=int, default=MOONCAKE_BLOCK_SIZE, help="tokens per page (default: the trace's block, 512)"
+        "--page-size", type=int, default=None, help="tokens per page (default: --block-size)"
     )
     p.add_argument("--block-size", type=int, default=MOONCAKE_BLOCK_SIZE, help="tokens per trace hash id (default 512)")
     p.add_argument(
@@ -161,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--trace FILE is required (or --from-json PATH to re-report a previous run)")
     t0 = time.perf_counter()
     trace = load_trace(args.trace, block_size=args.block_size, limit=args.limit)
+    if args.page_size is None:
+        args.page_size = args.block_size
     spec = load_spec(args.spec, page_size=args.page_size)
     bound = infinite_cache_bound(trace, page_size=spec.page_size)
     combos = [parse_combo(c) for c in args.policies.split(",") if c.strip()]

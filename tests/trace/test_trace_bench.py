@@ -51,3 +51,18 @@ def test_bench_trace_writes_table_json_and_plot(tmp_path: Path, capsys: pytest.C
     table = capsys.readouterr().out
     assert table.startswith("| policy |") and table.count("\n| ") == 12  # one row per replay
     assert "| adaptive + utility | write_back, disk through |" in table
+
+
+def test_the_page_size_follows_the_block_size_by_default(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = _write_trace(tmp_path / "t.jsonl")
+    out_json = tmp_path / "r.json"
+    rc = main(
+        [
+            "bench", "trace", "--trace", str(trace), "--spec", "tiny", "--block-size", "8",
+            "--device-budget", "64KiB", "--budgets", "64KiB", "--storage-budgets", "0",
+            "--policies", "ends/lru", "--jobs", "1", "--engine", "sync", "--json", str(out_json),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    assert json.loads(out_json.read_text())["page_size"] == 8
+    assert "(page 8," in capsys.readouterr().out
