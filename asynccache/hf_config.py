@@ -54,7 +54,7 @@ def _as_int(value: Any, key: str, model_type: str) -> int:
         raise SpecError(f"{model_type} config field {key!r} must be an integer, got {value!r}")
     try:
         out = int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise SpecError(f"{model_type} config field {key!r} must be an integer, got {value!r}") from None
     if out != value and not isinstance(value, str):
         raise SpecError(f"{model_type} config field {key!r} must be an integer, got {value!r}")
@@ -262,6 +262,9 @@ def parse_hf_config(
     model_id: str | None,
 ) -> HybridSpec:
     """Build one TP rank's :class:`HybridSpec` from a config dict (see the module docstring)."""
+    for name, value in (("tp_size", tp_size), ("tp_rank", tp_rank)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SpecError(f"{name} must be an int, got {value!r}")
     if tp_size <= 0:
         raise SpecError(f"tp_size must be positive, got {tp_size}")
     cfg = dict(cfg)
@@ -276,6 +279,8 @@ def parse_hf_config(
     mt = cfg.get("model_type")
     if mt is None:
         raise SpecError("config is missing required field 'model_type'")
+    if not isinstance(mt, str):
+        raise SpecError(f"config field 'model_type' must be a string, got {mt!r}")
     parser = _PARSERS.get(mt)
     if parser is None:
         raise SpecError(f"unsupported model_type {mt!r}; supported: {list(SUPPORTED_MODEL_TYPES)}")
@@ -292,7 +297,11 @@ def parse_hf_config(
                 f"{mt} config has no 'head_dim' and hidden_size={hidden} does not split into {num_heads} heads"
             )
         head_dim = hidden // num_heads
-    model_dtype = dtype_from_name(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+    dtype_key = "torch_dtype" if cfg.get("torch_dtype") else "dtype"
+    try:
+        model_dtype = dtype_from_name(cfg.get(dtype_key) or "bfloat16")
+    except SpecError as e:
+        raise SpecError(f"{mt} config field {dtype_key!r}: {e}") from None
     kv_heads = shard_kv_heads(num_kv_heads, tp_size)
 
     components: tuple[StateComponent, ...] = ()
@@ -316,6 +325,6 @@ def parse_hf_config(
         tp_rank=tp_rank,
         hidden_size=hidden,
         num_attention_heads=num_heads,
-        intermediate_size=int(cfg.get("intermediate_size") or 0),
-        vocab_size=int(cfg.get("vocab_size") or 0),
+        intermediate_size=_as_int(cfg.get("intermediate_size") or 0, "intermediate_size", mt),
+        vocab_size=_as_int(cfg.get("vocab_size") or 0, "vocab_size", mt),
     )

@@ -216,6 +216,10 @@ class HybridSpec:
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
+        for name in ("page_size", "tp_size", "tp_rank", "num_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise SpecError(f"{name} must be an int, got {value!r}")
         if self.page_size <= 0:
             raise SpecError(f"page_size must be positive, got {self.page_size}")
         if self.num_kv_heads <= 0 or self.head_dim <= 0:

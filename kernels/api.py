@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from asynccache.errors import TransferError
@@ -126,7 +127,8 @@ def validate_pools(src: PoolBufferLike, dst: PoolBufferLike) -> None:
 def validate_indices(
     src: PoolBufferLike, dst: PoolBufferLike, src_indices: torch.Tensor, dst_indices: torch.Tensor
 ) -> None:
-    """The index lists of a copy: 1-D int64 CPU tensors of equal length, within their pools."""
+    """The index lists of a copy: 1-D int64 CPU tensors of equal length, within their pools, the
+    destination's distinct (two writes of one item would race on a GPU)."""
     for name, idx, pool in (("src", src_indices, src), ("dst", dst_indices, dst)):
         if not isinstance(idx, torch.Tensor):
             raise TransferError(f"{name}_indices must be a tensor, got {type(idx).__name__}")
@@ -141,11 +143,15 @@ def validate_indices(
             if n <= 16:  # a few slots: Python's min/max on the list beat two numpy reductions
                 values = idx.tolist()
                 lo, hi = min(values), max(values)
+                distinct = name == "src" or len(set(values)) == n
             else:
                 array = idx.numpy()  # numpy reductions: ~1 µs here against ~3 µs through the dispatcher
                 lo, hi = int(array.min()), int(array.max())
+                distinct = name == "src" or _distinct(array)
             if lo < 0 or hi >= pool.num_items:
                 raise TransferError(f"{name}_indices out of range 0..{pool.num_items - 1}: min {lo}, max {hi}")
+            if not distinct:
+                raise TransferError("dst_indices name one item twice (two copies would write it)")
     if src_indices.numel() != dst_indices.numel():
         raise TransferError(f"index count mismatch: {src_indices.numel()} vs {dst_indices.numel()}")
 
@@ -191,6 +197,13 @@ def shares_buffer(src: PoolBufferLike, dst: PoolBufferLike) -> bool:
 
 #: Index lists up to this length are compared as Python sets (a few µs less than ``torch.isin``).
 _SMALL_OVERLAP = 64
+
+
+def _distinct(array: np.ndarray) -> bool:
+    """No value twice: at once for an ascending list (what the allocators give), else sorted."""
+    if bool((np.diff(array) > 0).all()):
+        return True
+    return int(np.unique(array).size) == array.size
 
 
 def check_overlap(
@@ -298,6 +311,7 @@ def copy_items(
     nbytes = src_indices.numel() * (layer_end - layer_begin) * src.item_bytes
     if nbytes == 0 or src.buffer is None:
         return nbytes
+    check_overlap(src, dst, src_indices, dst_indices)  # the rule of the CUDA paths, here too
     assert dst.buffer is not None
     _copy_torch(src, dst, src_indices, dst_indices, layer_begin, layer_end)
     return nbytes
@@ -367,6 +381,8 @@ class PoolPair:
 
             return copy_dma
         validate_indices(src, dst, src_indices, dst_indices)
+        if self.method == "cpu" and src.buffer is not None:
+            check_overlap(src, dst, src_indices, dst_indices)  # the rule of the CUDA paths, here too
 
         def check_range(layer: int, count: int) -> None:
             if not (0 <= layer and count >= 1 and layer + count <= num_layers):

@@ -236,10 +236,11 @@ def gemm_slowdown(
     """Relative slowdown of ``n³`` bf16 matmuls next to one long copy (the Triton kernel capped
     at ``ctas`` CTAs, or with ``method="dma"`` the copy engines).
 
-    The copy is a single call (the index lists repeated) enqueued on another stream before the
-    matmuls and sized to outlast them threefold, so it runs the whole time, as during a long
-    load-back; that it did outlast them is checked with events (the copy is made longer and the
-    round repeated otherwise). Returns ``t_concurrent / t_alone − 1`` (medians).
+    The copy is the same call launched back to back (a copy may not write an item twice, so
+    the index lists are not repeated), enqueued on another stream before the matmuls and sized
+    to outlast them threefold, so it runs the whole time, as during a long load-back; that it
+    did outlast them is checked with events (the copy is made longer and the round repeated
+    otherwise). Returns ``t_concurrent / t_alone − 1`` (medians).
     """
     from kernels.dma_copy import launch_dma
     from kernels.triton_copy import launch_copy
@@ -274,13 +275,14 @@ def gemm_slowdown(
         copy_start, copy_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(copy_stream):
             copy_start.record()
-            if method == "dma":
-                launch_dma(src, dst, src_indices.repeat(repeat), dst_indices.repeat(repeat), stream=copy_stream)
-            else:
-                launch_copy(
-                    src, dst, src_indices.repeat(repeat), dst_indices.repeat(repeat),
-                    max_ctas=ctas, stream=copy_stream, tuning=tuning,  # type: ignore[arg-type]
-                )  # fmt: skip
+            for _ in range(repeat):
+                if method == "dma":
+                    launch_dma(src, dst, src_indices, dst_indices, stream=copy_stream)
+                else:
+                    launch_copy(
+                        src, dst, src_indices, dst_indices,
+                        max_ctas=ctas, stream=copy_stream, tuning=tuning,  # type: ignore[arg-type]
+                    )  # fmt: skip
             copy_end.record()
         s, e = gemms(k)
         torch.cuda.synchronize()

@@ -77,6 +77,8 @@ class IndexAllocator:
         self._free.extend(arr[::-1].tolist())
 
     def is_allocated(self, index: int) -> bool:
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < self.size:
+            raise AllocationError(f"{self.name}: index {index!r} is outside 0..{self.size - 1}")
         return bool(self._allocated[index])
 
     def allocated_indices(self) -> np.ndarray:
@@ -90,4 +92,10 @@ def _as_numpy(indices: torch.Tensor | Iterable[int]) -> np.ndarray:
         if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
             raise AllocationError(f"indices must be an integer tensor, got {indices.dtype}")
         return indices.detach().to("cpu", torch.int64).numpy().reshape(-1)
-    return np.fromiter((int(i) for i in indices), dtype=np.int64)
+    arr = np.asarray(indices if isinstance(indices, np.ndarray) else list(indices))
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    # As for tensors: a float (or bool) would be truncated to some other index.
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise AllocationError(f"indices must be integers, got {arr.dtype}")
+    return arr.astype(np.int64).reshape(-1)

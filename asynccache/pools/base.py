@@ -69,7 +69,12 @@ class ItemPool:
         self.num_items = num_items
         self.item_bytes = item_bytes
         self.layout = PoolLayout.parse(layout)
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ConfigError(f"{name}: not a device: {device!r} ({e})") from None
+        if materialize and self.device.type == "cuda" and not _cuda_device_present(self.device):
+            raise ConfigError(f"{name}: device {self.device} is not available here")
         self.allocator = IndexAllocator(num_items, name=name)
         self.buffer: torch.Tensor | None = None
         self.pinned = False
@@ -144,3 +149,9 @@ class ItemPool:
             f"item_bytes={self.item_bytes}, layout={self.layout.value}, device={self.device}, "
             f"pinned={self.pinned}, materialized={self.materialized})"
         )
+
+
+def _cuda_device_present(device: torch.device) -> bool:
+    if not torch.cuda.is_available():
+        return False
+    return device.index is None or 0 <= device.index < torch.cuda.device_count()

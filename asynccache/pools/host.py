@@ -8,6 +8,8 @@ so it is one storage object with no repacking (see ``asynccache.pools.base`` for
 
 from __future__ import annotations
 
+import math
+
 from asynccache.errors import ConfigError
 from asynccache.pools.base import ItemPool, PoolLayout
 from asynccache.pools.views import KVViews, StateViews
@@ -41,9 +43,11 @@ def resolve_num_items(
             # A pool without layers has zero-byte items: any byte budget would mean unbounded items.
             raise ConfigError(f"{what}: the pool has no layers, so size_bytes cannot size it; give {num_items_name}")
         return size_bytes // bytes_per_index
-    if device_pool is None or ratio is None or ratio <= 0:
-        raise ConfigError(f"{what}: ratio needs a positive value and the device pool")
-    return int(device_pool.num_items * ratio)
+    if device_pool is None or ratio is None or isinstance(ratio, bool) or not 0 < ratio < math.inf:
+        raise ConfigError(f"{what}: ratio needs a finite positive value and the device pool, got {ratio!r}")
+    # Rounded to the nearest whole item first, so that a ratio like 2.3 of 100 items is 230,
+    # not the 229 that float arithmetic (229.99999999999997) would truncate to.
+    return math.floor(round(device_pool.num_items * ratio, 6))
 
 
 def _host_pool_init(

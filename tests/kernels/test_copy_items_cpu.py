@@ -99,6 +99,7 @@ def _pools(item_bytes: int = 16, **dst_kwargs: object) -> tuple[ItemPool, ItemPo
         (torch.tensor([0, 1]), torch.tensor([0]), "count mismatch"),
         (torch.tensor([[0, 1]]), torch.tensor([[0, 1]]), "1-D"),
         ([0, 1], torch.tensor([0, 1]), "must be a tensor"),
+        (torch.tensor([0, 1]), torch.tensor([2, 2]), "twice"),
     ],
 )
 def test_bad_indices_raise(src_idx: object, dst_idx: torch.Tensor, message: str) -> None:
@@ -237,3 +238,33 @@ def test_overlap_inside_one_pool_is_found_for_short_and_long_index_lists() -> No
         with pytest.raises(TransferError, match="overlap"):
             check_overlap(pool, pool, src, src + n - 1, shared=True)
         check_overlap(pool, pool, src, src + n - 1, shared=False)  # the caller's word is taken
+
+
+def test_a_destination_named_twice_is_refused_on_every_path() -> None:
+    """Two writes of one item would race on a GPU (which one lands is unspecified), so no path
+    takes them: short and long lists, sorted or not, through copy_items and a layer copier. The
+    source may repeat (one item copied to several places)."""
+    from kernels.api import layer_copier
+
+    src = ItemPool(name="s", layer_ids=(0, 1), num_items=64, item_bytes=8)
+    dst = ItemPool(name="d", layer_ids=(0, 1), num_items=64, item_bytes=8)
+    for n in (3, 40):  # the short (Python) and the long (numpy) check
+        dup = torch.arange(n)
+        dup[-1] = dup[0]
+        for dst_idx in (dup, dup.flip(0)):
+            with pytest.raises(TransferError, match="twice"):
+                copy_items(src, dst, torch.arange(n), dst_idx)
+            with pytest.raises(TransferError, match="twice"):
+                layer_copier(src, dst, torch.arange(n), dst_idx)
+        assert copy_items(src, dst, torch.zeros(n, dtype=torch.int64), torch.arange(n)) == 2 * n * 8
+
+
+def test_a_copy_inside_one_pool_follows_the_cuda_rule_on_cpu_too() -> None:
+    from kernels.api import layer_copier
+
+    pool = ItemPool(name="p", layer_ids=(0, 1), num_items=8, item_bytes=8)
+    with pytest.raises(TransferError, match="overlap"):
+        copy_items(pool, pool, torch.tensor([0, 1]), torch.tensor([1, 2]))
+    with pytest.raises(TransferError, match="overlap"):
+        layer_copier(pool, pool, torch.tensor([0, 1]), torch.tensor([1, 2]))
+    assert copy_items(pool, pool, torch.tensor([0, 1]), torch.tensor([2, 3])) == 2 * 2 * 8

@@ -145,6 +145,29 @@ def test_float_index_tensor_is_rejected() -> None:
     assert alloc.num_free == 2
 
 
+@pytest.mark.parametrize("bad", [[0.9], [True], "numpy-float"])
+def test_float_or_bool_index_lists_are_rejected_and_free_nothing(bad: object) -> None:
+    """As for tensors: 0.9 would be truncated to index 0, which the caller did not name."""
+    import numpy as np
+
+    alloc = make_allocator(4)
+    held = alloc.alloc(2)
+    assert held is not None
+    indices = np.array([1.7]) if bad == "numpy-float" else bad
+    with pytest.raises(AllocationError, match="integer"):
+        alloc.free(indices)  # type: ignore[arg-type]
+    assert alloc.num_free == 2 and alloc.is_allocated(0) and alloc.is_allocated(1)
+    alloc.free(np.array([0, 1]))  # integer numpy arrays are fine
+    assert alloc.num_free == 4
+
+
+@pytest.mark.parametrize("bad", [-1, 4, True, 1.0])
+def test_is_allocated_of_a_foreign_index_raises(bad: object) -> None:
+    alloc = make_allocator(4)
+    with pytest.raises(AllocationError, match="outside"):
+        alloc.is_allocated(bad)  # type: ignore[arg-type]
+
+
 def test_free_accepts_lists_and_empty_input() -> None:
     alloc = make_allocator(4)
     held = alloc.alloc(3)

@@ -286,6 +286,28 @@ def test_non_integer_field_is_named() -> None:
         HybridSpec.from_hf_config(make_config(QWEN3_NEXT_80B, linear_num_value_heads="many"))
 
 
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"head_dim": float("inf")}, "'head_dim'"),  # json.loads takes Infinity
+        ({"intermediate_size": "5120x"}, "'intermediate_size'"),
+        ({"intermediate_size": [5120]}, "'intermediate_size'"),
+        ({"vocab_size": {"a": 1}}, "'vocab_size'"),
+        ({"model_type": ["qwen3_next"]}, "'model_type'"),
+        ({"torch_dtype": "float64"}, "'torch_dtype'"),
+    ],
+)
+def test_malformed_values_are_spec_errors_naming_the_field(change: dict[str, Any], named: str) -> None:
+    with pytest.raises(SpecError, match=named):
+        HybridSpec.from_hf_config(make_config(QWEN3_NEXT_80B, **change))
+
+
+@pytest.mark.parametrize("tp", [2.0, "2", True])
+def test_tp_size_must_be_an_int(tp: object) -> None:
+    with pytest.raises(SpecError, match="tp_size must be an int"):
+        HybridSpec.from_hf_config(QWEN3_NEXT_80B, tp_size=tp)  # type: ignore[arg-type]
+
+
 # ---- Nemotron-H ---------------------------------------------------------------------------
 
 

@@ -280,9 +280,24 @@ def test_host_mamba_needs_exactly_one_size() -> None:
         MambaPoolHost(make_spec(), num_slots=2, size_bytes=1 << 20)
 
 
+def test_a_ratio_sizes_to_the_nearest_whole_item_not_below_it() -> None:
+    spec = make_spec()
+    device = DeviceKVPool(spec, 100)
+    # 2.3 × 100 is 229.99999999999997 in floating point, 0.29 × 100 is 28.999999999999996.
+    assert HostKVPool(spec, ratio=2.3, device_pool=device).num_items == 230
+    assert HostKVPool(spec, ratio=0.29, device_pool=device).num_items == 29
+    assert HostKVPool(spec, ratio=0.255, device_pool=device).num_items == 25  # a real fraction still rounds down
+
+
 @pytest.mark.parametrize(
     "kwargs",
-    [{"ratio": 2.0}, {"ratio": 0.0, "device_pool": "device"}, {"ratio": -1.0, "device_pool": "device"}],
+    [
+        {"ratio": 2.0},
+        {"ratio": 0.0, "device_pool": "device"},
+        {"ratio": -1.0, "device_pool": "device"},
+        {"ratio": float("nan"), "device_pool": "device"},
+        {"ratio": float("inf"), "device_pool": "device"},
+    ],
 )
 def test_ratio_needs_a_positive_value_and_the_device_pool(kwargs: dict[str, object]) -> None:
     spec = make_spec()
@@ -395,3 +410,15 @@ def test_empty_pool() -> None:
     assert pool.alloc(1) is None
     k, _ = pool.kv_cache(1)
     assert k.shape[0] == 0
+
+
+@pytest.mark.parametrize("device", ["nonsense", "cuda:97"])
+def test_a_device_that_is_not_there_is_a_config_error(device: str) -> None:
+    with pytest.raises(ConfigError, match="device"):
+        DeviceKVPool(make_spec(), 2, device=device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_cuda_pool_without_cuda_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="not available"):
+        DeviceKVPool(make_spec(), 2, device="cuda")
