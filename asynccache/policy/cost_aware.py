@@ -216,9 +216,17 @@ class CostAwareEviction(RankedEviction):
         self.alpha_history: list[tuple[float, float]] = []
 
     # ---- the score -------------------------------------------------------------------------
-    def _terms(self, node: TreeNode, key: str, now: float) -> tuple[float, float]:
+    def _efficiency(self, node: TreeNode, key: str) -> float:
         value = node_value(node, key, spec=self.spec, flops=self.flops)
-        eff = value.saved_flops / value.bytes if value.bytes else 0.0
+        return value.saved_flops / value.bytes if value.bytes else 0.0
+
+    def before_scoring(self, members: list[TreeNode], *, key: str, now: float) -> None:
+        # The efficiency term is relative to the largest seen: take this ranking's largest into
+        # account before scoring any member, so that no score depends on the scan order.
+        self._eff_ref = max([self._eff_ref, *(self._efficiency(n, key) for n in members)])
+
+    def _terms(self, node: TreeNode, key: str, now: float) -> tuple[float, float]:
+        eff = self._efficiency(node, key)
         if eff > self._eff_ref:
             self._eff_ref = eff
         recency = 1.0 - min(max(now - node.last_access, 0.0) / self.recency_window_s, 1.0)

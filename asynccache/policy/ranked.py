@@ -101,6 +101,10 @@ class RankedEviction(EvictionPolicy):
     def begin_ranking(self, key: str, now: float) -> None:
         """Hook called once before a list is scored (e.g. to refresh learnt weights)."""
 
+    def before_scoring(self, members: list[TreeNode], *, key: str, now: float) -> None:
+        """Hook called with a ranking's members before any is scored (e.g. to normalise a term
+        over all of them, so that no score depends on the order they are scored in)."""
+
     # ---- ordering ------------------------------------------------------------------------
     def victim_key(self, node: TreeNode, *, key: str, now: float) -> float:
         """Comparable across lists: the score (utility per byte)."""
@@ -109,6 +113,7 @@ class RankedEviction(EvictionPolicy):
     def _rank(self, lru: LRUList, key: str, now: float) -> _Ranking:
         self.begin_ranking(key, now)
         members = [n for n in lru.iter_oldest() if evictable(n, key)]
+        self.before_scoring(members, key=key, now=now)
         scores = {n.node_id: self.score(n, key=key, now=now) for n in members}
         members.sort(key=lambda n: scores[n.node_id])
         self.num_rankings += 1
@@ -130,6 +135,7 @@ class RankedEviction(EvictionPolicy):
             ranking = self._rank(lru, key, now)
         assert ranking is not None
         nodes, ranked_at = ranking.nodes, ranking.ranked_at
+        freed: dict[int, TreeNode] = {}  # parents of this call's victims
         i = ranking.cursor
         while i < len(nodes):
             node = nodes[i]
@@ -140,11 +146,26 @@ class RankedEviction(EvictionPolicy):
                 i += 1
                 continue
             yield node
-            if i == ranking.cursor and node not in lru:
-                ranking.cursor += 1
+            if node not in lru:
+                if node.parent is not None:
+                    freed[node.parent.node_id] = node.parent
+                if i == ranking.cursor:
+                    ranking.cursor += 1
             i += 1
         # Used up: members added since the ranking (or declined ones) need a fresh ranking.
         ranking.cursor = len(nodes)
+        # Parents that this call's evictions made leaves were not evictable when ranked: offer
+        # them now, lowest score first (and theirs in turn), so the call can free what it needs.
+        while freed:
+            offer = sorted(
+                (n for n in freed.values() if n.alive and n in lru and evictable(n, key)),
+                key=lambda n: self.score(n, key=key, now=now),
+            )
+            freed = {}
+            for node in offer:
+                yield node
+                if node not in lru and node.parent is not None:
+                    freed[node.parent.node_id] = node.parent
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -22,10 +22,12 @@ Primitives:
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -139,7 +141,8 @@ def validate_trace(trace: Trace) -> None:
 
     - ``input_length >= 1``, ``output_length >= 0``;
     - ``len(hash_ids) == ceil(input_length / block_size)``;
-    - timestamps never decrease (replay follows them);
+    - timestamps are finite and never decrease (replay follows them);
+    - hash ids are >= 0;
     - an id always has the same parent id (ids are prefix-chain ids), so equal ids mean equal
       prefixes and token synthesis from ids is consistent.
     """
@@ -164,9 +167,15 @@ def validate_trace(trace: Trace) -> None:
             f"request {i}: {int(got[i])} hash ids for input_length {int(trace.input_lengths[i])} "
             f"(expected ceil({int(trace.input_lengths[i])}/{bs}) = {int(expected[i])})"
         )
+    bad = np.flatnonzero(~np.isfinite(trace.timestamps_s))
+    if bad.size:
+        raise TraceFormatError(f"request {int(bad[0])}: timestamp must be finite")
     bad = np.flatnonzero(np.diff(trace.timestamps_s) < 0)
     if bad.size:
         raise TraceFormatError(f"request {int(bad[0]) + 1}: timestamp goes backwards")
+    if trace.hash_ids.size and int(trace.hash_ids.min()) < 0:
+        i = int(np.searchsorted(trace.offsets, int(np.flatnonzero(trace.hash_ids < 0)[0]), side="right")) - 1
+        raise TraceFormatError(f"request {i}: hash ids must be >= 0")
     # Parent consistency: the id before each id (or -1 at a prompt start) must be unique per id.
     ids = trace.hash_ids
     parents = np.empty_like(ids)
@@ -197,17 +206,37 @@ def load_trace(
                 if not line.strip():
                     continue
                 try:
-                    obj = json.loads(line)
-                    rows.append(
-                        (
-                            float(obj["timestamp"]) / 1000.0,
-                            int(obj["input_length"]),
-                            int(obj["output_length"]),
-                            [int(x) for x in obj["hash_ids"]],
-                        )
-                    )
-                except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                    rows.append(_request(json.loads(line)))
+                except (json.JSONDecodeError, KeyError, TypeError, ValueError, OverflowError) as e:
                     raise TraceFormatError(f"{path}:{lineno}: not a Mooncake request ({e!r})") from e
-    except OSError as e:
+    except (OSError, UnicodeDecodeError) as e:
         raise TraceFormatError(f"cannot read trace {path}: {e}") from e
     return Trace.from_requests(rows, block_size=block_size, name=path.stem)
+
+
+_INT64_MAX = 2**63 - 1
+
+
+def _request(obj: Any) -> tuple[float, int, int, list[int]]:
+    """One JSON object as ``(timestamp_s, input_length, output_length, hash_ids)``; ValueError
+    (or TypeError, KeyError) for anything that is not one."""
+    if not isinstance(obj, dict):
+        raise TypeError(f"a request is a JSON object, got {type(obj).__name__}")
+    timestamp = float(obj["timestamp"])
+    if not math.isfinite(timestamp):
+        raise ValueError(f"timestamp must be finite, got {obj['timestamp']!r}")
+    ids = obj["hash_ids"]
+    if not isinstance(ids, list):
+        raise TypeError(f"hash_ids must be a list, got {type(ids).__name__}")
+    values = [_int(x, "hash id") for x in ids]
+    if any(v < 0 for v in values):
+        raise ValueError("hash ids must be >= 0")
+    return timestamp / 1000.0, _int(obj["input_length"], "input_length"), _int(obj["output_length"], "output_length"), values
+
+
+def _int(value: Any, what: str) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or abs(value) > _INT64_MAX:
+        raise ValueError(f"{what} must be an integer within 64 bits, got {value!r}")
+    return value

@@ -115,8 +115,9 @@ class ReplayStorageTier:
         page = self.tree.page_size
         hashes = match.page_hashes
         limit = min(max_pages, len(hashes))
-        have = match.num_matched_tokens // page  # KV the tree holds on some tier
-        kv_end = have
+        # As the controller's tier does: the stored prefix counts from page 0 (a restore reads
+        # every page of it, see prefetch).
+        kv_end = 0
         while kv_end < limit and self.storage.contains(PoolName.KV, hashes[kv_end]):
             kv_end += 1
         start = match.num_tokens // page
@@ -126,12 +127,13 @@ class ReplayStorageTier:
         return 0
 
     def prefetch(self, tokens: np.ndarray, match: MatchResult, num_pages: int) -> bool:
-        """Fetch pages ``[tree KV end, num_pages)`` and the state at ``num_pages`` into host
-        slots and insert them (host-only nodes). False when the host has no room."""
+        """Fetch pages ``[0, num_pages)`` and the state at ``num_pages`` into host slots and
+        insert them, as the controller's tier does (host-only nodes need all their pages; those
+        the tree already holds come back as duplicates and are freed by ``insert_host``). False
+        when the host has no room."""
         tree = self.tree
         page = tree.page_size
         hashes = match.page_hashes
-        have = min(match.num_matched_tokens // page, num_pages)
         tree.lock(match.last_node)
         tree.lock_host(match.last_node)
         try:
@@ -142,7 +144,7 @@ class ReplayStorageTier:
         if alloc is None:
             self.num_prefetch_no_room += 1
             return False
-        self.storage.get(PoolName.KV, hashes[have:num_pages])
+        self.storage.get(PoolName.KV, hashes[:num_pages])
         self.storage.get(PoolName.MAMBA, [hashes[num_pages - 1]])
         assert alloc.state_slot is not None
         tree.insert_host(

@@ -134,14 +134,26 @@ class EvictionMixin(TreeCore):
         for node in victims:
             if not node.alive or node.device_kv is None:
                 continue
-            if self._device_kv_evictable(node):
-                if self._backed_up(node):
-                    self._demote_device(node)
-                else:
-                    self._drop_device(node)
-            else:
+            if not self._device_kv_evictable(node):
                 pending_pages += node.num_pages
                 pending_states += int(node.device_state is not None)
+                continue
+            parent = node.parent
+            if self._backed_up(node):
+                self._demote_device(node)
+            else:
+                self._drop_device(node)
+            # A synchronous write-back backed the ancestors up too: those that are device
+            # leaves now go as well while more room is needed.
+            while (
+                parent is not None
+                and pages0 - self._device_pages < need
+                and parent.device_kv is not None
+                and self._device_kv_evictable(parent)
+                and self._backed_up(parent)
+            ):
+                node, parent = parent, parent.parent
+                self._demote_device(node)
         return pending_pages, pending_states, written
 
     def _evict_device_states(self, need: int, callback: WriteBackFn | None) -> tuple[int, int]:

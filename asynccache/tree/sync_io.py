@@ -72,11 +72,15 @@ class SyncTransfer:
         """Load the host-only part of ``match`` to the device, evicting the device for room.
         ``None`` when the device has no room (nothing changed). The match must be current."""
         tree = self.tree
+        # Pinned on both tiers while room is made: making device room may write a victim back,
+        # and making host room for that must not evict what this load is about to read.
         tree.lock(match.last_node)
+        tree.lock_host(match.last_node)
         try:
             alloc = tree.alloc_device(match.num_load_kv_pages, match.num_load_states)
         finally:
             tree.unlock(match.last_node)
+            tree.unlock_host(match.last_node)
         if alloc is None:
             return None
         try:

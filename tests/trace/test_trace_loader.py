@@ -55,6 +55,18 @@ def test_load_mooncake_lines(tmp_path: Path) -> None:
         ),
         ([{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}], "input_length"),
         ([{"timestamp": 0, "output_length": 1, "hash_ids": [0]}], "not a Mooncake request"),
+        ([{"timestamp": 0, "input_length": 10**20, "output_length": 1, "hash_ids": [0]}], "64 bits"),
+        ([{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [2**64]}], "64 bits"),
+        ([{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [-1]}], ">= 0"),
+        ([{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": "5"}], "must be a list"),
+        ([{"timestamp": 0, "input_length": 3.9, "output_length": 1, "hash_ids": [0]}], "integer"),
+        (
+            [
+                {"timestamp": 5, "input_length": 10, "output_length": 1, "hash_ids": [0]},
+                {"timestamp": float("nan"), "input_length": 10, "output_length": 1, "hash_ids": [1]},
+            ],
+            "finite",
+        ),
     ],
 )
 def test_malformed_traces_are_rejected(tmp_path: Path, rows: list[dict], message: str) -> None:
@@ -71,3 +83,16 @@ def test_from_requests_is_columnar() -> None:
     trace = Trace.from_requests([(0.0, 3, 1, [7]), (1.0, 9, 1, [7, 8, 9])], block_size=4)
     assert trace.offsets.tolist() == [0, 1, 4]
     assert trace.hash_ids.dtype == np.int64
+
+
+def test_bytes_that_are_not_utf8_are_a_format_error(tmp_path: Path) -> None:
+    path = tmp_path / "bin.jsonl"
+    path.write_bytes(b'{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [0]}\n\xff\xfe\n')
+    with pytest.raises(TraceFormatError, match="cannot read"):
+        load_trace(path)
+
+
+def test_integral_floats_are_taken() -> None:
+    from asynccache.trace.loader import _request
+
+    assert _request({"timestamp": 1000, "input_length": 10.0, "output_length": 2, "hash_ids": [0]}) == (1.0, 10, 2, [0])

@@ -186,3 +186,27 @@ async def test_controller_engine_with_storage_serves_from_storage() -> None:
     config = make_config("ends/lru/write_back", device_pages=7, host_pages=7, storage_pages=BIG)
     r = await ControllerReplay(trace, config).arun()
     assert r.hit_tokens_by_tier == {"device": 0, "host": 0, "storage": 3 * BLOCK}
+
+
+def test_a_storage_restore_reads_every_page_of_the_prefix_as_the_controller_does() -> None:
+    """The sync engine's storage tier restores like the controller's: all pages of the stored
+    prefix come from storage (and are counted), including those the tree holds on the device,
+    which come back as duplicates; no host copy is recorded that was not read."""
+    from trace_builders import BLOCK, make_config, make_trace
+
+    from asynccache.storage import PoolName
+    from asynccache.trace.replay import TraceReplay
+
+    reqs = [(0, [0, 1, 2, 3, 4, 5, 6])]
+    reqs += [(1 + k, [1000 + 10 * k + j for j in range(7)]) for k in range(6)]  # push the first out
+    reqs += [(20, [0, 1, 2, 100, 101]), (21, [0, 1, 2, 3, 4, 5, 6, 7])]
+    trace = make_trace(reqs)
+    replay = TraceReplay(trace, make_config("ends/lru/write_back/through", device_pages=14, host_pages=14, storage_pages=1000))
+    for i in range(len(trace) - 1):
+        replay._request(i)
+    before = replay.storage.counters().bytes_read.get(PoolName.KV, 0)
+    _, _, from_storage = replay._request(len(trace) - 1)
+    read_pages = (replay.storage.counters().bytes_read.get(PoolName.KV, 0) - before) // replay.spec.kv_page_bytes
+    assert from_storage > 0
+    assert read_pages == from_storage // BLOCK  # every restored page was read
+    replay.tree.check_integrity()

@@ -1,0 +1,64 @@
+"""Eviction and loading edge cases: parents that become leaves during a ranked eviction, the
+ancestors a synchronous write-back backs up, a load that must keep its host data while room is
+made, and a ranking whose scores must not depend on the order they are computed in."""
+
+from __future__ import annotations
+
+from tree_builders import PAGE, make_spec, make_tree, put, seq
+
+from asynccache.policy import LRUEviction
+from asynccache.policy.cost_aware import CostAwareEviction
+from asynccache.trace.flops import FlopModel
+
+
+def cost_aware() -> CostAwareEviction:
+    spec = make_spec()
+    return CostAwareEviction(spec=spec, flops=FlopModel.from_spec(spec))
+
+
+def test_a_ranked_eviction_takes_a_parent_its_victim_made_a_leaf() -> None:
+    """A chain's parent is not evictable when the list is ranked (its child holds device KV);
+    once the child goes in the same call, the parent is offered too, as LRU does."""
+    for eviction in (LRUEviction(), cost_aware()):
+        tree, _ = make_tree(device_pages=8, device_states=8, host_pages=None, host_states=None, eviction=eviction)
+        put(tree, seq(1, 4 * PAGE), states=[2 * PAGE, 4 * PAGE])  # [0,2) with a state, child [2,4)
+        alloc = tree.alloc_device(8, 0)
+        assert alloc is not None, type(eviction).__name__
+        assert tree.stats().device_kv_pages == 0
+        tree.device_kv.free(alloc.kv_indices)
+        tree.check_integrity()
+
+
+def test_a_synchronous_write_back_demotes_the_ancestors_it_backed_up() -> None:
+    tree, _ = make_tree(device_pages=8, device_states=8, host_pages=32, host_states=8, write_policy="write_back")
+    put(tree, seq(1, 4 * PAGE), states=[2 * PAGE, 4 * PAGE])
+    res = tree.evict_device(num_kv_pages=4)
+    assert res.num_kv_pages == 4 and res.num_pending_kv_pages == 0
+    assert tree.stats().device_kv_pages == 0 and tree.stats().host_kv_pages == 4
+    assert tree.match_prefix(seq(1, 4 * PAGE)).num_tokens > 0  # still served, from the host
+    tree.check_integrity()
+
+
+def test_a_sync_load_keeps_its_host_data_while_making_device_room() -> None:
+    """Making device room writes a victim back (write-back policy), which needs host room: the
+    host copy the load is about to read must not be what gets evicted for it."""
+    tree, transfer = make_tree(device_pages=4, device_states=2, host_pages=8, host_states=1, write_policy="write_back")
+    prefix = seq(1, 2 * PAGE)
+    put(tree, prefix)
+    tree.evict_device(num_kv_pages=4)  # the prefix written back and demoted: host only
+    put(tree, seq(2, 3 * PAGE))  # device only, filling the device
+    match = tree.match_prefix(prefix)
+    assert match.needs_load
+    transfer.load(match)
+    assert tree.match_prefix(prefix).num_tokens == match.num_tokens > 0
+    tree.check_integrity()
+
+
+def test_cost_aware_scores_do_not_depend_on_the_scan_order() -> None:
+    """Efficiency is relative to the largest in the ranking, taken before any is scored: the
+    oldest, least efficient state goes first, not the one scanned after a larger reference."""
+    eviction = cost_aware()
+    tree, _ = make_tree(device_pages=64, device_states=8, host_pages=None, host_states=None, eviction=eviction)
+    nodes = {name: put(tree, seq(seed, pages * PAGE)).last_node for name, seed, pages in (("A", 1, 1), ("B", 2, 10), ("C", 3, 5))}
+    tree.evict_device(num_states=1)
+    assert [k for k, n in nodes.items() if n.device_state is None] == ["A"]
