@@ -10,8 +10,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 from collections.abc import Sequence
+
+from asynccache.errors import AsyncCacheError, ConfigError
 
 BENCHMARKS: dict[str, str] = {
     "transfer": "scattered page/state copies vs contiguous pinned memcpy (H2D, D2H, CTA caps)",
@@ -43,9 +46,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _unwritable_output(args: argparse.Namespace) -> str | None:
+    """Why an output path (``--json``, ``--plot``) cannot be written, checked before a run that
+    may take minutes; ``None`` when they can."""
+    for flag, path in (("--json", getattr(args, "json_path", None)), ("--plot", getattr(args, "plot", None))):
+        if not path:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            return f"{flag} {path}: no such directory {folder}"
+        if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+            return f"{flag} {path}: not writable"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run a command. Bad input (:class:`ConfigError` and its kinds, an unwritable output) is one
+    line on stderr and exit status 2; another of the library's errors is one line and status 1."""
     args = build_parser().parse_args(argv)
-    return int(args._module.run(args) or 0)
+    if (why := _unwritable_output(args)) is not None:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
+    try:
+        return int(args._module.run(args) or 0)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyError as e:
+        if getattr(args, "from_json", None):
+            print(f"error: {args.from_json} is not a result of this benchmark (no {e})", file=sys.stderr)
+            return 2
+        raise
+    except AsyncCacheError as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -183,4 +183,9 @@ def open_backend(uri: str, **options: Any) -> StorageBackend:
     if isinstance(factory, str):
         module_name, _, attr = factory.partition(":")
         factory = getattr(importlib.import_module(module_name), attr)
-    return factory(uri, **options)
+    try:
+        return factory(uri, **options)
+    except TypeError as e:
+        if "unexpected keyword argument" not in str(e):
+            raise
+        raise ConfigError(f"storage {uri!r}: an option the backend does not take ({e})") from None

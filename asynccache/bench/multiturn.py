@@ -23,6 +23,7 @@ import json
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 import uvloop
 
+from asynccache.bench.options import positive_int
 from asynccache.bench.progress import progress_bar
 from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
@@ -43,22 +45,22 @@ MODES = ("no-offload", "kv-offload", "kv+mamba-offload", "kv+mamba+storage")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--clients", type=int, default=8, help="concurrent conversations (default 8)")
-    p.add_argument("--rounds", type=int, default=4, help="rounds per conversation (default 4)")
-    p.add_argument("--request-len", type=int, default=192, help="tokens of each new question (default 192)")
-    p.add_argument("--output-len", type=int, default=16, help="tokens generated per answer (default 16)")
-    p.add_argument("--max-parallel", type=int, default=4, help="requests in flight at once (default 4)")
+    p.add_argument("--clients", type=positive_int, default=8, help="concurrent conversations (default 8)")
+    p.add_argument("--rounds", type=positive_int, default=4, help="rounds per conversation (default 4)")
+    p.add_argument("--request-len", type=positive_int, default=192, help="tokens of each new question (default 192)")
+    p.add_argument("--output-len", type=positive_int, default=16, help="tokens generated per answer (default 16)")
+    p.add_argument("--max-parallel", type=positive_int, default=4, help="requests in flight at once (default 4)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("--preset", default="small", help="model preset (small, tiny, hybrid-3b, …) or an HF config path")
-    p.add_argument("--page-size", type=int, default=1, help="tokens per KV page (default 1)")
+    p.add_argument("--page-size", type=positive_int, default=1, help="tokens per KV page (default 1)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="model dtype (default: fp32 on CPU, bf16 on CUDA)")
-    p.add_argument("--device-kv-pages", type=int, default=None, help="device KV pages (default: the requests in flight plus ~3 whole conversations)")
+    p.add_argument("--device-kv-pages", type=positive_int, default=None, help="device KV pages (default: the requests in flight plus ~3 whole conversations)")
     p.add_argument(
-        "--device-state-slots", type=int, default=None, help="device state slots (default: room for half the clients)"
+        "--device-state-slots", type=positive_int, default=None, help="device state slots (default: room for half the clients)"
     )
-    p.add_argument("--host-kv-bytes", type=int, default=None, help="host KV bytes (default: holds every client)")
-    p.add_argument("--host-state-bytes", type=int, default=None, help="host state bytes (default: 4 states per client per round)")
+    p.add_argument("--host-kv-bytes", type=positive_int, default=None, help="host KV bytes (default: holds every client)")
+    p.add_argument("--host-state-bytes", type=positive_int, default=None, help="host state bytes (default: 4 states per client per round)")
     p.add_argument("--storage", default=None, help="storage URI for kv+mamba+storage (default: temp directory)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", default=None, help="write results as JSON to this path")
@@ -149,6 +151,8 @@ async def run_mode(
         seed=args.seed,
     )
     cfg = _mode_config(mode, budgets, storage_uri)
+    # A salt of this run's own: a --storage that an earlier run filled holds nothing it can hit.
+    salt = uuid.uuid4().hex
     res = ModeResult()
     seen = ProcessedPrefixes()
     history: list[list[int]] = [[] for _ in convs]
@@ -160,7 +164,7 @@ async def run_mode(
 
         async def one(c: int, prompt: list[int]) -> RequestResult:
             async with sem:
-                r = await sched.generate(prompt, args.output_len)
+                r = await sched.generate(prompt, args.output_len, salt=salt)
             progress()
             return r
 
@@ -237,8 +241,8 @@ def _plot(summaries: dict[str, dict[str, Any]], path: str, title: str) -> None:
 def run(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = sorted(set(modes) - set(MODES))
-    if unknown:
-        print(f"unknown modes {unknown}; known: {list(MODES)}", file=sys.stderr)
+    if unknown or not modes:
+        print(f"unknown modes {unknown}; known: {list(MODES)}" if modes else "--modes names no mode", file=sys.stderr)
         return 2
     if args.preset.endswith(".json") or Path(args.preset).is_dir():
         spec = HybridSpec.from_hf_config(args.preset, page_size=args.page_size)

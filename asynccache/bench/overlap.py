@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from asynccache.bench.options import positive_int
 from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
 from asynccache.spec import HybridSpec
@@ -35,12 +36,12 @@ from kernels.cudart import elapsed_ms
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="qwen3-next-80b", help="spec preset (default qwen3-next-80b)")
-    p.add_argument("--prefix-tokens", type=int, default=32768, help="cached prefix length (default 32768)")
+    p.add_argument("--prefix-tokens", type=positive_int, default=32768, help="cached prefix length (default 32768)")
     p.add_argument(
         "--compute-ratio", type=float, default=1.25, help="per-layer compute ÷ the slowest layer's load time"
     )
-    p.add_argument("--repeats", type=int, default=5, help="timed repetitions per variant (median reported)")
-    p.add_argument("--max-ctas", type=int, default=8, help="CTA cap of the copy kernels")
+    p.add_argument("--repeats", type=positive_int, default=5, help="timed repetitions per variant (median reported)")
+    p.add_argument("--max-ctas", type=positive_int, default=8, help="CTA cap of the copy kernels")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--copy-method", default="auto", help=COPY_METHOD_HELP)
     p.add_argument("--json", dest="json_path", default=None)

@@ -45,6 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -164,6 +165,8 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
     L = args.prefix_tokens + args.new_tokens
     short = max(1, L // 4)
+    # A salt of this run's own: a --storage-dir that an earlier run filled holds nothing it can hit.
+    salt = uuid.uuid4().hex
     pages = -(-L // spec.page_size) + 2
     cfg = HybridCacheConfig(
         device_kv_pages=3 * pages,
@@ -193,7 +196,7 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         async def serve(prompt: list[int], key: str) -> None:
             if args.device == "cuda":
                 torch.cuda.synchronize()
-            r = await sched.generate(prompt, 1)
+            r = await sched.generate(prompt, 1, salt=salt)
             times[key].append(r.ttft_s * 1e3)
             cached[key].append(r.cached_tokens)
             tick()

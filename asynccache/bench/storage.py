@@ -405,6 +405,9 @@ def run(args: argparse.Namespace) -> int:
         )
         # uvloop: obstore completes futures from its own threads; see docs/benchmarks.md.
         report = uvloop.run(_bench(args, uri))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except AsyncCacheError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asynccache.bench.options import positive_int
 from asynccache.errors import ConfigError
 from asynccache.spec import PRESETS, HybridSpec
 from asynccache.trace.bound import BoundResult, infinite_cache_bound
@@ -42,7 +43,13 @@ from asynccache.trace.loader import MOONCAKE_BLOCK_SIZE, load_trace
 from asynccache.trace.policies import ATTENTION_ONLY, PolicyCombo, parse_combo
 from asynccache.trace.replay import ReplayConfig, replay_trace
 from asynccache.trace.report import format_markdown_table, format_table, plot_results
-from asynccache.trace.results import ReplayResult, TierBudget, format_size, parse_size, results_to_json
+from asynccache.trace.results import (
+    ReplayResult,
+    TierBudget,
+    format_size,
+    parse_size,
+    results_to_json,
+)
 
 __all__ = ["add_arguments", "run", "DEFAULT_POLICIES", "load_spec"]
 
@@ -70,9 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--spec", default="qwen3-next-80b", help=f"preset ({', '.join(PRESETS)}) or an HF config path")
     p.add_argument(
-        "--page-size", type=int, default=None, help="tokens per page (default: --block-size)"
+        "--page-size", type=positive_int, default=None, help="tokens per page (default: --block-size)"
     )
-    p.add_argument("--block-size", type=int, default=MOONCAKE_BLOCK_SIZE, help="tokens per trace hash id (default 512)")
+    p.add_argument("--block-size", type=positive_int, default=MOONCAKE_BLOCK_SIZE, help="tokens per trace hash id (default 512)")
     p.add_argument(
         "--device-budget", default=DEFAULT_DEVICE_BUDGET, help=f"device cache bytes (default {DEFAULT_DEVICE_BUDGET})"
     )
@@ -87,7 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=",".join(DEFAULT_POLICIES),
         help="admission/eviction[/write_policy[/storage_write]], comma-separated (default: the nine of the docstring)",
     )
-    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--limit", type=positive_int, default=None, help="replay only the first N requests")
     p.add_argument(
         "--active-params", type=float, default=None, help="active parameters per token (default: estimated from the spec)"
     )
@@ -99,7 +106,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "synchronous stand-in (same figures without storage, faster)",
     )
     p.add_argument(
-        "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel replays (default: min(2, cores))"
+        "--jobs", type=positive_int, default=min(2, os.cpu_count() or 1), help="parallel replays (default: min(2, cores))"
     )
     p.add_argument("--json", dest="json_path", default=None, help="write results as JSON to this path")
     p.add_argument("--plot", default=None, help="write a PNG comparing policies across budgets to this path")
@@ -168,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec, page_size=args.page_size)
     bound = infinite_cache_bound(trace, page_size=spec.page_size)
     combos = [parse_combo(c) for c in args.policies.split(",") if c.strip()]
+    if not combos:
+        raise ConfigError("--policies names no policy")
     device = parse_size(args.device_budget)
     hosts = _parse_list(args.budgets, "--budgets")
     storages = _parse_list(args.storage_budgets, "--storage-budgets")
@@ -235,6 +244,7 @@ def _run_cells(cells: list[_Cell], bound: BoundResult, *, jobs: int) -> list[Rep
         print(
             f"[{done}/{len(cells)}] {_describe(cells[i])}: hit {100 * r.hit_rate:.2f} % "
             f"({r.fraction_of_bound:.3f} of bound) in {r.wall_s:.1f} s",
+            file=sys.stderr,
             flush=True,
         )
 

@@ -53,6 +53,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from asynccache.bench.options import positive_float, positive_int
 from asynccache.errors import ConfigError
 from asynccache.pools.base import ItemPool, PoolLayout
 from asynccache.pools.device import DeviceKVPool, DeviceMambaPool
@@ -334,13 +335,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--methods", default="triton,dma", help="copy methods to measure on CUDA: triton, dma (comma-separated)"
     )
-    parser.add_argument("--total-mib", type=float, default=None, help="bytes per copy (default 256 CUDA, 8 CPU)")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (median; default 5 CUDA, 3 CPU)")
+    parser.add_argument("--total-mib", type=positive_float, default=None, help="bytes per copy (default 256 CUDA, 8 CPU)")
+    parser.add_argument("--reps", type=positive_int, default=None, help="timed repetitions (median; default 5 CUDA, 3 CPU)")
     parser.add_argument("--preset", default="qwen3-next-80b", help="HybridSpec preset for kv/state items")
-    parser.add_argument("--gemm-n", type=int, default=8192, help="GEMM size for the slowdown test")
+    parser.add_argument("--gemm-n", type=positive_int, default=8192, help="GEMM size for the slowdown test")
     parser.add_argument("--no-gemm", action="store_true", help="skip the concurrent-GEMM test")
-    parser.add_argument("--states", type=int, default=None, help="per-layer load: states (default 64 CUDA, 1 CPU)")
-    parser.add_argument("--tokens", type=int, default=None, help="per-layer load: KV tokens (default 32768 / 512)")
+    parser.add_argument("--states", type=positive_int, default=None, help="per-layer load: states (default 64 CUDA, 1 CPU)")
+    parser.add_argument("--tokens", type=positive_int, default=None, help="per-layer load: KV tokens (default 32768 / 512)")
     parser.add_argument("--no-scenario", action="store_true", help="skip the per-layer load scenario")
     parser.add_argument(
         "--consecutive", action="store_true", help="per-layer load: consecutive indices on both sides (default random)"
@@ -351,7 +352,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _device(choice: str) -> torch.device:
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise SystemExit("--device cuda: no CUDA device available")
+            raise ConfigError("--device cuda: no CUDA device available")
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from asynccache.bench.options import positive_int, positive_int_list
 from asynccache.policy import EndsAdmission, EveryPageAdmission
 from asynccache.pools import DeviceKVPool, DeviceMambaPool, HostKVPool, MambaPoolHost
 from asynccache.spec import HybridSpec
@@ -40,13 +41,13 @@ DEFAULT_SIZES = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sizes",
-        type=lambda s: [int(x) for x in s.split(",")],
+        type=positive_int_list,
         default=list(DEFAULT_SIZES),
         help="prompt sizes in tokens, comma-separated (default 1k…128k)",
     )
-    parser.add_argument("--page-size", type=int, default=64)
-    parser.add_argument("--tree-pages", type=int, default=100_000, help="pages held by the tree before measuring")
-    parser.add_argument("--repeats", type=int, default=30, help="timed runs per size (median reported)")
+    parser.add_argument("--page-size", type=positive_int, default=64)
+    parser.add_argument("--tree-pages", type=positive_int, default=100_000, help="pages held by the tree before measuring")
+    parser.add_argument("--repeats", type=positive_int, default=30, help="timed runs per size (median reported)")
     parser.add_argument("--preset", default="qwen3-next-80b", help="HybridSpec preset for the pool geometry")
     parser.add_argument(
         "--admission",

@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from asynccache.bench.options import positive_int
+from asynccache.errors import ConfigError
 from asynccache.pools import DeviceKVPool, DeviceMambaPool
 from asynccache.reference.batch import ForwardBatch, SequenceInput
 from asynccache.reference.model import HybridModel
@@ -164,26 +166,36 @@ def _profile(model: HybridModel, seq_len: int, batch: int, row_limit: int = 30) 
     return averages.table(row_limit=row_limit)
 
 
+
+def _count(text: str) -> int:
+    """A count that may be 0 (``--warmup``)."""
+    return positive_int(text) if text.strip() not in ("0", "+0") else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--preset", default="hybrid-3b")
-    parser.add_argument("--seq-len", type=int, default=8192)
-    parser.add_argument("--batch", type=int, nargs="+", default=[4])
+    parser.add_argument("--seq-len", type=positive_int, default=8192)
+    parser.add_argument("--batch", type=positive_int, nargs="+", default=[4])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--warmup", type=_count, default=1)
+    parser.add_argument("--iters", type=positive_int, default=3)
     parser.add_argument("--tf32", action="store_true", help="also measure with TF32 fp32 matmuls (recurrent core)")
     parser.add_argument("--profile", action="store_true", help="print a profiler table of one prefill (first batch size)")
     parser.add_argument("--json", default=None, help="append results as JSON lines to this file")
     args = parser.parse_args(argv)
-
-    device = torch.device(args.device)
-    dtype = dtype_from_name(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    try:
+        device = torch.device(args.device)
+        dtype = dtype_from_name(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+        spec = HybridSpec.preset(args.preset)
+    except (ConfigError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if device.type == "cuda":
         print(f"# {torch.cuda.get_device_name(device)}, torch {torch.__version__}", flush=True)
     t0 = time.perf_counter()
-    model = HybridModel(HybridSpec.preset(args.preset), device=device, dtype=dtype)
+    model = HybridModel(spec, device=device, dtype=dtype)
     _sync(device)
     print(f"# built {args.preset}: {model.num_parameters / 1e9:.3f} B parameters in {time.perf_counter() - t0:.1f} s", flush=True)
 

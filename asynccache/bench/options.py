@@ -1,0 +1,38 @@
+"""Argument types shared by the benchmarks: counts that must be positive, lists of them, and
+positive numbers, refused by the parser (a usage error, exit status 2) rather than failing
+deep in a run."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+__all__ = ["positive_float", "positive_int", "positive_int_list"]
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_int_list(text: str) -> list[int]:
+    """Comma-separated positive integers (at least one)."""
+    items = [t for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("needs at least one value")
+    return [positive_int(t.strip()) for t in items]
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value

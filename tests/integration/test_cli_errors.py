@@ -1,0 +1,141 @@
+"""The command line with bad input: one line on stderr and exit status 2, found before a long run;
+and runs over a store that an earlier run filled measure this run only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from asynccache.cli import main
+
+TINY_MULTITURN = ["bench", "multiturn", "--preset", "tiny", "--clients", "2", "--rounds", "2", "--request-len", "16",
+                  "--output-len", "4"]  # fmt: skip
+
+
+def _trace(tmp_path: Path) -> Path:
+    rows = [{"timestamp": i, "input_length": 20, "output_length": 2, "hash_ids": [0, 1, 100 + i]} for i in range(6)]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], *needles: str) -> None:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for needle in needles:
+        assert needle in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [
+        (["bench", "multiturn", "--preset", "nope"], ("unknown preset 'nope'",)),
+        (["bench", "tree", "--preset", "nope"], ("unknown preset",)),
+        (["bench", "trace"], ("--trace FILE is required",)),
+        (["bench", "trace", "--trace", "/nonexistent/t.jsonl"], ("cannot read trace",)),
+        (["bench", "storage", "--preset", "nope"], ("unknown preset",)),
+        (["bench", "storage", "--option", "no_such_option=1"], ("does not take",)),
+        (["bench", "overlap", "--preset", "tiny", "--device", "cpu", "--copy-method", "bogus"], ("copy_method",)),
+    ],
+)
+def test_bad_input_is_one_line_and_status_2(
+    argv: list[str], needles: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    _one_line_error(capsys, *needles)
+
+
+def test_trace_bad_sizes_and_empty_policies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = str(_trace(tmp_path))
+    assert main(["bench", "trace", "--trace", trace, "--block-size", "8", "--budgets", "12XB"]) == 2
+    _one_line_error(capsys, "12XB")
+    assert main(["bench", "trace", "--trace", trace, "--block-size", "8", "--policies", ","]) == 2
+    _one_line_error(capsys, "--policies")
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for flag in ("--json", "--plot"):
+        assert main([*TINY_MULTITURN, flag, str(tmp_path / "missing" / "x")]) == 2
+        _one_line_error(capsys, flag, "no such directory")
+    # Nothing ran: no table on stdout.
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [*TINY_MULTITURN, "--clients", "0"],
+        [*TINY_MULTITURN, "--rounds", "-1"],
+        [*TINY_MULTITURN, "--max-parallel", "0"],
+        [*TINY_MULTITURN, "--host-kv-bytes", "0"],
+        ["bench", "tree", "--repeats", "0"],
+        ["bench", "tree", "--sizes", "0"],
+        ["bench", "transfer", "--reps", "0"],
+        ["bench", "overlap", "--repeats", "0"],
+        ["bench", "trace", "--jobs", "0"],
+    ],
+)
+def test_counts_that_must_be_positive_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert "must be >= 1" in capsys.readouterr().err
+
+
+def test_empty_modes_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*TINY_MULTITURN, "--modes", ","]) == 2
+    assert "no mode" in capsys.readouterr().err
+
+
+def test_from_json_of_another_benchmark_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"modes": {}}))
+    for bench in ("trace", "prefix"):
+        assert main(["bench", bench, "--from-json", str(other)]) == 2
+        _one_line_error(capsys, "is not a result of this benchmark")
+
+
+def test_trace_progress_goes_to_stderr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "trace", "--trace", str(_trace(tmp_path)), "--block-size", "8", "--spec", "tiny",
+            "--device-budget", "64KiB", "--budgets", "64KiB", "--storage-budgets", "0", "--policies", "ends/lru",
+            "--jobs", "1", "--engine", "sync"]  # fmt: skip
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "[1/1]" in captured.err and "[1/1]" not in captured.out
+
+
+def test_multiturn_over_a_store_an_earlier_run_filled_measures_this_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = (tmp_path / "store").as_uri()
+    runs = []
+    for i in range(2):
+        out = tmp_path / f"run{i}.json"
+        argv = [*TINY_MULTITURN, "--modes", "kv+mamba+storage", "--storage", store, "--json", str(out)]
+        assert main(argv) == 0
+        runs.append(json.loads(out.read_text())["modes"]["kv+mamba+storage"])
+    capsys.readouterr()
+    first, second = runs
+    assert second["hit_rate"] == pytest.approx(first["hit_rate"])
+    assert second["hit_rate"] <= second["ideal_hit_rate"] + 1e-9
+    assert second["rounds"][0]["hit_rate"] == 0.0  # round 0 is cold in every run
+
+
+def test_prefix_over_a_storage_dir_an_earlier_run_filled_starts_cold(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "prefix", "--preset", "small", "--prefix-tokens", "64", "--new-tokens", "8", "--page-size", "8",
+            "--device", "cpu", "--repeats", "1", "--pairs", "1", "--storage-dir", str(tmp_path / "disk")]  # fmt: skip
+    for i in range(2):
+        out = tmp_path / f"p{i}.json"
+        assert main([*argv, "--json", str(out)]) == 0
+        res = json.loads(out.read_text())
+        assert res["cached_tokens_repeats"]["cold"] == [0]
+        assert res["cached_tokens_repeats"]["cold_short"] == [0]
+    capsys.readouterr()
