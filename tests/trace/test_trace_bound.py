@@ -25,3 +25,18 @@ def test_bound_at_a_finer_page_size_and_exact_lengths() -> None:
     assert infinite_cache_bound(trace, page_size=8).per_request.tolist() == [0, 8]
     with pytest.raises(ConfigError):
         infinite_cache_bound(trace, page_size=3)
+
+
+def test_a_block_seen_only_as_a_partial_last_block_counts_its_seen_tokens() -> None:
+    """An id first seen as the partial last block of a prompt (1 of 8 tokens) and reused later
+    as a full block: the later request has seen 8 + 1 tokens, not 16 — the bound stays one an
+    infinite every-page cache can reach."""
+    from asynccache.trace.bound import matched_tokens
+    from asynccache.trace.loader import Trace
+
+    trace = Trace.from_requests([(0.0, 9, 1, [0, 1]), (1.0, 16, 1, [0, 1])], block_size=8)
+    assert matched_tokens(trace).tolist() == [0, 9]
+    assert infinite_cache_bound(trace, page_size=4).per_request.tolist() == [0, 8]
+    # Seen whole later, the block counts whole from then on.
+    trace = Trace.from_requests([(0.0, 9, 1, [0, 1]), (1.0, 16, 1, [0, 1]), (2.0, 16, 1, [0, 1])], block_size=8)
+    assert matched_tokens(trace).tolist() == [0, 9, 16]
