@@ -60,11 +60,10 @@ class HybridCacheConfig:
             raise ConfigError(f"max_ctas must be >= 1 or None, got {self.max_ctas}")
         if self.max_backups_in_flight < 1:
             raise ConfigError("max_backups_in_flight must be >= 1")
-        from kernels.api import COPY_METHODS, DMA_ENGINES
+        from kernels.api import COPY_METHOD_NAMES
 
-        methods = (*COPY_METHODS, *(f"dma:{e}" for e in DMA_ENGINES if e != "auto"))
-        if self.copy_method not in methods:
-            raise ConfigError(f"unknown copy_method {self.copy_method!r}; known: {list(methods)}")
+        if self.copy_method not in COPY_METHOD_NAMES:
+            raise ConfigError(f"unknown copy_method {self.copy_method!r}; known: {list(COPY_METHOD_NAMES)}")
         if self.prefetch_timeout_base_s < 0 or self.prefetch_timeout_per_1k_tokens_s < 0:
             raise ConfigError("prefetch timeouts must be >= 0")
         if not isinstance(self.storage_options, Mapping) or not all(

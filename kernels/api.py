@@ -52,8 +52,11 @@ current_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice", torch.c
 COPY_METHODS: tuple[str, ...] = ("auto", "triton", "dma")
 #: Copy-engine variants selectable as ``method="dma:ENGINE"`` (see ``kernels.dma_copy``).
 DMA_ENGINES: tuple[str, ...] = ("auto", "batch", "strided", "2d", "loop")
-#: Those values as command-line help: ``auto | triton | dma | dma:batch | …``.
-COPY_METHOD_HELP = " | ".join([*COPY_METHODS, *(f"dma:{e}" for e in DMA_ENGINES if e != "auto")])
+#: Every accepted ``method``: the copy methods and ``"dma:ENGINE"`` for each engine.
+COPY_METHOD_NAMES: tuple[str, ...] = (*COPY_METHODS, *(f"dma:{e}" for e in DMA_ENGINES))
+#: Those values as command-line help: ``auto | triton | dma | dma:batch | …`` (``dma:auto`` is
+#: ``dma``).
+COPY_METHOD_HELP = " | ".join(m for m in COPY_METHOD_NAMES if m != "dma:auto")
 
 
 class LayerCopy(Protocol):
@@ -245,10 +248,10 @@ def select_method(
     Triton kernel otherwise. Pure: depends on the pools' geometry only, never on the indices.
     """
     chosen = "auto" if method is None else method
-    if chosen.startswith("dma:") and chosen[4:] in DMA_ENGINES:
+    if chosen not in COPY_METHOD_NAMES:
+        raise TransferError(f"unknown copy method {method!r}; known: {list(COPY_METHOD_NAMES)}")
+    if chosen.startswith("dma:"):
         return "dma"
-    if chosen not in COPY_METHODS:
-        raise TransferError(f"unknown copy method {method!r}; known: {list(COPY_METHODS)}")
     if chosen != "auto":
         return chosen
     layer_end = src.num_layers if layer_end is None else layer_end

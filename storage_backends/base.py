@@ -589,7 +589,8 @@ class ObjectBackend(ABC):
         sizes = [self.codec.object_bytes(item.geometry, item.key) for item in items]
         done = [False] * len(items)
         with self._busy(items):  # before reserving: no item of the batch is a victim
-            accepted, reserved, victims = self._reserve(items, sizes, report)
+            reserved, victims = self._reserve(items, sizes, report)
+            accepted = list(reserved)
             try:
                 if victims:
                     await self._remove(victims, report)
@@ -622,18 +623,16 @@ class ObjectBackend(ABC):
 
     def _reserve(
         self, items: Sequence[BatchItem], sizes: Sequence[int], report: _BatchReport
-    ) -> tuple[list[int], dict[int, int], list[str]]:
-        """The items that may be written, the bytes reserved for each (nothing for an object
-        the index already holds: the put finds it), and the victims to delete (already out of
-        the index)."""
+    ) -> tuple[dict[int, int], list[str]]:
+        """The items that may be written (in order) with the bytes reserved for each (nothing
+        for an object the index already holds: the put finds it), and the victims to delete
+        (already out of the index)."""
         if self._capacity is None:
-            return list(range(len(items))), dict.fromkeys(range(len(items)), 0), []
-        accepted: list[int] = []
+            return dict.fromkeys(range(len(items)), 0), []
         reserved: dict[int, int] = {}
         victims: list[str] = []
         for i, size in enumerate(sizes):
             if self._capacity.holds(items[i].name):
-                accepted.append(i)
                 reserved[i] = 0
                 continue
             room = self._capacity.reserve(size)
@@ -641,11 +640,10 @@ class ObjectBackend(ABC):
                 self._counts["num_rejected"] += 1
                 report.fail(items[i].name, f"no room: {size} bytes, capacity {self._capacity.capacity_bytes}")
                 continue
-            accepted.append(i)
             reserved[i] = size
             victims.extend(room)
         self._counts["num_evictions"] += len(victims)
-        return accepted, reserved, victims
+        return reserved, victims
 
     # ---- item I/O: one task per item by default; backends may do better -----------------
     async def _read_many(self, items: Sequence[BatchItem]) -> list[Outcome]:

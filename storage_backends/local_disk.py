@@ -252,8 +252,8 @@ class LocalDiskBackend(ObjectBackend):
         ``False`` when the object is absent; else ``(want, partial, file)``: the checksum the
         header records (read and checked with the first range — in the same ``preadv`` as the
         first piece — ``None`` for the others), the range's partial checksum, and the file's
-        ``(device, inode)``. Read directly
-        (``O_DIRECT``) when the backend does and the slot's views allow it."""
+        ``(device, inode)``. Read directly (``O_DIRECT``) when the backend does and the slot's
+        views allow it."""
         path, geometry, key = item.name, item.geometry, item.key
         hlen = self.codec.header_bytes(geometry, key)
         views: list[np.ndarray] = payload_range(item.buffers(), offset, offset + length)

@@ -7,17 +7,25 @@ from __future__ import annotations
 import argparse
 import math
 
-__all__ = ["positive_float", "positive_int", "positive_int_list"]
+__all__ = ["nonnegative_int", "positive_float", "positive_int", "positive_int_list"]
 
 
-def positive_int(text: str) -> int:
+def _int_at_least(text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(text, 1)
+
+
+def nonnegative_int(text: str) -> int:
+    return _int_at_least(text, 0)
 
 
 def positive_int_list(text: str) -> list[int]:

@@ -31,9 +31,9 @@ with each and with the best of them. ``cold_compute(L − a)`` is taken two ways
 prefill's average rate (``disk_optimum_*``), and as the compute of positions ``[a, L)`` after a
 prefix of ``a`` (``disk_optimum_fit_*``) from a fit of cold prefills of ``L`` and ``L / 4``
 tokens (``RestoreCost.fit``: a flat per-token cost plus attention's, which grows with the
-position). The cost model computes its heads with the same fit. ``--json PATH`` writes every figure, ``--plot PATH`` draws
-the TTFT of each tier and the device/host pairs, and ``--from-json PATH`` re-reports (and
-re-plots) an earlier ``--json`` file without measuring.
+position). The cost model computes its heads with the same fit. ``--json PATH`` writes every
+figure, ``--plot PATH`` draws the TTFT of each tier and the device/host pairs, and
+``--from-json PATH`` re-reports (and re-plots) an earlier ``--json`` file without measuring.
 """
 
 from __future__ import annotations
@@ -264,26 +264,22 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     pairs = list(zip(times["device"], times["host"], strict=True))
     per_token_bytes = spec.kv_bytes_per_token
 
-    def optimum_s(read_bps: float) -> float:
-        """Physical optimum for the disk tier: reading a tokens overlapped with computing the rest."""
+    def optimum_s(read_bps: float, *, fit: bool = False) -> float:
+        """Physical optimum for the disk tier: reading a tokens overlapped with computing the
+        rest, at the cold prefill's average rate or (``fit``) as positions ``[a, L)`` continuing a
+        prefix of ``a`` from the two-length fit (they cost more per token than the average)."""
         grid = range(0, args.prefix_tokens + 1, spec.page_size)
         return min(
-            max((a * per_token_bytes + (spec.state_bytes if a else 0)) / read_bps, (L - a) / prefill_tps) for a in grid
-        )
-
-    def fit_optimum_s(read_bps: float) -> float:
-        """The same with the remaining tokens' compute from the two-length fit: positions
-        ``[a, L)`` continuing a prefix of ``a`` cost more per token than the average of a cold
-        prefill from 0."""
-        grid = range(0, args.prefix_tokens + 1, spec.page_size)
-        return min(
-            max((a * per_token_bytes + (spec.state_bytes if a else 0)) / read_bps, split_cost.compute_s(a, L))
+            max(
+                (a * per_token_bytes + (spec.state_bytes if a else 0)) / read_bps,
+                split_cost.compute_s(a, L) if fit else (L - a) / prefill_tps,
+            )
             for a in grid
         )
 
     opt_ms, opt_par_ms = optimum_s(raw_bps) * 1e3, optimum_s(raw_par_bps) * 1e3
     opt_best_ms = optimum_s(best_bps) * 1e3
-    fit_par_ms, fit_best_ms = fit_optimum_s(raw_par_bps) * 1e3, fit_optimum_s(best_bps) * 1e3
+    fit_par_ms, fit_best_ms = optimum_s(raw_par_bps, fit=True) * 1e3, optimum_s(best_bps, fit=True) * 1e3
     out.update(
         {
             "ttft_ms": med,

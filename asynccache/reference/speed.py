@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from asynccache.bench.options import positive_int
+from asynccache.bench.options import nonnegative_int, positive_int
 from asynccache.errors import ConfigError
 from asynccache.pools import DeviceKVPool, DeviceMambaPool
 from asynccache.reference.batch import ForwardBatch, SequenceInput
@@ -167,11 +167,6 @@ def _profile(model: HybridModel, seq_len: int, batch: int, row_limit: int = 30) 
 
 
 
-def _count(text: str) -> int:
-    """A count that may be 0 (``--warmup``)."""
-    return positive_int(text) if text.strip() not in ("0", "+0") else 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--preset", default="hybrid-3b")
@@ -179,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch", type=positive_int, nargs="+", default=[4])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--warmup", type=_count, default=1)
+    parser.add_argument("--warmup", type=nonnegative_int, default=1)
     parser.add_argument("--iters", type=positive_int, default=3)
     parser.add_argument("--tf32", action="store_true", help="also measure with TF32 fp32 matmuls (recurrent core)")
     parser.add_argument("--profile", action="store_true", help="print a profiler table of one prefill (first batch size)")

@@ -22,7 +22,6 @@ Primitives:
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from os import PathLike
@@ -219,19 +218,19 @@ _INT64_MAX = 2**63 - 1
 
 def _request(obj: Any) -> tuple[float, int, int, list[int]]:
     """One JSON object as ``(timestamp_s, input_length, output_length, hash_ids)``; ValueError
-    (or TypeError, KeyError) for anything that is not one."""
+    (or TypeError, KeyError) for anything that is not one. The values' ranges (finite
+    timestamps, ids >= 0, …) are :func:`validate_trace`'s."""
     if not isinstance(obj, dict):
         raise TypeError(f"a request is a JSON object, got {type(obj).__name__}")
-    timestamp = float(obj["timestamp"])
-    if not math.isfinite(timestamp):
-        raise ValueError(f"timestamp must be finite, got {obj['timestamp']!r}")
     ids = obj["hash_ids"]
     if not isinstance(ids, list):
         raise TypeError(f"hash_ids must be a list, got {type(ids).__name__}")
-    values = [_int(x, "hash id") for x in ids]
-    if any(v < 0 for v in values):
-        raise ValueError("hash ids must be >= 0")
-    return timestamp / 1000.0, _int(obj["input_length"], "input_length"), _int(obj["output_length"], "output_length"), values
+    return (
+        float(obj["timestamp"]) / 1000.0,
+        _int(obj["input_length"], "input_length"),
+        _int(obj["output_length"], "output_length"),
+        [_int(x, "hash id") for x in ids],
+    )
 
 
 def _int(value: Any, what: str) -> int:

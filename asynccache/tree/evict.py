@@ -148,7 +148,6 @@ class EvictionMixin(TreeCore):
             while (
                 parent is not None
                 and pages0 - self._device_pages < need
-                and parent.device_kv is not None
                 and self._device_kv_evictable(parent)
                 and self._backed_up(parent)
             ):
