@@ -531,7 +531,7 @@ class ObjectBackend(ABC):
         for i, (name, size) in enumerate(zip(names, sizes, strict=True)):
             if size is None:
                 continue
-            if size == self.codec.object_bytes(geometry, keys[lo + i]):
+            if self.codec.valid_size(geometry, keys[lo + i], size):
                 out[lo + i] = True
             else:
                 invalid.append(name)
@@ -601,7 +601,7 @@ class ObjectBackend(ABC):
                 # from it by a later read's miss or by its eviction.
                 if self._capacity is not None:
                     for i in accepted:
-                        self._capacity.commit(items[i].name, sizes[i], reserved[i])
+                        self._capacity.commit(items[i].name, self._stored_size(items[i].name, sizes[i]), reserved[i])
                 raise
         for i, outcome in zip(accepted, outcomes, strict=True):
             if isinstance(outcome, BaseException):
@@ -612,7 +612,7 @@ class ObjectBackend(ABC):
                 continue
             done[i] = True
             if self._capacity is not None:
-                self._capacity.commit(items[i].name, sizes[i], reserved[i])
+                self._capacity.commit(items[i].name, self._stored_size(items[i].name, sizes[i]), reserved[i])
             if outcome:
                 self._counts["num_writes"] += 1
                 self._counts["bytes_written"] += items[i].geometry.payload_bytes
@@ -644,6 +644,12 @@ class ObjectBackend(ABC):
             victims.extend(room)
         self._counts["num_evictions"] += len(victims)
         return reserved, victims
+
+    def _stored_size(self, name: str, largest: int) -> int:
+        """The size of the object a write of this batch just stored under ``name`` (the
+        capacity's count); ``largest``: the size reserved for it. Backends whose objects vary in
+        size (compressed ones) report what they wrote."""
+        return largest
 
     # ---- item I/O: one task per item by default; backends may do better -----------------
     async def _read_many(self, items: Sequence[BatchItem]) -> list[Outcome]:

@@ -19,6 +19,14 @@ than page-cache reads, and 7 % faster with nothing beside them; on a VM disk the
 objects at a third of the speed (docs/benchmarks.md, Long-prefix TTFT). They do keep restores
 out of the page cache.
 
+With the option ``compression="zstd"`` objects are stored as frames of ``READ_RANGE_BYTES``
+whose sign-and-exponent bytes are compressed (``storage_backends.compression``): the reference
+model's objects take 0.70–0.72 of their bytes. A frame is read into a buffer of the job's thread
+and decoded into the slot (``storage_backends.framed_io``). On an H200 machine's local disk this
+restored prefixes no faster — the jobs' decoding, which takes the interpreter lock at every
+step, cost what the smaller reads saved (docs/benchmarks.md, Long-prefix TTFT) — so it is off
+by default: an option for capacity, or for disks slower than the cores decode.
+
 A payload larger than ``READ_RANGE_BYTES`` (a Mamba state of tens of MB) is read as ranges on
 several jobs at once, first in the batch, and its checksum is the sum of the ranges' (the
 checksum is linear): one thread reading it alone at the end of a batch would leave the disk's
@@ -58,6 +66,7 @@ from storage_backends.base import (
     WorkerPool,
     usable_cores,
 )
+from storage_backends.compression import check_compression
 from storage_backends.file_io import (
     DIRECT_ALIGN,
     aligned_empty,
@@ -73,9 +82,11 @@ from storage_backends.file_io import (
     subdirs,
     unlink_all,
 )
+from storage_backends.framed_io import read_frame, write_frames
 from storage_backends.object_format import (
     CHECKSUM_BLOCK_BYTES,
     IO_CHUNK_BYTES,
+    ObjectCodec,
     PayloadChecksum,
     StopRequested,
     payload_range,
@@ -136,10 +147,22 @@ class LocalDiskBackend(ObjectBackend):
         fsync: bool = True,
         read_piece_bytes: int | None = None,
         direct_io: bool | None = False,
+        compression: str = "none",
         **options: Any,
     ) -> None:
         self.root = parse_file_uri(uri)
         super().__init__(uri, **options)
+        self.codec = ObjectCodec(
+            self.namespace,
+            header_align=self.header_align,
+            compression=check_compression(compression),
+            frame_bytes=READ_RANGE_BYTES,
+        )
+        if compression != "none":
+            if direct_io:
+                raise ConfigError("direct_io=True cannot be combined with compression: direct reads land in the "
+                                  "slot as stored, compressed frames are decoded into it")
+            direct_io = False
         if read_piece_bytes is None:
             small = usable_cores() <= self.SMALL_PIECE_MAX_CORES
             read_piece_bytes = IO_CHUNK_BYTES if small else self.LARGE_READ_PIECE_BYTES
@@ -161,6 +184,9 @@ class LocalDiskBackend(ObjectBackend):
         self._direct_io_option = direct_io
         self.namespace_dir = os.path.join(self.root, self.codec.digest_hex)
         self._workers = WorkerPool(self.max_concurrency, name="asynccache-disk")
+        #: sizes of the objects this backend's writes stored, until their batch counts them
+        #: (``dict`` item assignment and ``pop`` are atomic under the GIL)
+        self._written_sizes: dict[str, int] = {}
         self._dirs: set[str] = set()
 
     def object_name(self, pool_name: PoolName | str, key: str) -> str:
@@ -254,6 +280,8 @@ class LocalDiskBackend(ObjectBackend):
         first piece — ``None`` for the others), the range's partial checksum, and the file's
         ``(device, inode)``. Read directly (``O_DIRECT``) when the backend does and the slot's
         views allow it."""
+        if self.codec.compression != "none":
+            return read_frame(item.name, self.codec, item, offset, length, stop, deadline)
         path, geometry, key = item.name, item.geometry, item.key
         hlen = self.codec.header_bytes(geometry, key)
         views: list[np.ndarray] = payload_range(item.buffers(), offset, offset + length)
@@ -299,21 +327,17 @@ class LocalDiskBackend(ObjectBackend):
             os.close(fd)
 
     def _write_file(self, stop: threading.Event, deadline: float, item: BatchItem) -> bool:
-        path, geometry, key = item.name, item.geometry, item.key
+        path = item.name
         if os.path.exists(path):
             return False  # put-if-absent; the link below settles races
         tmp = f"{path}.{uuid.uuid4().hex}.tmp"
         fd = self._create(tmp)
         try:
             try:
-                check, offset = PayloadChecksum(), self.codec.header_bytes(geometry, key)
-                for group in groups(item.buffers(), IO_CHUNK_BYTES):
-                    check_stop(stop, deadline)
-                    for view in group:
-                        check.update(view)
-                    pwritev_all(fd, group, offset)
-                    offset += sum(len(v) for v in group)
-                pwritev_all(fd, [memoryview(self.codec.encode_header(geometry, key, check.digest()))], 0)
+                if self.codec.compression != "none":
+                    size = write_frames(fd, self.codec, item, stop, deadline)
+                else:
+                    size = self._write_payload(fd, stop, deadline, item)
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -322,9 +346,26 @@ class LocalDiskBackend(ObjectBackend):
                 os.link(tmp, path)
             except FileExistsError:
                 return False
+            if self.codec.compression != "none":  # a plain object's size is known
+                self._written_sizes[path] = size
             return True
         finally:
             os.unlink(tmp)
+
+    def _stored_size(self, name: str, largest: int) -> int:
+        return self._written_sizes.pop(name, largest)
+
+    def _write_payload(self, fd: int, stop: threading.Event, deadline: float, item: BatchItem) -> int:
+        geometry, key = item.geometry, item.key
+        check, offset = PayloadChecksum(), self.codec.header_bytes(geometry, key)
+        for group in groups(item.buffers(), IO_CHUNK_BYTES):
+            check_stop(stop, deadline)
+            for view in group:
+                check.update(view)
+            pwritev_all(fd, group, offset)
+            offset += sum(len(v) for v in group)
+        pwritev_all(fd, [memoryview(self.codec.encode_header(geometry, key, check.digest()))], 0)
+        return offset
 
     def _create(self, tmp: str) -> int:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
@@ -381,5 +422,7 @@ def open_local_disk(uri: str, **options: Any) -> LocalDiskBackend:
     ``read_piece_bytes`` (bytes read and checksummed per step, a multiple of 4 KiB: 256 KiB on
     up to 4 usable cores, 4 MiB on more), ``direct_io`` (``False``, the default: read through
     the page cache; ``True``: read with ``O_DIRECT``, an error where the filesystem refuses it;
-    ``None``: ``O_DIRECT`` where the filesystem allows it)."""
+    ``None``: ``O_DIRECT`` where the filesystem allows it), ``compression`` (``"none"``, the
+    default, or ``"zstd"``: objects stored as compressed frames, see
+    ``storage_backends.compression``; read through the page cache)."""
     return LocalDiskBackend(uri, **options)

@@ -25,6 +25,12 @@ An object is a header followed by the payload (little-endian)::
     hlen (a multiple of 64; 4096 on the local disk): payload in page_first order — layer 0's
     item, layer 1's item, …
 
+A compressed object (``ObjectCodec(compression="zstd")``, see ``storage_backends.compression``)
+appends ``;zstd:F`` to the descriptor (F: the frame size), follows the descriptor with the frame
+table (one uint32 per frame, covered by the header CRC) and stores the frames instead of the
+payload; ``payload len`` and ``payload sum`` still describe the decoded payload, so the checksum
+covers the bytes a reader gets.
+
 ``payload sum`` is the :class:`PayloadChecksum` of the payload, ``h.crc`` the CRC-32 of the
 header with that field zeroed. Given the namespace, pool and key every header byte except the
 payload sum is known in advance,
@@ -49,6 +55,7 @@ import numpy as np
 from asynccache.errors import BackendError, ConfigError, ObjectFormatError
 from asynccache.pools.base import ItemPool
 from asynccache.pools.views import KVViews, StateViews
+from storage_backends.compression import FrameTable, check_compression, element_bytes
 
 T = TypeVar("T")
 
@@ -182,6 +189,8 @@ class ObjectHeader:
     num_layers: int
     item_bytes: int
     key: str
+    #: ``"none"``, or ``"zstd:F"`` for an object stored as frames of F payload bytes
+    compression: str = "none"
 
     @classmethod
     def decode(cls, buf: bytes | bytearray | memoryview) -> ObjectHeader:
@@ -205,7 +214,11 @@ class ObjectHeader:
         if check != hcrc:
             raise ObjectFormatError("header checksum mismatch")
         try:
-            pool, layout, dtype, shape, key = bytes(view[_FIXED.size : _FIXED.size + dlen]).decode("ascii").split(";")
+            fields = bytes(view[_FIXED.size : _FIXED.size + dlen]).decode("ascii").split(";")
+            pool, layout, dtype, shape, key = fields[:5]
+            compression = fields[5] if len(fields) == 6 else "none"
+            if len(fields) > 6:
+                raise ValueError(f"{len(fields)} fields")
             layers, item = (int(x) for x in shape.split("x"))
         except ValueError as e:
             raise ObjectFormatError(f"undecodable header descriptor: {e}") from e
@@ -221,6 +234,7 @@ class ObjectHeader:
             num_layers=layers,
             item_bytes=item,
             key=key,
+            compression=compression,
         )
 
 
@@ -357,40 +371,104 @@ class ObjectCodec:
     is in the header, so readers of the format need no option, but a backend expects its own
     alignment and takes an object of another size for a foreign one (a miss)."""
 
-    def __init__(self, namespace: str, *, header_align: int = _HEADER_ALIGN) -> None:
+    def __init__(
+        self,
+        namespace: str,
+        *,
+        header_align: int = _HEADER_ALIGN,
+        compression: str = "none",
+        frame_bytes: int = 4 << 20,
+    ) -> None:
         if not isinstance(header_align, int) or header_align <= 0 or header_align % _HEADER_ALIGN:
             raise ConfigError(f"header_align must be a positive multiple of {_HEADER_ALIGN}, got {header_align!r}")
+        if not isinstance(frame_bytes, int) or frame_bytes <= 0 or frame_bytes % _BLOCK_BYTES:
+            raise ConfigError(f"frame_bytes must be a positive multiple of {_BLOCK_BYTES}, got {frame_bytes!r}")
         self.digest = namespace_digest(namespace)
         self.digest_hex = self.digest.hex()
         self.header_align = header_align
+        #: ``"none"`` or ``"zstd"`` (objects stored as frames, see ``storage_backends.compression``)
+        self.compression = check_compression(compression)
+        #: payload bytes per frame of a compressed object (a multiple of the checksum block, so
+        #: a frame's partial checksum starts on a block)
+        self.frame_bytes = frame_bytes
+
+    def frame_table(self, geometry: ObjectGeometry) -> FrameTable | None:
+        """How ``geometry``'s payload is framed when this codec compresses (else ``None``)."""
+        if self.compression == "none":
+            return None
+        return FrameTable(geometry.payload_bytes, self.frame_bytes, element_bytes(geometry.dtype, geometry.item_bytes))
 
     def relpath(self, pool_name: str, key: str) -> str:
         return object_relpath(self.digest_hex, pool_name, key)
 
     def _descriptor(self, geometry: ObjectGeometry, key: str) -> bytes:
+        framed = "" if self.compression == "none" else f";{self.compression}:{self.frame_bytes}"
         return (
             f"{geometry.pool_name};{PAYLOAD_LAYOUT};{geometry.dtype};"
-            f"{geometry.num_layers}x{geometry.item_bytes};{key}"
+            f"{geometry.num_layers}x{geometry.item_bytes};{key}{framed}"
         ).encode("ascii")
 
     def header_bytes(self, geometry: ObjectGeometry, key: str) -> int:
-        """Size of the header of ``key``'s object (known before reading)."""
-        return _header_bytes(len(self._descriptor(geometry, key)), self.header_align)
+        """Size of the header of ``key``'s object (known before reading; a compressed object's
+        includes its frame table)."""
+        table = self.frame_table(geometry)
+        extra = 0 if table is None else table.table_bytes
+        return _header_bytes(len(self._descriptor(geometry, key)) + extra, self.header_align)
 
     def object_bytes(self, geometry: ObjectGeometry, key: str) -> int:
-        """Exact size of a valid object of ``key``."""
+        """Size of a valid object of ``key``: exact, or for a compressed object the largest
+        (every frame stored as it is)."""
         return self.header_bytes(geometry, key) + geometry.payload_bytes
 
-    def encode_header(self, geometry: ObjectGeometry, key: str, payload_sum: int) -> bytearray:
+    def valid_size(self, geometry: ObjectGeometry, key: str, size: int) -> bool:
+        """Whether ``size`` bytes can be a valid object of ``key`` (a size check before reading)."""
+        table = self.frame_table(geometry)
+        if table is None:
+            return size == self.object_bytes(geometry, key)
+        return self.header_bytes(geometry, key) + table.min_stored_bytes() <= size <= self.object_bytes(geometry, key)
+
+    def encode_header(
+        self, geometry: ObjectGeometry, key: str, payload_sum: int, top_lengths: Sequence[int] = ()
+    ) -> bytearray:
+        """The header of ``key``'s object; ``top_lengths``: a compressed object's frame table
+        (zeros when empty: the expected header that :meth:`verify_frames` compares against)."""
         desc = self._descriptor(geometry, key)
-        hlen = _header_bytes(len(desc), self.header_align)
+        hlen = self.header_bytes(geometry, key)
         out = bytearray(hlen)
         _FIXED.pack_into(
             out, 0, MAGIC, FORMAT_VERSION, hlen, geometry.payload_bytes, payload_sum, 0, self.digest, len(desc)
         )
         out[_FIXED.size : _FIXED.size + len(desc)] = desc
+        table = self.frame_table(geometry)
+        if table is not None and top_lengths:
+            start = _FIXED.size + len(desc)
+            out[start : start + table.table_bytes] = table.encode(top_lengths)
         struct.pack_into("<I", out, _HCRC_OFFSET, zlib.crc32(out))
         return out
+
+    def verify_frames(
+        self, buf: bytes | bytearray | memoryview, geometry: ObjectGeometry, key: str, object_size: int
+    ) -> tuple[int, list[int]]:
+        """Check that ``buf`` starts with the header of ``key``'s compressed object of
+        ``object_size`` bytes; return the payload checksum and the frames' top-plane lengths."""
+        table = self.frame_table(geometry)
+        if table is None:
+            raise ConfigError("verify_frames is for a codec that compresses")
+        view = memoryview(buf)
+        expected = self.encode_header(geometry, key, 0)
+        hlen = len(expected)
+        start = _FIXED.size + len(self._descriptor(geometry, key))
+        if not (
+            len(view) >= hlen
+            and view[:16] == expected[:16]
+            and view[28:start] == expected[28:start]
+            and view[start + table.table_bytes : hlen] == expected[start + table.table_bytes :]
+        ):
+            self._verify_header(view, expected, geometry, key)  # names the difference
+            raise ObjectFormatError("not a compressed object of this backend's frame size")
+        ObjectHeader.decode(view)  # the header CRC covers the frame table
+        lengths = table.decode(view[start : start + table.table_bytes], object_size - hlen)
+        return int.from_bytes(view[16:24], "little"), lengths
 
     def verify_header(self, buf: bytes | bytearray | memoryview, geometry: ObjectGeometry, key: str) -> int:
         """Check that ``buf`` starts with the header of ``key``'s object in this namespace;
@@ -413,13 +491,21 @@ class ObjectCodec:
         want = (geometry.pool_name, PAYLOAD_LAYOUT, geometry.dtype, geometry.num_layers, geometry.item_bytes)
         if got != want or header.payload_bytes != geometry.payload_bytes:
             raise ObjectFormatError(f"object geometry {got} does not match the pool's {want}")
+        mine = "none" if self.compression == "none" else f"{self.compression}:{self.frame_bytes}"
+        if header.compression != mine:
+            raise ObjectFormatError(f"object stored with compression {header.compression!r}, this backend's is {mine!r}")
         return header.payload_sum
+
+    def _whole_objects_only(self) -> None:
+        if self.compression != "none":
+            raise ConfigError("whole-object encoding is for uncompressed objects (the local disk compresses frames)")
 
     # ---- whole-object encode / decode (memory and object-store backends) -----------------
     def encode(
         self, geometry: ObjectGeometry, key: str, buffers: Sequence[np.ndarray], stop: threading.Event | None = None
     ) -> bytearray:
         """The whole object of ``key`` (header + payload gathered from ``buffers``)."""
+        self._whole_objects_only()
         hlen = self.header_bytes(geometry, key)
         out = bytearray(hlen + geometry.payload_bytes)
         dst = np.frombuffer(out, dtype=np.uint8)
@@ -454,6 +540,7 @@ class ObjectCodec:
         self, geometry: ObjectGeometry, key: str, buffers: Sequence[np.ndarray], *, piece_bytes: int | None = None
     ) -> Generator[None, None, list[bytes | np.ndarray]]:
         """:meth:`encode_parts` in steps of one piece (see :func:`run_steps`)."""
+        self._whole_objects_only()
         check, size = PayloadChecksum(), 0
         for piece in iter_chunks(buffers, piece_bytes):
             if size:
@@ -497,6 +584,7 @@ class ObjectCodec:
         ``CHECKSUM_BLOCK_BYTES``), into their place in ``buffers``; return the range's partial
         checksum (the partial checksums of a payload's ranges add up to its checksum, mod 2⁶⁴).
         Each piece is checksummed where it landed, as in :meth:`decode_into`."""
+        self._whole_objects_only()
         if payload_offset % _BLOCK_BYTES:
             raise ValueError(f"a payload range starts on a {_BLOCK_BYTES}-byte block, not at {payload_offset}")
         src = np.frombuffer(memoryview(data), dtype=np.uint8)
@@ -517,6 +605,7 @@ class ObjectCodec:
         piece_bytes: int | None = None,
     ) -> Generator[None, None, None]:
         """:meth:`decode_into` in steps of one piece (see :func:`run_steps`)."""
+        self._whole_objects_only()
         view = memoryview(data)
         expected = self.encode_header(geometry, key, 0)
         size = len(expected) + geometry.payload_bytes

@@ -137,6 +137,18 @@ def _raw_read_bytes_per_s(root: Path, threads: int = 1, *, direct: bool = False)
     return total / (time.perf_counter() - t0), total
 
 
+def _stored_fraction(root: Path, spec: HybridSpec) -> float:
+    """Bytes the stored objects take on disk (headers included) over the payload bytes they
+    hold: 1 and a little for plain objects, less for compressed ones."""
+    stored = payload = 0
+    for path in root.rglob("*"):
+        if path.is_file() and not path.name.endswith(".tmp"):
+            pool = path.parent.parent.name
+            stored += path.stat().st_size
+            payload += spec.state_bytes if pool == "mamba" else spec.kv_page_bytes
+    return stored / payload if payload else 1.0
+
+
 def _h2d_link_ms(num_bytes: int, device: str, repeats: int = 3) -> float | None:
     """Median time of one contiguous pinned host → device copy of ``num_bytes`` on a side
     stream, after a warm-up copy (``None`` off CUDA)."""
@@ -242,8 +254,13 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             raw_direct_bps, _ = _raw_read_bytes_per_s(root, threads=par_threads, direct=True)
         best_bps = max(raw_bps, raw_par_bps, raw_direct_bps or 0.0)
         storage_direct_io = getattr(tier.backend, "direct_io", None)  # settled by the first use
-        # the cost model's prior: the raw speed of the way the backend reads
+        stored_fraction = _stored_fraction(root, spec)
+        compressed = getattr(getattr(tier.backend, "codec", None), "compression", "none") != "none"
+        # the cost model's prior: the raw speed of the way the backend reads, in payload bytes
+        # (a compressed payload arrives faster than its stored bytes do)
         backend_bps = raw_direct_bps if storage_direct_io and raw_direct_bps else max(raw_bps, raw_par_bps)
+        if compressed:
+            backend_bps /= stored_fraction
         split_cost = RestoreCost.fit(read_bytes_per_s=backend_bps, prefills=prefills)
         for key, cost in (("disk_all", None), ("disk_split", split_cost)):
             tier.cost = cost
@@ -264,14 +281,16 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     pairs = list(zip(times["device"], times["host"], strict=True))
     per_token_bytes = spec.kv_bytes_per_token
 
-    def optimum_s(read_bps: float, *, fit: bool = False) -> float:
+    def optimum_s(read_bps: float, *, fit: bool = False, stored: bool = False) -> float:
         """Physical optimum for the disk tier: reading a tokens overlapped with computing the
         rest, at the cold prefill's average rate or (``fit``) as positions ``[a, L)`` continuing a
-        prefix of ``a`` from the two-length fit (they cost more per token than the average)."""
+        prefix of ``a`` from the two-length fit (they cost more per token than the average).
+        The bytes read are the payload's; ``stored``: the bytes the objects take on disk."""
         grid = range(0, args.prefix_tokens + 1, spec.page_size)
+        scale = stored_fraction if stored else 1.0
         return min(
             max(
-                (a * per_token_bytes + (spec.state_bytes if a else 0)) / read_bps,
+                scale * (a * per_token_bytes + (spec.state_bytes if a else 0)) / read_bps,
                 split_cost.compute_s(a, L) if fit else (L - a) / prefill_tps,
             )
             for a in grid
@@ -280,6 +299,7 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     opt_ms, opt_par_ms = optimum_s(raw_bps) * 1e3, optimum_s(raw_par_bps) * 1e3
     opt_best_ms = optimum_s(best_bps) * 1e3
     fit_par_ms, fit_best_ms = optimum_s(raw_par_bps, fit=True) * 1e3, optimum_s(best_bps, fit=True) * 1e3
+    stored_par_ms = optimum_s(raw_par_bps, fit=True, stored=True) * 1e3
     out.update(
         {
             "ttft_ms": med,
@@ -299,6 +319,10 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             "raw_disk_direct_refused": direct_refused,
             "storage_direct_io": storage_direct_io,
             "stored_bytes": stored_bytes,
+            "storage_compressed": compressed,
+            "stored_fraction": stored_fraction,
+            "disk_optimum_fit_stored_parallel_ms": stored_par_ms,
+            "disk_split_over_optimum_fit_stored_parallel": med["disk_split"] / stored_par_ms,
             "prefix_bytes": args.prefix_tokens * per_token_bytes + spec.state_bytes,
             "disk_optimum_ms": opt_ms,
             "disk_optimum_parallel_ms": opt_par_ms,

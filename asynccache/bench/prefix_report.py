@@ -73,6 +73,14 @@ def print_report(res: dict[str, Any]) -> None:
             f"{res['disk_split_over_optimum_fit_parallel']:.3f} (parallel read), "
             f"{res['disk_split_over_optimum_fit_best']:.3f} (best read)"
         )
+    if "stored_fraction" in res:
+        kind = "compressed" if res["storage_compressed"] else "plain"
+        print(
+            f"stored objects ({kind}) take {res['stored_fraction']:.3f} of their payload bytes; the optimum with "
+            f"the stored bytes read (parallel read, compute from the fit): "
+            f"{res['disk_optimum_fit_stored_parallel_ms']:.1f} ms, disk (cost model) / it "
+            f"{res['disk_split_over_optimum_fit_stored_parallel']:.3f}"
+        )
     reps = zip(res["ttft_ms_repeats"]["disk_split"], res["cached_tokens_repeats"]["disk_split"], strict=True)
     print("cost model, each repeat (TTFT ms / tokens restored): " + ", ".join(f"{t:.0f} / {c}" for t, c in reps))
     corr = res["read_time_correction"]

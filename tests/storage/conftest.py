@@ -38,13 +38,15 @@ def s3_env(monkeypatch: pytest.MonkeyPatch, seaweedfs: SeaweedServer) -> Seaweed
     return seaweedfs
 
 
-@pytest.fixture(params=["memory", "disk", pytest.param("s3", marks=pytest.mark.s3)])
+@pytest.fixture(params=["memory", "disk", "disk-zstd", pytest.param("s3", marks=pytest.mark.s3)])
 async def harness(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Harness]:
     h: Harness
     if request.param == "memory":
         h = MemoryHarness()
     elif request.param == "disk":
         h = DiskHarness(tmp_path / "cache")
+    elif request.param == "disk-zstd":
+        h = DiskHarness(tmp_path / "cache", compression="zstd")
     else:
         h = S3Harness(request.getfixturevalue("s3_env"))
     try:

@@ -282,11 +282,14 @@ class MemoryHarness(Harness):
 class DiskHarness(Harness):
     kind = "disk"
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, compression: str = "none") -> None:
         super().__init__()
         self.root = root
+        #: the local disk's ``compression`` option for every backend this harness opens
+        self.compression = compression
 
     def _open(self, namespace: str, options: dict[str, Any]) -> ObjectBackend:
+        options.setdefault("compression", self.compression)
         return LocalDiskBackend(f"file://{self.root}", namespace=namespace, **options)
 
     async def raw_get(self, backend: ObjectBackend, name: str) -> bytes | None:
