@@ -31,7 +31,10 @@ with each and with the best of them. ``cold_compute(L − a)`` is taken two ways
 prefill's average rate (``disk_optimum_*``), and as the compute of positions ``[a, L)`` after a
 prefix of ``a`` (``disk_optimum_fit_*``) from a fit of cold prefills of ``L`` and ``L / 4``
 tokens (``RestoreCost.fit``: a flat per-token cost plus attention's, which grows with the
-position). The cost model computes its heads with the same fit. ``--json PATH`` writes every
+position). The cost model computes its heads with the same fit. With compressed objects
+(``--storage-option compression=zstd``) the cost model reads at the raw speed divided by the
+fraction of the payload the objects take, and the bench also reports the optimum with the bytes
+they take (``disk_optimum_fit_stored_parallel_ms``). ``--json PATH`` writes every
 figure, ``--plot PATH`` draws the TTFT of each tier and the device/host pairs, and
 ``--from-json PATH`` re-reports (and re-plots) an earlier ``--json`` file without measuring.
 """
@@ -85,7 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="an option of the local-disk backend, repeatable (e.g. direct_io=true, max_concurrency=16)",
+        help="an option of the local-disk backend, repeatable (e.g. direct_io=true, max_concurrency=16, "
+        "compression=zstd)",
     )
     p.add_argument("--json", dest="json_path", default=None)
     p.add_argument(

@@ -101,6 +101,25 @@ def test_storage_options_reach_the_backend(tmp_path: Path, capsys: pytest.Captur
     assert "direct_io must be" in capsys.readouterr().err
 
 
+def test_compressed_storage_is_reported_with_its_stored_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("zstandard")
+    out = tmp_path / "prefix.json"
+    plain = tmp_path / "plain.json"
+    assert prefix.run(bench_args(json_path=str(out), storage_option=["compression=zstd"], pairs=1)) == 0
+    assert prefix.run(bench_args(json_path=str(plain), pairs=1)) == 0
+    res, ref = json.loads(out.read_text()), json.loads(plain.read_text())
+    assert res["storage_compressed"] is True and ref["storage_compressed"] is False
+    assert res["cached_tokens"]["disk_all"] == res["cached_tokens"]["disk_split"] == 64
+    # fp32 activations of the small preset: the exponent planes shrink, the headers do not
+    assert 0.5 < res["stored_fraction"] < ref["stored_fraction"] and ref["stored_fraction"] > 1.0
+    assert res["disk_optimum_fit_stored_parallel_ms"] <= res["disk_optimum_fit_parallel_ms"]
+    assert ref["disk_optimum_fit_stored_parallel_ms"] >= ref["disk_optimum_fit_parallel_ms"]
+    assert res["disk_split_over_optimum_fit_stored_parallel"] == pytest.approx(
+        res["ttft_ms"]["disk_split"] / res["disk_optimum_fit_stored_parallel_ms"]
+    )
+    assert "stored objects (compressed) take" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
