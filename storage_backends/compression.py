@@ -11,8 +11,10 @@ zstd; the others are stored as they are, since compressing them costs time and s
     raw frame      e0b0 e0b1 | e1b0 e1b1 | e2b0 e2b1 | …            (bf16: 2 planes)
     stored frame   zstd(e0b1 e1b1 e2b1 …) ++ e0b0 e1b0 e2b0 …
 
-On bf16 KV pages of the reference model this stores 0.68 of the bytes, on a Gated-DeltaNet state
-(fp32 recurrent state, bf16 conv state) 0.85 (docs/benchmarks.md, Long-prefix TTFT). A top plane
+On the reference model (hybrid-3b shapes, random weights) a bf16 KV page took 0.68 of its bytes
+and a Gated-DeltaNet state (fp32 recurrent state, bf16 conv state) 0.85 on the development
+machine; a 32k-token prefix's objects took 0.72 on an H200 machine (docs/benchmarks.md,
+Long-prefix TTFT). A top plane
 that zstd does not shrink is stored as it is (its stored length then equals the plane's); so a
 frame never grows.
 
@@ -23,7 +25,8 @@ threads at once; the object header records each frame's top-plane length (see
 bytes, catches what decodes to the wrong bytes.
 
 zstd releases the GIL while it runs, and the plane shuffles are numpy loops that do too, so
-frames decode in parallel on worker threads.
+frames decode in parallel on worker threads; but each step takes the lock back, and on an H200
+machine 8 jobs decoded no faster than 2.3–2.4 GB/s (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -50,8 +53,8 @@ __all__ = [
 
 #: Accepted values of a backend's ``compression`` option.
 COMPRESSIONS = ("none", "zstd")
-#: zstd's fastest standard level: higher levels shrank KV pages by no more than 1 % and
-#: compressed at half the speed on the development machine.
+#: zstd's fastest standard level: level 3 stored no fewer bytes of a KV page and compressed at
+#: half the speed on the development machine.
 ZSTD_LEVEL = 1
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "uint8": 1, "int8": 1}
