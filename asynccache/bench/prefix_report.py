@@ -101,9 +101,13 @@ def plot(res: dict[str, Any], path: str) -> None:
     keys = list(_TIERS)
     ttft = [res["ttft_ms"][k] for k in keys]
     bars = ax1.bar(range(len(keys)), ttft, color=["0.6", "tab:green", "tab:blue", "tab:orange", "tab:red"])
-    ax1.bar_label(bars, labels=[f"{t:.1f}" for t in ttft], fontsize=8)
+    ax1.bar_label(
+        bars, labels=[f"{t:.1f}" for t in ttft], fontsize=8, bbox={"facecolor": "white", "edgecolor": "none", "pad": 1}
+    )
     ax1.set_xticks(range(len(keys)), [_TIERS[k].replace(" (", "\n(").replace(", ", ",\n") for k in keys], fontsize=8)
     ax1.set_yscale("log")
+    floor = min([*ttft, res.get("h2d_link_ms") or min(ttft)])
+    ax1.set_ylim(floor / 2, max(ttft) * 60)  # the link's line in view, room above the bars for the legend
     for value, label, color, linestyle in (
         (res["disk_optimum_ms"], "disk optimum, sequential read", "k", "--"),
         (res["disk_optimum_parallel_ms"], "disk optimum, parallel read", "k", ":"),
