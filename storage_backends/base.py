@@ -599,9 +599,10 @@ class ObjectBackend(ABC):
                 # Cut short (cancelled): some writes may have landed. Count them all as stored,
                 # so the index never undercounts the disk; one that did not land is dropped
                 # from it by a later read's miss or by its eviction.
-                if self._capacity is not None:
-                    for i in accepted:
-                        self._capacity.commit(items[i].name, self._stored_size(items[i].name, sizes[i]), reserved[i])
+                for i in accepted:
+                    size = self._stored_size(items[i].name, sizes[i])
+                    if self._capacity is not None:
+                        self._capacity.commit(items[i].name, size, reserved[i])
                 raise
         for i, outcome in zip(accepted, outcomes, strict=True):
             if isinstance(outcome, BaseException):
@@ -611,8 +612,9 @@ class ObjectBackend(ABC):
                 report.fail(items[i].name, outcome)
                 continue
             done[i] = True
+            size = self._stored_size(items[i].name, sizes[i])
             if self._capacity is not None:
-                self._capacity.commit(items[i].name, self._stored_size(items[i].name, sizes[i]), reserved[i])
+                self._capacity.commit(items[i].name, size, reserved[i])
             if outcome:
                 self._counts["num_writes"] += 1
                 self._counts["bytes_written"] += items[i].geometry.payload_bytes
@@ -646,9 +648,9 @@ class ObjectBackend(ABC):
         return reserved, victims
 
     def _stored_size(self, name: str, largest: int) -> int:
-        """The size of the object a write of this batch just stored under ``name`` (the
-        capacity's count); ``largest``: the size reserved for it. Backends whose objects vary in
-        size (compressed ones) report what they wrote."""
+        """The size of the object under ``name`` after a write of this batch stored it or found
+        it (the capacity's count; called once for every such write); ``largest``: the size
+        reserved for it. Backends whose objects vary in size (compressed ones) report it."""
         return largest
 
     # ---- item I/O: one task per item by default; backends may do better -----------------

@@ -20,9 +20,11 @@ frame never grows.
 
 Each frame decodes on its own, so a large payload's frames are read and decoded on several
 threads at once; the object header records each frame's top-plane length (see
-:class:`FrameTable`). Decoding checks every length it meets: a corrupted frame is an
-:class:`~asynccache.errors.ObjectFormatError`, and the payload checksum, taken over the decoded
-bytes, catches what decodes to the wrong bytes.
+:class:`FrameTable`). Decoding checks every length it meets, and zstd checks its own content
+checksum: a damaged compressed plane can decode, without that check, into several changed bytes
+(two sign bits of one 64-bit lane, say) that cancel in the payload's linear checksum. A corrupted
+frame is an :class:`~asynccache.errors.ObjectFormatError`; the payload checksum, taken over the
+decoded bytes, catches a flip in the planes stored as they are.
 
 zstd releases the GIL while it runs, and the plane shuffles are numpy loops that do too, so
 frames decode in parallel on worker threads; but each step takes the lock back, and on an H200
@@ -92,7 +94,9 @@ def _zstd() -> tuple[object, object]:
     if pair is None:
         import zstandard
 
-        pair = (zstandard.ZstdCompressor(level=ZSTD_LEVEL), zstandard.ZstdDecompressor())
+        # zstd's content checksum (4 bytes a frame): a damaged compressed plane can decode
+        # without error into several changed bytes that cancel in the payload's linear checksum
+        pair = (zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True), zstandard.ZstdDecompressor())
         _local.zstd = pair
     return pair
 

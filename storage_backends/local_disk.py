@@ -184,8 +184,9 @@ class LocalDiskBackend(ObjectBackend):
         self._direct_io_option = direct_io
         self.namespace_dir = os.path.join(self.root, self.codec.digest_hex)
         self._workers = WorkerPool(self.max_concurrency, name="asynccache-disk")
-        #: sizes of the objects this backend's writes stored, until their batch counts them
-        #: (``dict`` item assignment and ``pop`` are atomic under the GIL)
+        #: sizes of compressed objects that this backend's writes stored or found, until their
+        #: batch counts them (only with a capacity; ``dict`` item assignment and ``pop`` are
+        #: atomic under the GIL)
         self._written_sizes: dict[str, int] = {}
         self._dirs: set[str] = set()
 
@@ -329,6 +330,7 @@ class LocalDiskBackend(ObjectBackend):
     def _write_file(self, stop: threading.Event, deadline: float, item: BatchItem) -> bool:
         path = item.name
         if os.path.exists(path):
+            self._record_size(path)
             return False  # put-if-absent; the link below settles races
         tmp = f"{path}.{uuid.uuid4().hex}.tmp"
         fd = self._create(tmp)
@@ -345,15 +347,28 @@ class LocalDiskBackend(ObjectBackend):
             try:
                 os.link(tmp, path)
             except FileExistsError:
+                self._record_size(path)
                 return False
-            if self.codec.compression != "none":  # a plain object's size is known
-                self._written_sizes[path] = size
+            self._record_size(path, size)
             return True
         finally:
             os.unlink(tmp)
 
     def _stored_size(self, name: str, largest: int) -> int:
         return self._written_sizes.pop(name, largest)
+
+    def _record_size(self, path: str, size: int | None = None) -> None:
+        """Note the size of the object at ``path`` for the capacity (``None``: one found there,
+        as stored by another writer). Only compressed objects vary in size, and only a capacity
+        counts it."""
+        if self.codec.compression == "none" or self._capacity is None:
+            return
+        if size is None:
+            try:
+                size = os.stat(path).st_size
+            except OSError:
+                return  # removed meanwhile: the largest size stays reserved
+        self._written_sizes[path] = size
 
     def _write_payload(self, fd: int, stop: threading.Event, deadline: float, item: BatchItem) -> int:
         geometry, key = item.geometry, item.key

@@ -26,7 +26,7 @@ from storage_backends.compression import (
     encode_frame,
 )
 from storage_backends.local_disk import LocalDiskBackend
-from storage_backends.object_format import ObjectCodec, ObjectGeometry
+from storage_backends.object_format import ObjectCodec, ObjectGeometry, PayloadChecksum
 
 pytest.importorskip("zstandard")
 
@@ -225,3 +225,59 @@ async def test_the_capacity_counts_what_compressed_objects_take(tmp_path: Path) 
     assert backend.statistics().used_bytes == on_disk < 3 * backend.codec.object_bytes(backend._pools["kv"][1], keys[0])
     assert not backend._written_sizes
     await backend.aclose()
+
+
+def test_a_flipped_bit_in_a_compressed_plane_never_decodes_unnoticed() -> None:
+    """A damaged zstd stream can decode without error into several changed bytes that cancel in
+    the payload's linear checksum (two sign bits of one 64-bit lane): zstd's content checksum
+    catches those. Every bit position of the compressed plane, flipped one at a time."""
+    raw = activations(1 << 15, torch.bfloat16, seed=7)
+    top, parts = encode_frame(raw, 2)
+    assert top < raw.nbytes // 2
+    stored = np.concatenate([np.frombuffer(memoryview(p).cast("B"), dtype=np.uint8) for p in parts])
+    want = PayloadChecksum()
+    want.update(raw)
+    out = np.empty_like(raw)
+    for pos in range(top):
+        for bit in range(8):
+            bad = stored.copy()
+            bad[pos] ^= 1 << bit
+            try:
+                decode_frame(bad, top, 2, out)
+            except ObjectFormatError:
+                continue
+            got = PayloadChecksum()
+            got.update(out)
+            assert out.tobytes() == raw.tobytes() or got.digest() != want.digest(), (pos, bit)
+
+
+async def test_sizes_are_kept_only_for_a_capacity(tmp_path: Path) -> None:
+    keys = make_keys(4, seed="zsizes")
+    backend, _, _ = await open_compressed(tmp_path, "page_first", seed=13)
+    for i in range(2):
+        assert await backend.batch_set_v2([kv_transfer(keys[2 * i : 2 * i + 2], [2 * i, 2 * i + 1])]) == [[True] * 2]
+    assert backend.statistics().used_bytes is None and not backend._written_sizes
+    await backend.aclose()
+
+
+async def test_the_capacity_counts_objects_another_writer_stored_at_their_size(tmp_path: Path) -> None:
+    keys = make_keys(3, seed="zshared")
+    backends = []
+    for seed in (15, None):
+        backend = LocalDiskBackend(f"file://{tmp_path}", namespace=BF16.namespace_id, compression="zstd",
+                                   capacity_bytes=1 << 30)
+        kv = HostKVPool(BF16, num_pages=4, layout="page_first", pin=False)
+        if seed is not None:
+            fill_like_activations(kv, MambaPoolHost(BF16, num_slots=1, layout="page_first", pin=False), seed=seed)
+        await backend.register_host_pool_v2(PoolName.KV, kv)
+        backends.append(backend)
+    first, second = backends
+    assert await first.batch_exists_v2(keys, [kv_transfer([])]) is not None  # both have scanned an empty root
+    assert await second.batch_exists_v2(keys, [kv_transfer([])]) is not None
+    assert await first.batch_set_v2([kv_transfer(keys, [0, 1, 2])]) == [[True] * 3]
+    assert await second.batch_set_v2([kv_transfer(keys, [0, 1, 2])]) == [[True] * 3]  # found, not rewritten
+    on_disk = sum(Path(first.object_name(PoolName.KV, k)).stat().st_size for k in keys)
+    assert first.statistics().used_bytes == second.statistics().used_bytes == on_disk
+    assert second.statistics().num_write_skips == 3 and not second._written_sizes
+    for backend in backends:
+        await backend.aclose()
