@@ -29,6 +29,7 @@ from storage_backends.object_format import (
 
 __all__ = ["read_frame", "write_frames"]
 
+
 def read_frame(
     path: str,
     codec: ObjectCodec,
