@@ -344,7 +344,7 @@ class ObjectBackend(ABC):
         check_common_options(capacity_bytes=capacity_bytes, max_concurrency=max_concurrency, timeout_s=timeout_s)
         self.uri = uri
         self.namespace = namespace
-        self.codec = ObjectCodec(namespace, header_align=self.header_align)
+        self.codec = self._make_codec(namespace)
         self.max_concurrency = max_concurrency
         self.timeout_s = float(timeout_s)
         self._limit = asyncio.Semaphore(max_concurrency)
@@ -357,6 +357,10 @@ class ObjectBackend(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(uri={self.uri!r}, namespace={self.namespace!r})"
+
+    def _make_codec(self, namespace: str) -> ObjectCodec:
+        """The codec of this backend's objects (backends that frame or compress them override)."""
+        return ObjectCodec(namespace, header_align=self.header_align)
 
     # ---- primitives ------------------------------------------------------------------------
     @abstractmethod

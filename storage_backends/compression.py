@@ -206,7 +206,8 @@ class FrameTable:
         return top_bytes + (self.element_size - 1) * (length // self.element_size)
 
     def min_stored_bytes(self) -> int:
-        return sum(self.stored_bytes(k, 1) for k in range(self.num_frames))
+        """Every frame's top plane one byte long (each frame is whole elements)."""
+        return self.num_frames + (self.element_size - 1) * (self.payload_bytes // self.element_size)
 
     def encode(self, top_lengths: Sequence[int]) -> bytes:
         if len(top_lengths) != self.num_frames:

@@ -20,19 +20,17 @@ import errno
 import os
 import tempfile
 import threading
-import time
 from collections.abc import Sequence
 
 import numpy as np
 
 from asynccache.errors import ObjectFormatError
-from storage_backends.object_format import StopRequested
+from storage_backends.object_format import check_stop
 
 __all__ = [
     "DIRECT_ALIGN",
     "MAX_IOVECS",
     "aligned_empty",
-    "check_stop",
     "direct_views",
     "groups",
     "open_read",
@@ -170,14 +168,6 @@ def probe_direct(directory: str) -> str | None:
         return None
     finally:
         os.unlink(path)
-
-
-def check_stop(stop: threading.Event, deadline: float | None = None) -> None:
-    """Between pieces of a job: stop when its caller was cancelled or its deadline passed."""
-    if stop.is_set():
-        raise StopRequested("stopped: the caller was cancelled")
-    if deadline is not None and time.monotonic() > deadline:
-        raise TimeoutError("timed out")
 
 
 def subdirs(path: str) -> list[str]:

@@ -19,11 +19,12 @@ import numpy as np
 from asynccache.errors import ObjectFormatError
 from storage_backends.base import BatchItem
 from storage_backends.compression import decode_frame, encode_frame, thread_buffer
-from storage_backends.file_io import check_stop, preadv_all, pwritev_all
+from storage_backends.file_io import preadv_all, pwritev_all
 from storage_backends.object_format import (
     CHECKSUM_BLOCK_BYTES,
     ObjectCodec,
     PayloadChecksum,
+    check_stop,
     payload_range,
 )
 

@@ -70,7 +70,6 @@ from storage_backends.compression import check_compression
 from storage_backends.file_io import (
     DIRECT_ALIGN,
     aligned_empty,
-    check_stop,
     direct_views,
     groups,
     open_read,
@@ -89,6 +88,7 @@ from storage_backends.object_format import (
     ObjectCodec,
     PayloadChecksum,
     StopRequested,
+    check_stop,
     payload_range,
     validate_key,
     validate_pool_name,
@@ -151,13 +151,8 @@ class LocalDiskBackend(ObjectBackend):
         **options: Any,
     ) -> None:
         self.root = parse_file_uri(uri)
+        self._compression = check_compression(compression)
         super().__init__(uri, **options)
-        self.codec = ObjectCodec(
-            self.namespace,
-            header_align=self.header_align,
-            compression=check_compression(compression),
-            frame_bytes=READ_RANGE_BYTES,
-        )
         if compression != "none":
             if direct_io:
                 raise ConfigError("direct_io=True cannot be combined with compression: direct reads land in the "
@@ -189,6 +184,11 @@ class LocalDiskBackend(ObjectBackend):
         #: atomic under the GIL)
         self._written_sizes: dict[str, int] = {}
         self._dirs: set[str] = set()
+
+    def _make_codec(self, namespace: str) -> ObjectCodec:
+        return ObjectCodec(
+            namespace, header_align=self.header_align, compression=self._compression, frame_bytes=READ_RANGE_BYTES
+        )
 
     def object_name(self, pool_name: PoolName | str, key: str) -> str:
         """The object's file path."""

@@ -45,6 +45,7 @@ import hashlib
 import re
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -74,6 +75,7 @@ __all__ = [
     "slot_buffers",
     "iter_chunks",
     "StopRequested",
+    "check_stop",
     "PayloadChecksum",
     "payload_checksum",
     "add_checksums",
@@ -358,9 +360,13 @@ def _header_bytes(descriptor_bytes: int, align: int = _HEADER_ALIGN) -> int:
     return -(-(_FIXED.size + descriptor_bytes) // align) * align
 
 
-def _check_stop(stop: threading.Event | None) -> None:
+def check_stop(stop: threading.Event | None, deadline: float | None = None) -> None:
+    """Between pieces of a job: stop when its caller was cancelled (``stop`` set) or its
+    deadline (``time.monotonic()``) passed."""
     if stop is not None and stop.is_set():
         raise StopRequested("stopped: the caller was cancelled")
+    if deadline is not None and time.monotonic() > deadline:
+        raise TimeoutError("timed out")
 
 
 class ObjectCodec:
@@ -391,12 +397,17 @@ class ObjectCodec:
         #: payload bytes per frame of a compressed object (a multiple of the checksum block, so
         #: a frame's partial checksum starts on a block)
         self.frame_bytes = frame_bytes
+        self._tables: dict[ObjectGeometry, FrameTable] = {}  # a backend's pools: a few geometries
 
     def frame_table(self, geometry: ObjectGeometry) -> FrameTable | None:
         """How ``geometry``'s payload is framed when this codec compresses (else ``None``)."""
         if self.compression == "none":
             return None
-        return FrameTable(geometry.payload_bytes, self.frame_bytes, element_bytes(geometry.dtype, geometry.item_bytes))
+        table = self._tables.get(geometry)
+        if table is None:  # (two threads may both build it: the same table)
+            element = element_bytes(geometry.dtype, geometry.item_bytes)
+            table = self._tables[geometry] = FrameTable(geometry.payload_bytes, self.frame_bytes, element)
+        return table
 
     def relpath(self, pool_name: str, key: str) -> str:
         return object_relpath(self.digest_hex, pool_name, key)
@@ -411,9 +422,10 @@ class ObjectCodec:
     def header_bytes(self, geometry: ObjectGeometry, key: str) -> int:
         """Size of the header of ``key``'s object (known before reading; a compressed object's
         includes its frame table)."""
-        table = self.frame_table(geometry)
-        extra = 0 if table is None else table.table_bytes
-        return _header_bytes(len(self._descriptor(geometry, key)) + extra, self.header_align)
+        return self._header_bytes(len(self._descriptor(geometry, key)), self.frame_table(geometry))
+
+    def _header_bytes(self, descriptor_bytes: int, table: FrameTable | None) -> int:
+        return _header_bytes(descriptor_bytes + (0 if table is None else table.table_bytes), self.header_align)
 
     def object_bytes(self, geometry: ObjectGeometry, key: str) -> int:
         """Size of a valid object of ``key``: exact, or for a compressed object the largest
@@ -433,13 +445,13 @@ class ObjectCodec:
         """The header of ``key``'s object; ``top_lengths``: a compressed object's frame table
         (zeros when empty: the expected header that :meth:`verify_frames` compares against)."""
         desc = self._descriptor(geometry, key)
-        hlen = self.header_bytes(geometry, key)
+        table = self.frame_table(geometry)
+        hlen = self._header_bytes(len(desc), table)
         out = bytearray(hlen)
         _FIXED.pack_into(
             out, 0, MAGIC, FORMAT_VERSION, hlen, geometry.payload_bytes, payload_sum, 0, self.digest, len(desc)
         )
         out[_FIXED.size : _FIXED.size + len(desc)] = desc
-        table = self.frame_table(geometry)
         if table is not None and top_lengths:
             start = _FIXED.size + len(desc)
             out[start : start + table.table_bytes] = table.encode(top_lengths)
@@ -511,7 +523,7 @@ class ObjectCodec:
         dst = np.frombuffer(out, dtype=np.uint8)
         check, off = PayloadChecksum(), hlen
         for piece in iter_chunks(buffers):
-            _check_stop(stop)
+            check_stop(stop)
             dst[off : off + piece.nbytes] = piece
             check.update(piece)
             off += piece.nbytes
@@ -639,7 +651,7 @@ def run_steps(steps: Generator[None, None, T], stop: threading.Event | None = No
     and checksum): an event loop can run one step per callback instead, so that the work never
     holds the loop for longer than that (dropping the generator abandons the operation)."""
     while True:
-        _check_stop(stop)
+        check_stop(stop)
         try:
             next(steps)
         except StopIteration as done:

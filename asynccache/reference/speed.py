@@ -166,7 +166,6 @@ def _profile(model: HybridModel, seq_len: int, batch: int, row_limit: int = 30) 
     return averages.table(row_limit=row_limit)
 
 
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--preset", default="hybrid-3b")
