@@ -44,14 +44,20 @@ class HybridCache:
         self.device_kv = DeviceKVPool(spec, config.device_kv_pages, device=device, materialize=materialize)
         self.device_mamba = DeviceMambaPool(spec, config.device_state_slots, device=device, materialize=materialize)
         pin = config.pin_host_memory
+        # a storage tier that reads in other processes needs host pools they can map
+        shared = bool(config.storage_options.get("read_processes")) and materialize
         self.host_kv = (
-            HostKVPool(spec, size_bytes=config.host_kv_bytes, layout=config.host_layout, pin=pin, materialize=materialize)
+            HostKVPool(
+                spec, size_bytes=config.host_kv_bytes, layout=config.host_layout, pin=pin, materialize=materialize,
+                shared=shared,
+            )
             if config.host_kv_bytes > 0
             else None
         )
         self.host_mamba = (
             MambaPoolHost(
-                spec, size_bytes=config.host_state_bytes, layout=config.host_layout, pin=pin, materialize=materialize
+                spec, size_bytes=config.host_state_bytes, layout=config.host_layout, pin=pin, materialize=materialize,
+                shared=shared,
             )
             if config.host_state_bytes > 0
             else None

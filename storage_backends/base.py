@@ -10,9 +10,11 @@ Primitives:
   ``_delete_objects``, ``_list_objects``.
 - :class:`LRUCapacity` — byte accounting of stored objects against ``capacity_bytes`` with
   least-recently-used eviction; objects being read or written are never chosen.
-- :class:`WorkerPool` — a bounded thread pool for blocking work on host memory. A cancelled
-  caller still waits for its job to stop, so no thread touches a host slot after the call that
-  named it has returned.
+- :class:`~storage_backends.workers.WorkerPool` and
+  :class:`~storage_backends.workers.PriorityLimiter` (re-exported here) — bounded threads and
+  slots that serve reads and probes before write-back and deletes. A cancelled caller still
+  waits for its job to stop, so no thread touches a host slot after the call that named it
+  has returned.
 
 Failure model: a missing object is a miss; an invalid object (truncated, corrupted, foreign,
 other format version) is a miss and is removed; an I/O error, a timeout or a backend that is
@@ -24,14 +26,11 @@ per batch. Malformed calls (bad keys, unregistered pools, mismatched lengths) ra
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
-import threading
 from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -44,8 +43,9 @@ from asynccache.errors import BackendError, ConfigError, ObjectFormatError
 from asynccache.pools.base import ItemPool
 from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer, PoolTransferResult, longest_hit
 from storage_backends.object_format import ObjectCodec, ObjectGeometry, slot_buffers, validate_key
+from storage_backends.workers import PriorityLimiter, WorkerPool
 
-__all__ = ["BackendStatistics", "ObjectBackend", "BatchItem", "Outcome", "LRUCapacity", "WorkerPool", "check_common_options", "check_int", "check_seconds", "usable_cores"]
+__all__ = ["BackendStatistics", "ObjectBackend", "BatchItem", "Outcome", "LRUCapacity", "PriorityLimiter", "WorkerPool", "check_common_options", "check_int", "check_seconds", "usable_cores"]
 
 logger = logging.getLogger("asynccache.storage")
 
@@ -189,46 +189,6 @@ class LRUCapacity:
                 del self._busy[name]
 
 
-async def _drain(fut: asyncio.Future[Any]) -> None:
-    """Wait for ``fut`` even if cancelled again meanwhile (the job stops at its next check)."""
-    while not fut.done():
-        try:
-            await asyncio.wait([fut])
-        except asyncio.CancelledError:
-            continue
-    if not fut.cancelled():
-        fut.exception()  # retrieved: the caller has gone, the outcome no longer matters
-
-
-class WorkerPool:
-    """A bounded thread pool whose jobs get a ``threading.Event`` to poll (``stop``).
-
-    ``await run(fn, *args)`` runs ``fn(stop, *args)`` on a worker. If the awaiting task is
-    cancelled (a timeout), ``stop`` is set and the task waits for ``fn`` to return before the
-    cancellation propagates: a job checks ``stop`` between pieces of at most
-    ``IO_CHUNK_BYTES``, so the wait is short unless the kernel itself hangs."""
-
-    def __init__(self, max_workers: int, *, name: str) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name)
-
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        loop = asyncio.get_running_loop()
-        stop = threading.Event()
-        try:
-            fut = loop.run_in_executor(self._executor, functools.partial(fn, stop, *args))
-        except RuntimeError as e:  # shut down: the backend was closed while the call ran
-            raise BackendError("the backend was closed") from e
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            stop.set()
-            await _drain(fut)
-            raise
-
-    async def aclose(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
-
-
 class _BatchReport:
     """Failures of one batch call, reported as one warning."""
 
@@ -347,7 +307,8 @@ class ObjectBackend(ABC):
         self.codec = self._make_codec(namespace)
         self.max_concurrency = max_concurrency
         self.timeout_s = float(timeout_s)
-        self._limit = asyncio.Semaphore(max_concurrency)
+        #: objects in flight, reads and probes served before writes and deletes
+        self._limit = PriorityLimiter(max_concurrency)
         self._capacity = LRUCapacity(capacity_bytes) if capacity_bytes is not None else None
         self._pools: dict[str, tuple[ItemPool, ObjectGeometry]] = {}
         self._counts: Counter[str] = Counter()
@@ -664,13 +625,16 @@ class ObjectBackend(ABC):
         return await self._per_item(self._read_object, items)
 
     async def _write_many(self, items: Sequence[BatchItem]) -> list[Outcome]:
-        """``_write_object`` of each item like :meth:`_read_many`: True (stored), False
-        (already present) or the error."""
-        return await self._per_item(self._write_object, items)
+        """``_write_object`` of each item like :meth:`_read_many`, as background work (reads
+        and probes waiting for a slot go first): True (stored), False (already present) or the
+        error."""
+        return await self._per_item(self._write_object, items, background=True)
 
-    async def _per_item(self, fn: Callable[..., Awaitable[bool]], items: Sequence[BatchItem]) -> list[Outcome]:
+    async def _per_item(
+        self, fn: Callable[..., Awaitable[bool]], items: Sequence[BatchItem], *, background: bool = False
+    ) -> list[Outcome]:
         async def one(item: BatchItem) -> Outcome:
-            async with self._limit:
+            async with self._limit(background=background):
                 try:
                     async with asyncio.timeout(self.timeout_s):
                         return await fn(item)

@@ -6,7 +6,9 @@ Layout under the root directory::
     /path/{namespace-digest}/{pool}/{key[:2]}/{key}.*.tmp    a write in progress
 
 I/O runs on a bounded pool of threads (``max_concurrency``; a batch is spread over at most that
-many jobs, each taking the next unit of work as it finishes one) with ``preadv``/``pwritev``
+many jobs, each taking the next unit of work as it finishes one; reads and probes go before
+writes and deletes, and a write job gives its thread up between objects while a read waits, see
+``storage_backends.workers``) with ``preadv``/``pwritev``
 straight between the file and the host slot — no intermediate buffer, for page_first and
 layer_first pools alike (a layer_first slot is a list of per-layer iovecs). The payload checksum
 is computed in the same thread, piece by piece (``read_piece_bytes``), while the piece is hot in
@@ -26,6 +28,11 @@ and decoded into the slot (``storage_backends.framed_io``). On an H200 machine's
 restored prefixes no faster — the jobs' decoding, which takes the interpreter lock at every
 step, cost what the smaller reads saved (docs/benchmarks.md, Long-prefix TTFT) — so it is off
 by default: an option for capacity, or for disks slower than the cores decode.
+
+With the option ``read_processes=N`` reads run in N child processes instead, straight into host
+pools that live in shared memory (``storage_backends.reader_processes``): a child has an
+interpreter of its own, so a forward pass beside the read does not hold up its Python steps.
+Pools not in shared memory, writes and deletes stay on the threads.
 
 A payload larger than ``READ_RANGE_BYTES`` (a Mamba state of tens of MB) is read as ranges on
 several jobs at once, first in the batch, and its checksum is the sum of the ranges' (the
@@ -47,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -55,35 +63,27 @@ from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-import numpy as np
-
-from asynccache.errors import BackendError, ConfigError, ObjectFormatError
+from asynccache.errors import BackendError, ConfigError
 from asynccache.storage import PoolName
 from storage_backends.base import (
     BatchItem,
     ObjectBackend,
     Outcome,
-    WorkerPool,
+    check_int,
     usable_cores,
 )
 from storage_backends.compression import check_compression
 from storage_backends.file_io import (
     DIRECT_ALIGN,
-    aligned_empty,
-    direct_views,
     groups,
-    open_read,
-    preadv_all,
     probe_direct,
     pwritev_all,
-    read_tail,
     stat_sizes,
     subdirs,
     unlink_all,
 )
 from storage_backends.framed_io import read_frame, write_frames
 from storage_backends.object_format import (
-    CHECKSUM_BLOCK_BYTES,
     IO_CHUNK_BYTES,
     ObjectCodec,
     PayloadChecksum,
@@ -93,7 +93,12 @@ from storage_backends.object_format import (
     validate_key,
     validate_pool_name,
 )
+from storage_backends.object_reads import ReadUnit, read_object_range
 from storage_backends.ranged_reads import item_outcomes, read_units
+from storage_backends.reader_processes import ReaderProcesses
+from storage_backends.workers import YIELD, JobControl, WorkerPool
+
+logger = logging.getLogger("asynccache.storage")
 
 __all__ = ["READ_RANGE_BYTES", "STALE_TMP_S", "LocalDiskBackend", "open_local_disk"]
 
@@ -148,6 +153,7 @@ class LocalDiskBackend(ObjectBackend):
         read_piece_bytes: int | None = None,
         direct_io: bool | None = False,
         compression: str = "none",
+        read_processes: int = 0,
         **options: Any,
     ) -> None:
         self.root = parse_file_uri(uri)
@@ -184,6 +190,24 @@ class LocalDiskBackend(ObjectBackend):
         #: atomic under the GIL)
         self._written_sizes: dict[str, int] = {}
         self._dirs: set[str] = set()
+        check_int("read_processes", read_processes, minimum=0)
+        if read_processes and (compression != "none" or direct_io):
+            raise ConfigError("read_processes reads plain objects through the page cache: it cannot be combined "
+                              "with compression or direct_io")
+        #: child processes that read into shared-memory pools (``read_processes``; see
+        #: ``storage_backends.reader_processes``), or ``None``: the worker threads read
+        self._readers = (
+            ReaderProcesses(
+                read_processes,
+                namespace=self.namespace,
+                header_align=self.header_align,
+                piece_bytes=self.read_piece_bytes,
+                timeout_s=self.timeout_s,
+            )
+            if read_processes
+            else None
+        )
+        self._readers_start: asyncio.Task[None] | None = None
 
     def _make_codec(self, namespace: str) -> ObjectCodec:
         return ObjectCodec(
@@ -197,8 +221,17 @@ class LocalDiskBackend(ObjectBackend):
     # ---- primitives (event loop) ---------------------------------------------------------
     async def _prepare(self) -> None:
         await self._workers.run(self._make_root)
+        if self._readers is not None:  # started in the background: a read before that waits for it
+            self._readers_start = asyncio.get_running_loop().create_task(
+                self._readers.start(), name="asynccache-disk-readers"
+            )
+            self._readers_start.add_done_callback(_report_start)
 
     async def _close(self) -> None:
+        if self._readers is not None:
+            if self._readers_start is not None:
+                await asyncio.wait([self._readers_start])
+            await self._readers.aclose()
         await self._workers.aclose()
 
     async def _object_sizes(self, names: Sequence[str]) -> list[int | None]:
@@ -212,27 +245,41 @@ class LocalDiskBackend(ObjectBackend):
 
     async def _read_many(self, items: Sequence[BatchItem]) -> list[Outcome]:
         units = read_units(items, READ_RANGE_BYTES)
-        results = await self._in_jobs(
-            lambda stop, deadline, unit: self._read_range(stop, deadline, items[unit[0]], unit[1], unit[2]), units
-        )
+        if self._readers is not None and all(item.pool.shared_memory is not None for item in items):
+            results = await self._readers.read([self._read_unit(items[i], off, n) for i, off, n in units])
+        else:
+            results = await self._in_jobs(
+                lambda stop, deadline, unit: self._read_range(stop, deadline, items[unit[0]], unit[1], unit[2]), units
+            )
         return item_outcomes(len(items), units, results)
 
-    async def _write_many(self, items: Sequence[BatchItem]) -> list[Outcome]:
-        return await self._in_jobs(self._write_file, items)
+    def _read_unit(self, item: BatchItem, offset: int, length: int) -> ReadUnit:
+        assert self._readers is not None and item.pool.shared_memory is not None
+        mem_id = self._readers.memory_id(item.pool.shared_memory)
+        views = payload_range(item.buffers(), offset, offset + length)
+        return ReadUnit(item.name, item.geometry, item.key, offset, self._readers.pieces(mem_id, views))
 
-    async def _in_jobs(self, fn: Callable[[threading.Event, float, Any], Any], work: Sequence[Any]) -> list[Any]:
+    async def _write_many(self, items: Sequence[BatchItem]) -> list[Outcome]:
+        return await self._in_jobs(self._write_file, items, background=True)
+
+    async def _in_jobs(
+        self, fn: Callable[[threading.Event, float, Any], Any], work: Sequence[Any], *, background: bool = False
+    ) -> list[Any]:
         """Run ``fn(stop, deadline, unit)`` for every unit of ``work`` on at most
         ``max_concurrency`` worker jobs, each taking the next unit when it finishes one: one
         thread handoff per job instead of one per unit (a handoff costs as much as reading a
         page from the page cache on a busy 2-core machine). Each unit has its own deadline,
         ``timeout_s`` from its start, checked between pieces. A unit's result is what ``fn``
-        returned or the :class:`BackendError` / :class:`OSError` it raised."""
+        returned or the :class:`BackendError` / :class:`OSError` it raised. ``background``
+        jobs (writes) give their thread up between units while a read or a probe waits for one."""
         outcomes: list[Any] = [BackendError("not started: the call was cancelled or the backend closed")] * len(work)
         lock = threading.Lock()
         pending = iter(range(len(work)))
 
-        def job(stop: threading.Event) -> None:
+        def job(stop: JobControl) -> object:
             while not stop.is_set():
+                if background and stop.foreground_waiting():
+                    return YIELD  # queued again behind other background work; resumes here
                 with lock:
                     i = next(pending, None)
                 if i is None:
@@ -247,7 +294,7 @@ class LocalDiskBackend(ObjectBackend):
 
         async def one_job() -> None:
             with contextlib.suppress(BackendError):  # closed meanwhile: its units stay failed
-                await self._workers.run(job)
+                await self._workers.run(job, background=background)
 
         if work:
             async with asyncio.TaskGroup() as tg:
@@ -256,7 +303,7 @@ class LocalDiskBackend(ObjectBackend):
         return outcomes
 
     async def _delete_objects(self, names: Sequence[str]) -> None:
-        await self._workers.run(unlink_all, list(names))
+        await self._workers.run(unlink_all, list(names), background=True)
 
     async def _list_objects(self) -> list[tuple[str, int]]:
         return await self._workers.run(self._scan)
@@ -283,49 +330,11 @@ class LocalDiskBackend(ObjectBackend):
         views allow it."""
         if self.codec.compression != "none":
             return read_frame(item.name, self.codec, item, offset, length, stop, deadline)
-        path, geometry, key = item.name, item.geometry, item.key
-        hlen = self.codec.header_bytes(geometry, key)
-        views: list[np.ndarray] = payload_range(item.buffers(), offset, offset + length)
-        tail: np.ndarray | None = None
-        split = direct_views(views, hlen + offset) if self.direct_io else None
-        if split is not None:
-            views, tail = split
-        try:
-            fd = open_read(path, split is not None)
-        except (FileNotFoundError, NotADirectoryError):
-            return False
-        try:
-            st = os.fstat(fd)
-            size = st.st_size
-            expected = hlen + geometry.payload_bytes
-            if size != expected:
-                raise ObjectFormatError(f"object of {size} bytes, expected {expected} (truncated or foreign)")
-            header = aligned_empty(hlen)  # aligned for a direct read, harmless for the other
-            want: int | None = None
-            check = PayloadChecksum(first_block=offset // CHECKSUM_BLOCK_BYTES)
-            position = hlen + offset
-            pieces = groups(views, self.read_piece_bytes)
-            if offset == 0:
-                first = pieces[0] if pieces else []
-                check_stop(stop, deadline)
-                preadv_all(fd, [memoryview(header), *first], 0)
-                want = self.codec.verify_header(header, geometry, key)
-                for view in first:
-                    check.update(view)
-                    position += len(view)
-                pieces = pieces[1:]
-            for group in pieces:
-                check_stop(stop, deadline)
-                preadv_all(fd, group, position)
-                for view in group:
-                    check.update(view)
-                    position += len(view)
-            if tail is not None:
-                read_tail(fd, tail, position)
-                check.update(tail)
-            return want, check.digest(), (st.st_dev, st.st_ino)
-        finally:
-            os.close(fd)
+        views = payload_range(item.buffers(), offset, offset + length)
+        return read_object_range(
+            item.name, self.codec, item.geometry, item.key, offset, views,
+            piece_bytes=self.read_piece_bytes, stop=stop, deadline=deadline, direct=bool(self.direct_io),
+        )
 
     def _write_file(self, stop: threading.Event, deadline: float, item: BatchItem) -> bool:
         path = item.name
@@ -425,6 +434,11 @@ class LocalDiskBackend(ObjectBackend):
         return [(path, size) for _, path, size in found]
 
 
+def _report_start(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("starting the reader processes failed (reads start them again): %s", task.exception())
+
+
 def _settled(outcome: Outcome) -> bool:
     if isinstance(outcome, BaseException):
         raise outcome
@@ -439,5 +453,8 @@ def open_local_disk(uri: str, **options: Any) -> LocalDiskBackend:
     the page cache; ``True``: read with ``O_DIRECT``, an error where the filesystem refuses it;
     ``None``: ``O_DIRECT`` where the filesystem allows it), ``compression`` (``"none"``, the
     default, or ``"zstd"``: objects stored as compressed frames, see
-    ``storage_backends.compression``; read through the page cache)."""
+    ``storage_backends.compression``; read through the page cache), ``read_processes`` (0, the
+    default: worker threads read; ``N``: N child processes read plain objects into host pools
+    allocated in shared memory — ``HostKVPool(..., shared=True)``, which ``HybridCache`` does
+    when this option is set — see ``storage_backends.reader_processes``)."""
     return LocalDiskBackend(uri, **options)

@@ -49,14 +49,15 @@ import time
 import zlib
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
 from asynccache.errors import BackendError, ConfigError, ObjectFormatError
-from asynccache.pools.base import ItemPool
-from asynccache.pools.views import KVViews, StateViews
 from storage_backends.compression import FrameTable, check_compression, element_bytes
+
+if TYPE_CHECKING:  # not at run time: a reader process imports this module without torch
+    from asynccache.pools.base import ItemPool
 
 T = TypeVar("T")
 
@@ -143,6 +144,8 @@ def object_relpath(ns_digest_hex: str, pool_name: str, key: str) -> str:
 
 
 def _pool_dtype(pool: ItemPool) -> str:
+    from asynccache.pools.views import KVViews, StateViews
+
     spec = getattr(pool, "spec", None)
     if spec is not None and isinstance(pool, KVViews):
         return str(spec.kv_dtype).removeprefix("torch.")
@@ -166,8 +169,10 @@ class ObjectGeometry:
 
     @classmethod
     def of_pool(cls, pool_name: object, pool: ItemPool) -> ObjectGeometry:
+        from asynccache.pools import base as pools
+
         name = validate_pool_name(pool_name)
-        if not isinstance(pool, ItemPool):
+        if not isinstance(pool, pools.ItemPool):
             raise ConfigError(f"pool {name}: expected an ItemPool, got {type(pool).__name__}")
         if not pool.materialized:
             raise ConfigError(f"pool {name}: {pool.name} is in accounting mode; storage needs its bytes")

@@ -48,7 +48,6 @@ from asynccache.storage import PoolName
 from storage_backends.base import (
     BatchItem,
     ObjectBackend,
-    WorkerPool,
     check_int,
     usable_cores,
 )
@@ -57,6 +56,7 @@ from storage_backends.object_format import (
     add_checksums,
     validate_pool_name,
 )
+from storage_backends.workers import WorkerPool
 
 if TYPE_CHECKING:
     from obstore.store import S3Store
@@ -244,7 +244,7 @@ class ObjectStoreBackend(ObjectBackend):
 
     async def _object_sizes(self, names: Sequence[str]) -> list[int | None]:
         async def one(name: str) -> int | None | BackendError:
-            async with self._limit:
+            async with self._limit():
                 try:
                     return await self._head_size(name)
                 except BackendError as e:
@@ -344,7 +344,7 @@ class ObjectStoreBackend(ObjectBackend):
     async def _encode_parts(self, item: BatchItem, size: int) -> list[Any]:
         if size <= self.inline_bytes:
             return await _on_loop(self.codec.encode_parts_steps(item.geometry, item.key, item.buffers()))
-        return await self._workers.run(self._encode_parts_blocking, item)
+        return await self._workers.run(self._encode_parts_blocking, item, background=True)
 
     def _encode_parts_blocking(self, stop: threading.Event, item: BatchItem) -> list[Any]:
         return self.codec.encode_parts(item.geometry, item.key, item.buffers(), stop, piece_bytes=WORKER_PIECE_BYTES)

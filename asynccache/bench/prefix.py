@@ -4,8 +4,8 @@ One request = a ``--prefix-tokens`` prefix + ``--new-tokens`` fresh tokens, serv
 reference scheduler. Measured in one run, median of ``--repeats`` (``--pairs`` for device and
 host):
 
-- ``cold``: nothing cached (a fresh prefix each repeat); ``cold_short``: the same at a quarter of
-  the length (for the prefill-time fit);
+- ``cold``: nothing cached (a fresh prefix each repeat, once the previous one's write-back has
+  settled); ``cold_short``: the same at a quarter of the length (for the prefill-time fit);
 - ``device``: the prefix (KV + state) is on the device;
 - ``host``: demoted to pinned host memory, loaded back layer by layer. Device and host repeats
   alternate, ``--pairs`` times (each pair a few tens of milliseconds, so more of them than of
@@ -27,7 +27,10 @@ The same run measures the raw read bandwidth of the stored objects — plain seq
 reads, the same reads spread over as many threads as the backend uses, and those with
 ``O_DIRECT`` (past the page cache, where the filesystem allows it) — and reports the physical
 optimum for the disk case, ``min over a of max(bytes(a) / raw_read_bw, cold_compute(L − a))``,
-with each and with the best of them. ``cold_compute(L − a)`` is taken two ways: at the cold
+with each and with the best of them. The threaded reads are also made of only the objects that
+the prefix's request stored (``raw_disk_prefix_parallel_read_gbps``, ``disk_optimum_prefix_*``):
+a restore reads one prefix, a burst of 0.6 GB, while reading every object of the run streams
+several GB. ``cold_compute(L − a)`` is taken two ways: at the cold
 prefill's average rate (``disk_optimum_*``), and as the compute of positions ``[a, L)`` after a
 prefix of ``a`` (``disk_optimum_fit_*``) from a fit of cold prefills of ``L`` and ``L / 4``
 tokens (``RestoreCost.fit``: a flat per-token cost plus attention's, which grows with the
@@ -129,12 +132,18 @@ def _read_files(files: list[Path], direct: bool = False) -> int:
     return total
 
 
-def _raw_read_bytes_per_s(root: Path, threads: int = 1, *, direct: bool = False) -> tuple[float, int]:
-    """Plain reads of every stored object (after dropping them from the page cache), one file
-    after another on each of ``threads`` threads, into one buffer per thread; ``direct``:
-    with ``O_DIRECT`` (past the page cache)."""
+def _object_files(root: Path) -> set[Path]:
+    return {p for p in root.rglob("*") if p.is_file() and not p.name.endswith(".tmp")}
+
+
+def _raw_read_bytes_per_s(
+    root: Path, threads: int = 1, *, direct: bool = False, only: set[Path] | None = None
+) -> tuple[float, int]:
+    """Plain reads of every stored object (``only``: of those files), after dropping them from
+    the page cache, one file after another on each of ``threads`` threads, into one buffer per
+    thread; ``direct``: with ``O_DIRECT`` (past the page cache)."""
     _drop_page_cache(root)
-    files = sorted(p for p in root.rglob("*") if p.is_file())
+    files = sorted(_object_files(root) if only is None else only)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
         total = sum(pool.map(lambda part: _read_files(part, direct), [files[i::threads] for i in range(threads)]))
@@ -221,26 +230,37 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             await ctrl.wait_idle()
             await tier.drain()
 
-        # Warm-up (compilation, allocator) on a throwaway prompt.
+        # Warm-up (compilation, allocator) on a throwaway prompt. Every cold repeat starts once
+        # the one before is settled: its write-through to the host and to storage would otherwise
+        # run beside the next prefill (~0.5 s of a 32k prefill's 1.4 s on an H200), and the cost
+        # model and the optimum would take that slowed prefill for the model's speed.
         await serve(tokens(L), "cold")
+        await settle()
         times["cold"].clear()
         cached["cold"].clear()
         for _ in range(args.repeats):
             await serve(tokens(L), "cold")
+            await settle()
         # A shorter cold prefill too: attention makes a token's cost grow with its position, and
         # the two lengths give the cost model (and the optimum) both terms.
         await serve(tokens(short), "cold_short")
+        await settle()
         times["cold_short"].clear()
         cached["cold_short"].clear()
         for _ in range(args.repeats):
             await serve(tokens(short), "cold_short")
+            await settle()
         prefill_tps = L / (statistics.median(times["cold"]) / 1e3)
         prefills = [(L, statistics.median(times["cold"]) / 1e3), (short, statistics.median(times["cold_short"]) / 1e3)]
         prefix = tokens(args.prefix_tokens)
+        stored_before = _object_files(root)
         await serve(prefix + tokens(args.new_tokens), "device")  # populates device, host, disk
         times["device"].clear()
         cached["device"].clear()
         await settle()
+        # what the prefix's first request stored: the prefix's pages and state, which a restore
+        # reads, and its own last page and state (a restore's volume, not one more GB)
+        prefix_files = _object_files(root) - stored_before
         # Device and host alternate, so both see the same machine conditions.
         for _ in range(args.pairs):
             await serve(prefix + tokens(args.new_tokens), "device")
@@ -252,6 +272,11 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         raw_bps, stored_bytes = _raw_read_bytes_per_s(root)
         par_threads = getattr(tier.backend, "max_concurrency", LocalDiskBackend.default_max_concurrency)
         raw_par_bps, _ = _raw_read_bytes_per_s(root, threads=par_threads)
+        # The same reads of only the prefix's objects (a 0.6 GB burst, as a restore reads, not a
+        # stream of every object the run stored), median of three.
+        raw_prefix_bps = statistics.median(
+            _raw_read_bytes_per_s(root, threads=par_threads, only=prefix_files)[0] for _ in range(3)
+        )
         direct_refused = probe_direct(str(root))
         raw_direct_bps = None
         if direct_refused is None:
@@ -303,6 +328,7 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     opt_ms, opt_par_ms = optimum_s(raw_bps) * 1e3, optimum_s(raw_par_bps) * 1e3
     opt_best_ms = optimum_s(best_bps) * 1e3
     fit_par_ms, fit_best_ms = optimum_s(raw_par_bps, fit=True) * 1e3, optimum_s(best_bps, fit=True) * 1e3
+    prefix_par_ms = optimum_s(raw_prefix_bps) * 1e3
     stored_par_ms = optimum_s(raw_par_bps, fit=True, stored=True) * 1e3
     out.update(
         {
@@ -319,6 +345,8 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             "raw_disk_read_gbps": raw_bps / 1e9,
             "raw_disk_parallel_read_gbps": raw_par_bps / 1e9,
             "raw_disk_parallel_threads": par_threads,
+            "raw_disk_prefix_parallel_read_gbps": raw_prefix_bps / 1e9,
+            "prefix_files": len(prefix_files),
             "raw_disk_direct_read_gbps": None if raw_direct_bps is None else raw_direct_bps / 1e9,
             "raw_disk_direct_refused": direct_refused,
             "storage_direct_io": storage_direct_io,
@@ -342,6 +370,9 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             "disk_split_over_cold": med["disk_split"] / med["cold"],
             "disk_split_over_optimum": med["disk_split"] / opt_ms,
             "disk_split_over_optimum_parallel": med["disk_split"] / opt_par_ms,
+            "disk_optimum_prefix_parallel_ms": prefix_par_ms,
+            "disk_split_over_optimum_prefix_parallel": med["disk_split"] / prefix_par_ms,
+            "disk_all_over_optimum_prefix_parallel": med["disk_all"] / prefix_par_ms,
             "disk_split_over_optimum_best": med["disk_split"] / opt_best_ms,
             "disk_split_over_optimum_fit_parallel": med["disk_split"] / fit_par_ms,
             "disk_split_over_optimum_fit_best": med["disk_split"] / fit_best_ms,

@@ -58,6 +58,14 @@ def print_report(res: dict[str, Any]) -> None:
         f"{res['disk_split_over_optimum_parallel']:.3f} (parallel read)"
         + (f", {res['disk_split_over_optimum_best']:.3f} (best read)" if "disk_split_over_optimum_best" in res else "")
     )
+    if "raw_disk_prefix_parallel_read_gbps" in res:
+        print(
+            f"the {res['prefix_files']} objects the prefix's request stored alone, plain reads on {res['raw_disk_parallel_threads']} "
+            f"threads (median of 3): {res['raw_disk_prefix_parallel_read_gbps']:.2f} GB/s; the optimum with it "
+            f"{res['disk_optimum_prefix_parallel_ms']:.1f} ms, disk (cost model) / it "
+            f"{res['disk_split_over_optimum_prefix_parallel']:.3f}, restore all / it "
+            f"{res['disk_all_over_optimum_prefix_parallel']:.3f}"
+        )
     if "prefill_fit" in res:
         fit = res["prefill_fit"]
         (n_long, ms_long), (n_short, ms_short) = fit["prefills_ms"]

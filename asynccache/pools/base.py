@@ -26,7 +26,7 @@ import torch
 
 from asynccache.errors import ConfigError
 from asynccache.pools.allocator import IndexAllocator
-from asynccache.pools.memory import allocate_bytes
+from asynccache.pools.memory import SharedHostMemory, allocate_bytes
 
 __all__ = ["PoolLayout", "ItemPool"]
 
@@ -57,6 +57,7 @@ class ItemPool:
         device: str | torch.device = "cpu",
         pin: bool | None = None,
         materialize: bool = True,
+        shared: bool = False,
     ) -> None:
         if num_items < 0:
             raise ConfigError(f"{name}: num_items must be >= 0, got {num_items}")
@@ -78,9 +79,13 @@ class ItemPool:
         self.allocator = IndexAllocator(num_items, name=name)
         self.buffer: torch.Tensor | None = None
         self.pinned = False
+        #: the shared memory the buffer lives in (``shared=True``: other processes map it)
+        self.shared_memory: SharedHostMemory | None = None
         if materialize:
             nbytes = self.num_layers * num_items * item_bytes
-            flat, self.pinned = allocate_bytes(nbytes, device=self.device, pin=pin, what=name)
+            flat, self.pinned, self.shared_memory = allocate_bytes(
+                nbytes, device=self.device, pin=pin, what=name, shared=shared
+            )
             if self.layout is PoolLayout.LAYER_FIRST:
                 self.buffer = flat.view(self.num_layers, num_items, item_bytes)
             else:

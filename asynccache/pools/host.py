@@ -4,6 +4,8 @@
 (``num_pages`` / ``num_slots``) or as a ratio of a device pool (``ratio`` × its items). Layout
 ``layer_first`` mirrors the device; ``page_first`` keeps one page / state contiguous across layers
 so it is one storage object with no repacking (see ``asynccache.pools.base`` for the diagrams).
+With ``shared=True`` the buffer is shared memory that other processes can map (the local disk's
+reader processes, ``read_processes``; see ``asynccache.pools.memory``).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def _host_pool_init(
     layout: PoolLayout | str,
     pin: bool | None,
     materialize: bool,
+    shared: bool,
 ) -> None:
     n = resolve_num_items(
         what=name,
@@ -85,6 +88,7 @@ def _host_pool_init(
         device="cpu",
         pin=pin,
         materialize=materialize,
+        shared=shared,
     )
 
 
@@ -100,6 +104,7 @@ class HostKVPool(KVViews, ItemPool):
         layout: PoolLayout | str = PoolLayout.PAGE_FIRST,
         pin: bool | None = None,
         materialize: bool = True,
+        shared: bool = False,
     ) -> None:
         self.spec = spec
         _host_pool_init(
@@ -116,6 +121,7 @@ class HostKVPool(KVViews, ItemPool):
             layout=layout,
             pin=pin,
             materialize=materialize,
+            shared=shared,
         )
 
 
@@ -131,6 +137,7 @@ class MambaPoolHost(StateViews, ItemPool):
         layout: PoolLayout | str = PoolLayout.PAGE_FIRST,
         pin: bool | None = None,
         materialize: bool = True,
+        shared: bool = False,
     ) -> None:
         self.spec = spec
         _host_pool_init(
@@ -147,4 +154,5 @@ class MambaPoolHost(StateViews, ItemPool):
             layout=layout,
             pin=pin,
             materialize=materialize,
+            shared=shared,
         )

@@ -3,18 +3,25 @@
 Pinning needs a working accelerator: on CPU-only torch and on CUDA builds without a driver
 ``pin_memory=True`` raises. ``pin=None`` pins when a probe allocation succeeds and falls back to
 pageable memory otherwise; ``pin=True`` demands it and raises :class:`PinningError`.
+
+A host buffer can also live in shared memory (``shared=True``, :class:`SharedHostMemory`): an
+anonymous memory file mapped shared, pinned by registering it with the CUDA runtime, which
+other processes of the same user map by :attr:`SharedHostMemory.path` — the local disk's reader
+processes read objects straight into such a pool's slots.
 """
 
 from __future__ import annotations
 
 import functools
+import mmap
 import os
+import weakref
 
 import torch
 
-from asynccache.errors import CapacityError, PinningError
+from asynccache.errors import CapacityError, ConfigError, PinningError
 
-__all__ = ["HOST_ALIGN", "pinning_available", "allocate_bytes", "available_host_bytes"]
+__all__ = ["HOST_ALIGN", "SharedHostMemory", "allocate_bytes", "available_host_bytes", "pinning_available"]
 
 #: Pageable host buffers start on a 4 KiB boundary, so that storage can read into them with
 #: ``O_DIRECT`` (direct reads fall back to the page cache for views that are not aligned).
@@ -45,15 +52,67 @@ def available_host_bytes() -> int | None:
     return None
 
 
+class SharedHostMemory:
+    """``size`` bytes of host memory in an anonymous memory file (``memfd``), mapped shared;
+    :attr:`tensor` is a flat uint8 view of it (page-aligned). While this object lives another
+    process of the same user maps the same memory by opening :attr:`path`. With ``pin`` the
+    mapping is registered with the CUDA runtime (page-locked, as pinned memory), and
+    unregistered when this object is collected."""
+
+    def __init__(self, size: int, *, pin: bool, what: str) -> None:
+        if size <= 0:
+            raise ValueError(f"{what}: shared memory needs a positive size, got {size}")
+        self.size = size
+        self._fd = os.memfd_create(f"asynccache-{what}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self._fd, size)
+            self._map = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError:
+            os.close(self._fd)
+            raise
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.pinned = False
+        if pin:
+            rt = torch.cuda.cudart()
+            err = rt.cudaHostRegister(self.tensor.data_ptr(), size, 0)
+            if int(err) != 0:
+                self.close()
+                raise PinningError(f"{what}: cudaHostRegister of {size} bytes of shared memory failed ({err})")
+            self.pinned = True
+        self._finalizer = weakref.finalize(self, _release_shared, self._fd, self.tensor.data_ptr() if pin else None)
+
+    @property
+    def path(self) -> str:
+        """Where another process opens this memory (while this object lives)."""
+        return f"/proc/{os.getpid()}/fd/{self._fd}"
+
+    def close(self) -> None:
+        """Unregister and close the file (the mapping stays while a view of it lives)."""
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+        else:
+            os.close(self._fd)
+
+
+def _release_shared(fd: int, registered_ptr: int | None) -> None:
+    if registered_ptr is not None:
+        torch.cuda.cudart().cudaHostUnregister(registered_ptr)
+    os.close(fd)
+
+
 def allocate_bytes(
-    nbytes: int, *, device: torch.device, pin: bool | None, what: str
-) -> tuple[torch.Tensor, bool]:
-    """A flat uint8 buffer of ``nbytes`` on ``device``; returns (buffer, pinned). A pageable
-    host buffer's address is a multiple of ``HOST_ALIGN``; a pinned one's is where the pinned
-    allocator puts it (a page boundary for pool-sized blocks)."""
+    nbytes: int, *, device: torch.device, pin: bool | None, what: str, shared: bool = False
+) -> tuple[torch.Tensor, bool, SharedHostMemory | None]:
+    """A flat uint8 buffer of ``nbytes`` on ``device``; returns (buffer, pinned, shared memory).
+    A pageable host buffer's address is a multiple of ``HOST_ALIGN``; a pinned one's is where
+    the pinned allocator puts it (a page boundary for pool-sized blocks); a ``shared`` one is a
+    :class:`SharedHostMemory` (host only, page-aligned, ``None`` when ``nbytes`` is 0)."""
+    if shared and device.type != "cpu":
+        raise ConfigError(f"{what}: only host memory can be shared between processes, not {device}")
     if device.type != "cpu":
         try:
-            return torch.empty(nbytes, dtype=torch.uint8, device=device), False
+            return torch.empty(nbytes, dtype=torch.uint8, device=device), False, None
         except torch.OutOfMemoryError as e:
             raise CapacityError(f"{what}: cannot allocate {nbytes} bytes on {device}: {e}") from e
     avail = available_host_bytes()
@@ -63,6 +122,12 @@ def allocate_bytes(
     do_pin = pinning_available() if pin is None else pin
     if do_pin and not pinning_available():
         raise PinningError(f"{what}: pinned host memory was demanded but no accelerator can pin memory here")
+    if shared and nbytes > 0:
+        try:
+            mem = SharedHostMemory(nbytes, pin=do_pin, what=what)
+        except OSError as e:
+            raise CapacityError(f"{what}: cannot map {nbytes} bytes of shared host memory: {e}") from e
+        return mem.tensor, mem.pinned, mem
     try:
         if do_pin:
             # not padded: the pinned allocator rounds sizes up to a power of two, so padding
@@ -74,4 +139,4 @@ def allocate_bytes(
             buf = raw[start : start + nbytes]
     except RuntimeError as e:
         raise CapacityError(f"{what}: cannot allocate {nbytes} bytes of host memory: {e}") from e
-    return buf, do_pin
+    return buf, do_pin, None

@@ -69,8 +69,23 @@ def test_every_tier_serves_the_whole_prefix(tmp_path: Path, capsys: pytest.Captu
     assert res["disk_split_over_optimum_fit_parallel"] == pytest.approx(
         res["ttft_ms"]["disk_split"] / res["disk_optimum_fit_parallel_ms"]
     )
+    # The raw read of only the objects the prefix's request stored (its 9 KV pages and the states
+    # at the page before the prompt's end and at the end), and the optimum with it.
+    stored = sorted(p.relative_to(tmp_path / "disk") for p in (tmp_path / "disk").rglob("*") if p.is_file())
+    assert res["prefix_files"] == 72 // 8 + 2 < len(stored)
+    assert res["raw_disk_prefix_parallel_read_gbps"] > 0
+    bps = res["raw_disk_prefix_parallel_read_gbps"] * 1e9
+    want = min(
+        max((a * spec.kv_bytes_per_token + (spec.state_bytes if a else 0)) / bps, (72 - a) / res["prefill_tokens_per_s"])
+        for a in range(0, 65, 8)
+    )
+    assert res["disk_optimum_prefix_parallel_ms"] == pytest.approx(want * 1e3)
+    assert res["disk_split_over_optimum_prefix_parallel"] == pytest.approx(
+        res["ttft_ms"]["disk_split"] / res["disk_optimum_prefix_parallel_ms"]
+    )
     captured = capsys.readouterr()
     printed = captured.out
+    assert "the prefix's request stored alone, plain reads" in printed
     assert "host/device" in printed and "each tail read beside a head" in printed
     assert "remaining tokens' compute from the fit" in printed
     # Progress: warm-up, 1 cold, a short warm-up and 1 short cold, the populating request, 3

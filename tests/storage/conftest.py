@@ -38,7 +38,7 @@ def s3_env(monkeypatch: pytest.MonkeyPatch, seaweedfs: SeaweedServer) -> Seaweed
     return seaweedfs
 
 
-@pytest.fixture(params=["memory", "disk", "disk-zstd", pytest.param("s3", marks=pytest.mark.s3)])
+@pytest.fixture(params=["memory", "disk", "disk-zstd", "disk-procs", pytest.param("s3", marks=pytest.mark.s3)])
 async def harness(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Harness]:
     h: Harness
     if request.param == "memory":
@@ -47,6 +47,8 @@ async def harness(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
         h = DiskHarness(tmp_path / "cache")
     elif request.param == "disk-zstd":
         h = DiskHarness(tmp_path / "cache", compression="zstd")
+    elif request.param == "disk-procs":
+        h = DiskHarness(tmp_path / "cache", read_processes=2)
     else:
         h = S3Harness(request.getfixturevalue("s3_env"))
     try:

@@ -39,10 +39,10 @@ def make_keys(n: int, *, seed: str = "k") -> list[str]:
 
 
 def make_pools(
-    num_items: int = 8, *, layout: str = "page_first", seed: int | None = 0
+    num_items: int = 8, *, layout: str = "page_first", seed: int | None = 0, shared: bool = False
 ) -> tuple[HostKVPool, MambaPoolHost]:
-    kv = HostKVPool(SPEC, num_pages=num_items, layout=layout, pin=False)
-    mamba = MambaPoolHost(SPEC, num_slots=num_items, layout=layout, pin=False)
+    kv = HostKVPool(SPEC, num_pages=num_items, layout=layout, pin=False, shared=shared)
+    mamba = MambaPoolHost(SPEC, num_slots=num_items, layout=layout, pin=False, shared=shared)
     for pool, offset in ((kv, 0), (mamba, 1)):
         assert pool.buffer is not None
         if seed is None:
@@ -232,6 +232,8 @@ class Harness:
     """Opens backends over one shared store and reads/writes/deletes raw objects by name."""
 
     kind: str
+    #: whether the tests' host pools live in shared memory (what reader processes read into)
+    shared_pools = False
 
     def __init__(self) -> None:
         self.opened: list[ObjectBackend] = []
@@ -282,14 +284,19 @@ class MemoryHarness(Harness):
 class DiskHarness(Harness):
     kind = "disk"
 
-    def __init__(self, root: Path, *, compression: str = "none") -> None:
+    def __init__(self, root: Path, *, compression: str = "none", read_processes: int = 0) -> None:
         super().__init__()
         self.root = root
-        #: the local disk's ``compression`` option for every backend this harness opens
+        #: the local disk's ``compression`` and ``read_processes`` options for every backend
+        #: this harness opens (with reader processes, the tests' pools are shared memory)
         self.compression = compression
+        self.read_processes = read_processes
+        self.shared_pools = read_processes > 0
 
     def _open(self, namespace: str, options: dict[str, Any]) -> ObjectBackend:
         options.setdefault("compression", self.compression)
+        if self.read_processes and options["compression"] == "none" and not options.get("direct_io"):
+            options.setdefault("read_processes", self.read_processes)
         return LocalDiskBackend(f"file://{self.root}", namespace=namespace, **options)
 
     async def raw_get(self, backend: ObjectBackend, name: str) -> bytes | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+import time
 import zlib
 
 import pytest
@@ -23,8 +24,9 @@ from storage_harness import (
 
 from asynccache.errors import BackendError, ConfigError
 from asynccache.pools.base import ItemPool
-from asynccache.storage import PoolName, PoolTransfer, longest_hit
-from storage_backends.base import ObjectBackend
+from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer, longest_hit
+from storage_backends.base import BatchItem, ObjectBackend
+from storage_backends.local_disk import LocalDiskBackend
 from storage_backends.object_format import ObjectGeometry
 
 DEADLINE_S = 30
@@ -32,7 +34,7 @@ DEADLINE_S = 30
 
 async def opened(h: Harness, *, layout: str = "page_first", seed: int | None = 0, **options: object):
     backend = h.open(**options)
-    kv, mamba = make_pools(layout=layout, seed=seed)
+    kv, mamba = make_pools(layout=layout, seed=seed, shared=h.shared_pools)
     await backend.register_host_pool_v2(PoolName.KV, kv)
     await backend.register_host_pool_v2(PoolName.MAMBA, mamba)
     return backend, kv, mamba
@@ -167,6 +169,56 @@ async def test_concurrent_writers_of_one_key(harness: Harness) -> None:
     assert slot(kv, 7) in [slot(k, i) for _, k, _ in writers for i in range(6)]
     assert slot(mamba, 7) in [slot(m, i) for _, _, m in writers for i in range(6)]
     assert sum(b.statistics().num_writes for b, _, _ in writers) == 2  # one KV page, one state
+
+
+def slow_writes(backend: ObjectBackend, delay_s: float) -> list[int]:
+    """Make every object write of ``backend`` take ``delay_s`` longer (a slow disk or bucket);
+    the returned list grows by one as each write starts."""
+    started: list[int] = []
+    if isinstance(backend, LocalDiskBackend):
+        write_file = backend._write_file
+
+        def slow_file(*args: object) -> bool:
+            started.append(1)
+            time.sleep(delay_s)
+            return write_file(*args)
+
+        backend._write_file = slow_file  # type: ignore[method-assign]
+    else:
+        write_object = backend._write_object
+
+        async def slow_object(item: BatchItem) -> bool:
+            started.append(1)
+            await asyncio.sleep(delay_s)
+            return await write_object(item)
+
+        backend._write_object = slow_object  # type: ignore[method-assign]
+    return started
+
+
+async def test_reads_and_probes_do_not_wait_behind_a_write_back(harness: Harness) -> None:
+    """A request's lookup and load go before the write-back of earlier requests: with every
+    slot taken by a long write batch, a probe and a read complete while the batch still runs."""
+    backend = harness.open(max_concurrency=2)
+    kv, mamba = make_pools(24, seed=5, shared=harness.shared_pools)
+    await backend.register_host_pool_v2(PoolName.KV, kv)
+    await backend.register_host_pool_v2(PoolName.MAMBA, mamba)
+    stored = make_keys(2, seed="stored")
+    assert await put(backend, kv_transfer(stored, [0, 1]), mamba_transfer(stored[1:], [0])) == [[True, True], [True]]
+    started = slow_writes(backend, 0.05)
+    pending = make_keys(20, seed="write-back")  # 20 objects, 2 at a time: at least 0.5 s
+    write_back = asyncio.create_task(put(backend, kv_transfer(pending, range(2, 22))))
+    while len(started) < 2:  # the write-back holds both slots
+        await asyncio.sleep(0.005)
+    kv_all = PoolTransfer(pool_name=PoolName.KV, hit_policy=PoolHitPolicy.ALL_PAGES)
+    assert await hit_pages(backend, stored, kv_all) == 2
+    assert await get(backend, kv_transfer(stored, [22, 23]), mamba_transfer(stored[1:], [1])) == [[True, True], [True]]
+    assert not write_back.done()
+    assert slot(kv, 22) == slot(kv, 0) and slot(kv, 23) == slot(kv, 1) and slot(mamba, 1) == slot(mamba, 0)
+    assert await write_back == [[True] * 20]
+    reader, kv2, _ = await opened(harness, seed=None)
+    assert await get(reader, kv_transfer(pending[-2:], [0, 1])) == [[True, True]]
+    assert slot(kv2, 0) == slot(kv, 20) and slot(kv2, 1) == slot(kv, 21)
 
 
 async def test_large_objects(harness: Harness) -> None:

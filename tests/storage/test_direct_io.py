@@ -21,7 +21,7 @@ from storage_harness import (
 from asynccache.errors import ConfigError
 from asynccache.pools.memory import HOST_ALIGN, allocate_bytes
 from asynccache.storage import PoolName
-from storage_backends import local_disk
+from storage_backends import local_disk, object_reads
 from storage_backends.file_io import (
     DIRECT_ALIGN,
     aligned_empty,
@@ -58,7 +58,7 @@ def test_direct_views_split_aligned_bodies_and_a_tail() -> None:
 
 def test_host_buffers_are_aligned_for_direct_reads() -> None:
     for nbytes in (100, 11264, 1 << 20, 3 << 20):
-        buf, pinned = allocate_bytes(nbytes, device=torch.device("cpu"), pin=False, what="test")
+        buf, pinned, _ = allocate_bytes(nbytes, device=torch.device("cpu"), pin=False, what="test")
         assert buf.numel() == nbytes and buf.data_ptr() % HOST_ALIGN == 0 and not pinned
         buf.fill_(7)  # the whole slice is usable
         assert int(buf.sum()) == 7 * nbytes
@@ -88,8 +88,8 @@ async def test_direct_and_buffered_reads_are_exact(
     await backend.register_host_pool_v2(PoolName.KV, kv)
     await backend.register_host_pool_v2(PoolName.MAMBA, mamba)
     opened: list[bool] = []
-    real_open = local_disk.open_read
-    monkeypatch.setattr(local_disk, "open_read", lambda path, direct: opened.append(direct) or real_open(path, direct))
+    real_open = object_reads.open_read
+    monkeypatch.setattr(object_reads, "open_read", lambda path, direct: opened.append(direct) or real_open(path, direct))
     keys = make_keys(4, seed=f"direct-{direct_io}-{layout}-{range_bytes}")
     assert await backend.batch_set_v2([kv_transfer(keys, [0, 1, 2, 3]), mamba_transfer(keys[-1:], [0])]) == [
         [True] * 4,

@@ -29,7 +29,7 @@ from storage_harness import (
 
 from asynccache.errors import BackendError, ConfigError
 from asynccache.storage import PoolName
-from storage_backends import local_disk
+from storage_backends import local_disk, object_reads
 from storage_backends.base import WorkerPool
 from storage_backends.local_disk import STALE_TMP_S, LocalDiskBackend
 from storage_backends.object_format import payload_range
@@ -157,7 +157,7 @@ async def test_a_timed_out_read_never_touches_the_slot_after_returning(tmp_path:
     dst_kv, dst = make_pools(seed=None)
     await backend.register_host_pool_v2(PoolName.MAMBA, dst)
     release = threading.Event()
-    real = local_disk.preadv_all
+    real = object_reads.preadv_all
     returned = threading.Event()
 
     def slow(fd: int, views: list[memoryview], offset: int) -> None:
@@ -166,7 +166,7 @@ async def test_a_timed_out_read_never_touches_the_slot_after_returning(tmp_path:
         real(fd, views, offset)
         returned.set()
 
-    monkeypatch.setattr(local_disk, "preadv_all", slow)
+    monkeypatch.setattr(object_reads, "preadv_all", slow)
     async with asyncio.timeout(20):
         assert await backend.batch_get_v2([mamba_transfer(keys, [1])]) == [[False]]
     assert returned.is_set()  # the worker's last write into the slot happened before the call returned

@@ -1,0 +1,228 @@
+"""Reading objects in other processes: the local disk's ``read_processes`` option.
+
+A worker thread of the local disk holds the interpreter lock for its Python steps between
+system calls (open, header check, checksum step, close). Beside a forward pass — the head of a
+split restore, or any serving loop — every one of those steps waits for the lock, and reads
+slow down (docs/benchmarks.md, Long-prefix TTFT). Here ``n`` child processes, each with an
+interpreter of its own, run the same :func:`~storage_backends.ranged_reads.read_object_range`
+straight into the host pool's slots: the pool lives in shared memory
+(:class:`~asynccache.pools.memory.SharedHostMemory`), which each child maps once.
+
+The event loop sends each child a chunk of work units at a time (the object's path, geometry,
+key, payload range and the slot's pieces as offsets into a mapped pool) and takes the reply
+when the child's pipe is readable — no thread of this process waits. A chunk is a few units,
+so a batch spreads over the children as they finish. A caller cancelled meanwhile still waits
+for the chunks in flight (a child must not write into a slot after the call that named it has
+returned); each unit has its own deadline, ``timeout_s`` from its start. A child that dies
+fails its chunk's units (a backend failure: a miss) and is started again on the next read.
+
+Children are fresh interpreters (``python -c``, a socket pair between them and this process)
+that import ``storage_backends.object_reads`` and what it needs, no torch: not forks of this
+process, which may hold a CUDA context, and not ``multiprocessing`` children, which would import
+the caller's main module again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from asynccache.errors import BackendError
+from asynccache.pools.memory import SharedHostMemory
+from storage_backends.object_reads import RangeResult, ReadUnit, reply_outcome
+from storage_backends.workers import drain_future
+
+__all__ = ["ReaderProcesses"]
+
+#: Units per message: enough to keep a child's pipe round trip small against its reads, few
+#: enough that the children share a batch's tail.
+CHUNK_UNITS_MAX = 16
+
+#: Where ``asynccache`` and ``storage_backends`` are. A child imports from them without running
+#: their ``__init__`` (which import torch): it starts in a fraction of a second and small.
+_PACKAGES_ROOT = str(Path(__file__).resolve().parents[1])
+_CHILD = """\
+import sys, types
+for name in ("asynccache", "storage_backends"):
+    package = types.ModuleType(name)
+    package.__path__ = [sys.argv[1] + "/" + name]
+    sys.modules[name] = package
+from multiprocessing.connection import Connection
+from storage_backends.object_reads import serve_reader
+serve_reader(Connection(int(sys.argv[2])))
+"""
+
+
+# ---- the parent ----------------------------------------------------------------------------------
+@dataclass(eq=False, slots=True)
+class _Child:
+    process: subprocess.Popen[bytes]
+    conn: Connection
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    mapped: set[int] = field(default_factory=set)
+    dead: bool = False
+
+
+class ReaderProcesses:
+    """``n`` child processes that read plain objects into shared host memory (see the module
+    docstring). :meth:`read` takes the units of one batch and returns each unit's result — what
+    :func:`read_object_range` returns, or the exception it raised."""
+
+    def __init__(self, n: int, *, namespace: str, header_align: int, piece_bytes: int, timeout_s: float) -> None:
+        self.n = n
+        self._args = (namespace, header_align, piece_bytes, timeout_s)
+        self._children: list[_Child | None] = [None] * n
+        self._slot_locks = [asyncio.Lock() for _ in range(n)]  # one start of a child at a time
+        self._memories: dict[int, tuple[int, int, SharedHostMemory]] = {}  # id → (base, size, memory)
+        self._closed = False
+
+    # ---- memory ----
+    def memory_id(self, memory: SharedHostMemory) -> int:
+        """The id under which the children map ``memory`` (they map it before their next read)."""
+        mem_id = id(memory)
+        if mem_id not in self._memories:
+            self._memories[mem_id] = (memory.tensor.data_ptr(), memory.size, memory)
+        return mem_id
+
+    def pieces(self, mem_id: int, views: Sequence[np.ndarray]) -> tuple[tuple[int, int, int], ...]:
+        """``views`` (of the memory ``mem_id``) as ``(id, offset, bytes)`` pieces."""
+        base, size, _ = self._memories[mem_id]
+        out = []
+        for v in views:
+            off = v.ctypes.data - base
+            if not (0 <= off and off + v.nbytes <= size):
+                raise ValueError("a view outside the shared memory it was said to be in")
+            out.append((mem_id, off, v.nbytes))
+        return tuple(out)
+
+    async def start(self) -> None:
+        """Start every child now (each takes a few hundred milliseconds to import what it
+        needs), rather than at the first read."""
+        await asyncio.gather(*(self._ready(slot) for slot in range(self.n)))
+
+    # ---- reading ----
+    async def read(self, units: Sequence[ReadUnit]) -> list[RangeResult | BaseException]:
+        if self._closed:
+            raise BackendError("the backend was closed")
+        results: list[RangeResult | BaseException] = [BackendError("not read")] * len(units)
+        chunk = max(1, min(CHUNK_UNITS_MAX, math.ceil(len(units) / (4 * self.n))))
+        starts = iter(range(0, len(units), chunk))
+
+        async def drive(slot: int) -> None:
+            for start in starts:
+                part = units[start : start + chunk]
+                try:
+                    child = await self._ready(slot)
+                    replies = await self._request(child, ("read", list(part)))
+                    for i, reply in enumerate(replies):
+                        results[start + i] = reply_outcome(reply)
+                except BackendError as e:
+                    for i in range(len(part)):
+                        results[start + i] = e
+
+        async with asyncio.TaskGroup() as tg:
+            for slot in range(min(self.n, math.ceil(len(units) / chunk))):
+                tg.create_task(drive(slot))
+        return results
+
+    async def _ready(self, slot: int) -> _Child:
+        """Child ``slot``, started if it is not running, with every memory mapped."""
+        async with self._slot_locks[slot]:
+            if self._closed:
+                raise BackendError("the backend was closed")
+            child = self._children[slot]
+            if child is None or child.dead:
+                if child is not None:
+                    await asyncio.to_thread(_stop_process, child)
+                child = await asyncio.to_thread(self._spawn)
+                self._children[slot] = child
+                await self._request(child, ("ping",))  # answered once the child has imported its modules
+            for mem_id, (_, size, memory) in list(self._memories.items()):
+                if mem_id not in child.mapped:
+                    reply = await self._request(child, ("map", mem_id, memory.path, size))
+                    if reply[0] != "ok":
+                        raise BackendError(f"reader process: {reply[1]}")
+                    child.mapped.add(mem_id)
+            return child
+
+    def _spawn(self) -> _Child:
+        ours, theirs = socket.socketpair()
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _CHILD, _PACKAGES_ROOT, str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+            )
+        except OSError as e:
+            ours.close()
+            raise BackendError(f"cannot start a reader process: {e}") from None
+        finally:
+            theirs.close()
+        conn = Connection(ours.detach())
+        conn.send(("init", *self._args))
+        return _Child(process=proc, conn=conn)
+
+    async def _request(self, child: _Child, msg: tuple[Any, ...]) -> Any:
+        """Send ``msg`` and wait for the child's reply (one message in flight per child). A
+        cancelled caller still waits for the reply: the child may be writing into slots."""
+        async with child.lock:
+            if child.dead:
+                raise BackendError("reader process exited")
+            loop = asyncio.get_running_loop()
+            fut: asyncio.Future[Any] = loop.create_future()
+            fd = child.conn.fileno()
+
+            def on_readable() -> None:
+                loop.remove_reader(fd)
+                if fut.done():
+                    return
+                try:
+                    fut.set_result(child.conn.recv())
+                except (EOFError, OSError):
+                    child.dead = True
+                    fut.set_exception(BackendError("reader process exited"))
+
+            try:
+                child.conn.send(msg)
+            except (BrokenPipeError, OSError) as e:
+                child.dead = True
+                raise BackendError(f"reader process exited: {e}") from None
+            loop.add_reader(fd, on_readable)
+            try:
+                return await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                await drain_future(fut)
+                raise
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for lock in self._slot_locks:  # after any start in progress
+            async with lock:
+                pass
+        children = [c for c in self._children if c is not None]
+        self._children = [None] * self.n
+        for child in children:
+            async with child.lock:  # after any chunk in flight
+                with contextlib.suppress(OSError):
+                    child.conn.send(("exit",))
+        await asyncio.gather(*(asyncio.to_thread(_stop_process, c) for c in children))
+
+
+def _stop_process(child: _Child, timeout_s: float = 5.0) -> None:
+    child.conn.close()  # a child still waiting for work sees the end and exits
+    try:
+        child.process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        child.process.kill()
+        child.process.wait()
+

@@ -1,0 +1,231 @@
+"""Bounded concurrency that serves the request path first.
+
+A storage backend does two kinds of work: *foreground* work that a request waits for (probing
+which keys exist, reading a prefix back) and *background* work that nothing waits for but the
+cache's own bookkeeping (writing a finished prefix back, deleting objects). Both share a few
+slots (threads, connections, the disk's queue). First come, first served would put a request's
+lookup behind every object of the previous request's write-back — on a 32k-token prefix, half a
+second of a second-and-a-half prefill. Here foreground work goes first:
+
+- :class:`PriorityLimiter` — at most ``n`` holders on one event loop; a freed slot goes to the
+  oldest foreground waiter, and only when there is none to the oldest background one.
+- :class:`WorkerPool` — at most ``n`` threads; the next job is the oldest foreground job, then
+  the oldest background one. A long background job that works through units (the objects of a
+  batch) checks :meth:`JobControl.foreground_waiting` between units and returns :data:`YIELD`
+  to give its thread up; it is queued again behind the other background jobs and picks up
+  where it stopped.
+
+Background work waits as long as foreground work keeps every slot busy; a request path that
+saturates the storage tier gets all of it.
+
+A job's ``stop`` (a :class:`JobControl`, a :class:`threading.Event`) is set when its caller is
+cancelled; the caller then waits for the job to return, so no thread touches a host slot after
+the call that named it has returned. A job cancelled before it started never runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Final, TypeVar
+
+from asynccache.errors import BackendError
+
+__all__ = ["YIELD", "JobControl", "PriorityLimiter", "WorkerPool", "drain_future"]
+
+T = TypeVar("T")
+
+
+class _Yield:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "YIELD"
+
+
+#: What a background job returns to give its thread to waiting foreground work (it runs again later).
+YIELD: Final = _Yield()
+
+
+class PriorityLimiter:
+    """At most ``n`` holders of ``async with limiter(background=...)`` at once (one event loop).
+
+    Foreground waiters are served before background ones, each kind in arrival order. A waiter
+    cancelled after it was handed a slot passes the slot on."""
+
+    def __init__(self, n: int) -> None:
+        if n < 1:
+            raise ValueError(f"a limiter needs at least one slot, got {n}")
+        self._free = n
+        self._waiters: tuple[deque[asyncio.Future[None]], deque[asyncio.Future[None]]] = (deque(), deque())
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for q in self._waiters for f in q if not f.done())
+
+    @asynccontextmanager
+    async def __call__(self, *, background: bool = False) -> AsyncIterator[None]:
+        await self._acquire(background)
+        try:
+            yield
+        finally:
+            self._release()
+
+    async def _acquire(self, background: bool) -> None:
+        if self._free > 0 and not any(self._waiters):
+            self._free -= 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        queue = self._waiters[background]
+        queue.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self._release()  # handed a slot while being cancelled: pass it on
+            else:
+                queue.remove(fut)
+            raise
+
+    def _release(self) -> None:
+        for queue in self._waiters:
+            while queue:
+                fut = queue.popleft()
+                if not fut.done():
+                    fut.set_result(None)  # the slot passes straight to the waiter
+                    return
+        self._free += 1
+
+
+class JobControl(threading.Event):
+    """A job's ``stop`` event (set when its caller is cancelled), which also tells a background
+    job whether foreground work is waiting for a thread."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        super().__init__()
+        self._pool = pool
+
+    def foreground_waiting(self) -> bool:
+        return self._pool.foreground_queued
+
+
+@dataclass(eq=False, slots=True)
+class _Job:
+    fn: Callable[[], Any]
+    future: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+    background: bool
+    started: bool = field(default=False)
+
+
+class WorkerPool:
+    """At most ``max_workers`` threads running ``fn(stop, *args)`` for ``await run(...)``,
+    foreground jobs first (see the module docstring). Threads start as work arrives and stay
+    until :meth:`aclose`, which lets queued jobs finish and refuses new ones."""
+
+    def __init__(self, max_workers: int, *, name: str) -> None:
+        if max_workers < 1:
+            raise ValueError(f"a worker pool needs at least one thread, got {max_workers}")
+        self.max_workers = max_workers
+        self.name = name
+        self._cv = threading.Condition()
+        self._queues: tuple[deque[_Job], deque[_Job]] = (deque(), deque())
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._closed = False
+
+    @property
+    def foreground_queued(self) -> bool:
+        """Whether a foreground job waits for a thread."""
+        return bool(self._queues[0])
+
+    async def run(self, fn: Callable[..., T], *args: Any, background: bool = False) -> T:
+        loop = asyncio.get_running_loop()
+        stop = JobControl(self)
+        job = _Job(fn=lambda: fn(stop, *args), future=loop.create_future(), loop=loop, background=background)
+        self._submit(job)
+        try:
+            return await asyncio.shield(job.future)
+        except asyncio.CancelledError:
+            stop.set()
+            with self._cv:
+                queued = not job.started
+                if queued:
+                    self._queues[background].remove(job)
+            if not queued:
+                await drain_future(job.future)
+            raise
+
+    def _submit(self, job: _Job) -> None:
+        with self._cv:
+            if self._closed:
+                raise BackendError("the backend was closed")
+            self._queues[job.background].append(job)
+            if self._idle:
+                self._idle -= 1  # this waiter is spoken for: the next job wakes another or starts one
+                self._cv.notify()
+            elif len(self._threads) < self.max_workers:
+                t = threading.Thread(target=self._work, name=f"{self.name}_{len(self._threads)}", daemon=True)
+                self._threads.append(t)
+                t.start()
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._queues[0] or self._queues[1] or self._closed):
+                    self._idle += 1
+                    self._cv.wait()  # woken by a submit (which took it off the idle count) or by close
+                queue = self._queues[0] or self._queues[1]
+                if not queue:
+                    return  # closed and nothing left
+                job = queue.popleft()
+                job.started = True
+            try:
+                result, error = job.fn(), None
+            except BaseException as e:  # noqa: BLE001 (delivered to the caller, whatever it is)
+                result, error = None, e
+            if result is YIELD and error is None:
+                with self._cv:
+                    job.started = False
+                    self._queues[job.background].append(job)
+                continue
+            _deliver(job, result, error)
+
+    async def aclose(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._idle = 0
+            self._cv.notify_all()
+            threads = list(self._threads)
+        await asyncio.to_thread(lambda: [t.join() for t in threads])
+
+
+def _deliver(job: _Job, result: Any, error: BaseException | None) -> None:
+    def settle() -> None:
+        if job.future.done():
+            return
+        if error is not None:
+            job.future.set_exception(error)
+        else:
+            job.future.set_result(result)
+
+    try:
+        job.loop.call_soon_threadsafe(settle)
+    except RuntimeError:
+        pass  # the loop is closed: nobody is waiting
+
+
+async def drain_future(fut: asyncio.Future[Any]) -> None:
+    """Wait for ``fut`` through further cancellations (the job must have returned before the
+    cancelled caller goes on)."""
+    while not fut.done():
+        try:
+            await asyncio.wait([fut])
+        except asyncio.CancelledError:
+            continue
+    if not fut.cancelled():
+        fut.exception()  # retrieved: the caller has gone, the outcome no longer matters
