@@ -4,17 +4,18 @@ A worker thread of the local disk holds the interpreter lock for its Python step
 system calls (open, header check, checksum step, close). Beside a forward pass — the head of a
 split restore, or any serving loop — every one of those steps waits for the lock, and reads
 slow down (docs/benchmarks.md, Long-prefix TTFT). Here ``n`` child processes, each with an
-interpreter of its own, run the same :func:`~storage_backends.ranged_reads.read_object_range`
+interpreter of its own, run the same :func:`~storage_backends.object_reads.read_object_range`
 straight into the host pool's slots: the pool lives in shared memory
 (:class:`~asynccache.pools.memory.SharedHostMemory`), which each child maps once.
 
-The event loop sends each child a chunk of work units at a time (the object's path, geometry,
-key, payload range and the slot's pieces as offsets into a mapped pool) and takes the reply
-when the child's pipe is readable — no thread of this process waits. A chunk is a few units,
-so a batch spreads over the children as they finish. A caller cancelled meanwhile still waits
-for the chunks in flight (a child must not write into a slot after the call that named it has
-returned); each unit has its own deadline, ``timeout_s`` from its start. A child that dies
-fails its chunk's units (a backend failure: a miss) and is started again on the next read.
+The event loop sends each child chunks of work units (the object's path, geometry, key,
+payload range and the slot's pieces as offsets into a mapped pool), two ahead of its replies,
+and takes each reply when the child's socket is readable — no thread of this process waits. A
+chunk is a few units, so a batch spreads over the children as they finish. A caller cancelled
+meanwhile still waits for the chunks in flight (a child must not write into a slot after the
+call that named it has returned); each unit has its own deadline, ``timeout_s`` from its
+start. A child that dies fails its chunks' units (a backend failure: a miss) and is started
+again at the next read.
 
 Children are fresh interpreters (``python -c``, a socket pair between them and this process)
 that import ``storage_backends.object_reads`` and what it needs, no torch: not forks of this
@@ -30,6 +31,7 @@ import math
 import socket
 import subprocess
 import sys
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -48,6 +50,9 @@ __all__ = ["ReaderProcesses"]
 #: Units per message: enough to keep a child's pipe round trip small against its reads, few
 #: enough that the children share a batch's tail.
 CHUNK_UNITS_MAX = 16
+#: Chunks sent to a child ahead of its replies: it starts the next one while the event loop,
+#: perhaps busy with a forward pass, has not yet taken the last reply.
+CHUNKS_IN_FLIGHT = 2
 
 #: Where ``asynccache`` and ``storage_backends`` are. A child imports from them without running
 #: their ``__init__`` (which import torch): it starts in a fraction of a second and small.
@@ -67,17 +72,20 @@ serve_reader(Connection(int(sys.argv[2])))
 # ---- the parent ----------------------------------------------------------------------------------
 @dataclass(eq=False, slots=True)
 class _Child:
+    """A running child: its replies come in the order of the requests (``pending``)."""
+
     process: subprocess.Popen[bytes]
     conn: Connection
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    pending: deque[asyncio.Future[Any]] = field(default_factory=deque)
     mapped: set[int] = field(default_factory=set)
+    watched: bool = False
     dead: bool = False
 
 
 class ReaderProcesses:
     """``n`` child processes that read plain objects into shared host memory (see the module
     docstring). :meth:`read` takes the units of one batch and returns each unit's result — what
-    :func:`read_object_range` returns, or the exception it raised."""
+    :func:`~storage_backends.object_reads.read_object_range` returns, or the exception it raised."""
 
     def __init__(self, n: int, *, namespace: str, header_align: int, piece_bytes: int, timeout_s: float) -> None:
         self.n = n
@@ -120,16 +128,37 @@ class ReaderProcesses:
         starts = iter(range(0, len(units), chunk))
 
         async def drive(slot: int) -> None:
-            for start in starts:
-                part = units[start : start + chunk]
-                try:
-                    child = await self._ready(slot)
-                    replies = await self._request(child, ("read", list(part)))
-                    for i, reply in enumerate(replies):
-                        results[start + i] = reply_outcome(reply)
-                except BackendError as e:
-                    for i in range(len(part)):
-                        results[start + i] = e
+            try:
+                child = await self._ready(slot)
+            except BackendError:
+                return  # the other children take the chunks; any left over stay failed
+            inflight: deque[tuple[int, int, asyncio.Future[Any]]] = deque()
+
+            def send_next() -> None:
+                for start in starts:
+                    part = units[start : start + chunk]
+                    inflight.append((start, len(part), self._send(child, ("read", list(part)))))
+                    return
+
+            try:
+                for _ in range(CHUNKS_IN_FLIGHT):
+                    send_next()
+                while inflight:
+                    start, count, fut = inflight[0]
+                    try:
+                        replies = await asyncio.shield(fut)
+                        for i, reply in enumerate(replies):
+                            results[start + i] = reply_outcome(reply)
+                    except BackendError as e:
+                        for i in range(count):
+                            results[start + i] = e
+                    inflight.popleft()
+                    if not child.dead:
+                        send_next()
+            except BaseException:
+                for _, _, fut in inflight:  # the child may be writing into their slots
+                    await drain_future(fut)
+                raise
 
         async with asyncio.TaskGroup() as tg:
             for slot in range(min(self.n, math.ceil(len(units) / chunk))):
@@ -172,37 +201,58 @@ class ReaderProcesses:
         conn.send(("init", *self._args))
         return _Child(process=proc, conn=conn)
 
+    def _send(self, child: _Child, msg: tuple[Any, ...]) -> asyncio.Future[Any]:
+        """Send ``msg``; the future gets the child's reply (or a BackendError if it died)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        if child.dead:
+            fut.set_exception(BackendError("reader process exited"))
+            return fut
+        try:
+            child.conn.send(msg)
+        except OSError as e:
+            self._lost(child, loop, f"reader process exited: {e}")
+            fut.set_exception(BackendError(f"reader process exited: {e}"))
+            return fut
+        child.pending.append(fut)
+        if not child.watched:
+            loop.add_reader(child.conn.fileno(), self._on_readable, child, loop)
+            child.watched = True
+        return fut
+
+    def _on_readable(self, child: _Child, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            reply = child.conn.recv()
+        except (EOFError, OSError):
+            self._lost(child, loop, "reader process exited")
+            return
+        fut = child.pending.popleft()
+        if not fut.done():
+            fut.set_result(reply)
+        if not child.pending:
+            loop.remove_reader(child.conn.fileno())
+            child.watched = False
+
+    def _lost(self, child: _Child, loop: asyncio.AbstractEventLoop, why: str) -> None:
+        """The child is gone: every request it had fails (it writes into no slot any more)."""
+        child.dead = True
+        if child.watched:
+            loop.remove_reader(child.conn.fileno())
+            child.watched = False
+        while child.pending:
+            fut = child.pending.popleft()
+            if not fut.done():
+                fut.set_exception(BackendError(why))
+
     async def _request(self, child: _Child, msg: tuple[Any, ...]) -> Any:
-        """Send ``msg`` and wait for the child's reply (one message in flight per child). A
-        cancelled caller still waits for the reply: the child may be writing into slots."""
-        async with child.lock:
-            if child.dead:
-                raise BackendError("reader process exited")
-            loop = asyncio.get_running_loop()
-            fut: asyncio.Future[Any] = loop.create_future()
-            fd = child.conn.fileno()
-
-            def on_readable() -> None:
-                loop.remove_reader(fd)
-                if fut.done():
-                    return
-                try:
-                    fut.set_result(child.conn.recv())
-                except (EOFError, OSError):
-                    child.dead = True
-                    fut.set_exception(BackendError("reader process exited"))
-
-            try:
-                child.conn.send(msg)
-            except (BrokenPipeError, OSError) as e:
-                child.dead = True
-                raise BackendError(f"reader process exited: {e}") from None
-            loop.add_reader(fd, on_readable)
-            try:
-                return await asyncio.shield(fut)
-            except asyncio.CancelledError:
-                await drain_future(fut)
-                raise
+        """``msg``'s reply. A cancelled caller still waits for it (the child may be writing
+        into slots)."""
+        fut = self._send(child, msg)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await drain_future(fut)
+            raise
 
     async def aclose(self) -> None:
         self._closed = True
@@ -211,10 +261,16 @@ class ReaderProcesses:
                 pass
         children = [c for c in self._children if c is not None]
         self._children = [None] * self.n
-        for child in children:
-            async with child.lock:  # after any chunk in flight
+        for child in children:  # each finishes the requests it has, then exits
+            if not child.dead:
                 with contextlib.suppress(OSError):
                     child.conn.send(("exit",))
+        for child in children:
+            for fut in list(child.pending):
+                await drain_future(fut)
+        loop = asyncio.get_running_loop()
+        for child in children:
+            self._lost(child, loop, "the backend was closed")
         await asyncio.gather(*(asyncio.to_thread(_stop_process, c) for c in children))
 
 

@@ -115,8 +115,12 @@ async def test_a_cancelled_read_returns_only_after_the_child_is_done(tmp_path: P
     path = backend.object_name(PoolName.KV, keys[0])
     os.unlink(path)
     os.mkfifo(path)
+    await backend._readers_start  # the children are up
     reading = asyncio.create_task(backend.batch_get_v2([kv_transfer(keys, [9])]))
-    await asyncio.sleep(0.3)
+    async with asyncio.timeout(10):
+        while not any(c.pending for c in backend._readers._children if c is not None):
+            await asyncio.sleep(0.01)  # until the unit is with a child
+    await asyncio.sleep(0.1)
     reading.cancel()
     await asyncio.sleep(0.3)
     assert not reading.done()  # still waiting for the child, which is blocked in open()
