@@ -221,7 +221,7 @@ class LocalDiskBackend(ObjectBackend):
     # ---- primitives (event loop) ---------------------------------------------------------
     async def _prepare(self) -> None:
         await self._workers.run(self._make_root)
-        if self._readers is not None:  # started in the background: a read before that waits for it
+        if self._readers is not None and not self._closed:  # in the background: a read waits for it
             self._readers_start = asyncio.get_running_loop().create_task(
                 self._readers.start(), name="asynccache-disk-readers"
             )
@@ -246,7 +246,11 @@ class LocalDiskBackend(ObjectBackend):
     async def _read_many(self, items: Sequence[BatchItem]) -> list[Outcome]:
         units = read_units(items, READ_RANGE_BYTES)
         if self._readers is not None and all(item.pool.shared_memory is not None for item in items):
-            results = await self._readers.read([self._read_unit(items[i], off, n) for i, off, n in units])
+            try:
+                work = [self._read_unit(items[i], off, n) for i, off, n in units]
+                results: list[Any] = await self._readers.read(work)
+            except BackendError as e:  # closed meanwhile: every unit failed (misses)
+                results = [e] * len(units)
         else:
             results = await self._in_jobs(
                 lambda stop, deadline, unit: self._read_range(stop, deadline, items[unit[0]], unit[1], unit[2]), units

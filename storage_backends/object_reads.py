@@ -117,8 +117,8 @@ class ReadUnit:
 # ---- the reader process ---------------------------------------------------------------------
 def serve_reader(conn: Connection) -> None:
     """Serve one parent: an ``("init", namespace, header_align, piece_bytes, timeout_s)``
-    message, then ``ping`` / ``map`` / ``read`` requests until ``exit`` or the parent's end
-    closes."""
+    message, then ``ping`` / ``map`` / ``unmap`` / ``read`` requests until ``exit`` or the
+    parent's end closes."""
     try:
         _, namespace, header_align, piece_bytes, timeout_s = conn.recv()
     except (EOFError, OSError):
@@ -143,6 +143,9 @@ def serve_reader(conn: Connection) -> None:
                 conn.send(("error", f"cannot map {path}: {e}"))
         elif msg[0] == "read":
             conn.send([_read_unit(codec, maps, unit, piece_bytes, timeout_s) for unit in msg[1]])
+        elif msg[0] == "unmap":
+            maps.pop(msg[1], None)  # the mapping goes with its last view
+            conn.send(("ok",))
         elif msg[0] == "ping":
             conn.send(("ok",))
         else:  # "exit"

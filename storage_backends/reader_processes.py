@@ -27,10 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import logging
 import math
 import socket
 import subprocess
 import sys
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,6 +47,8 @@ from asynccache.errors import BackendError
 from asynccache.pools.memory import SharedHostMemory
 from storage_backends.object_reads import RangeResult, ReadUnit, reply_outcome
 from storage_backends.workers import drain_future
+
+log = logging.getLogger("asynccache.storage")
 
 __all__ = ["ReaderProcesses"]
 
@@ -77,6 +82,8 @@ class _Child:
     process: subprocess.Popen[bytes]
     conn: Connection
     pending: deque[asyncio.Future[Any]] = field(default_factory=deque)
+    #: read chunks it may hold, all batches together
+    room: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(CHUNKS_IN_FLIGHT))
     mapped: set[int] = field(default_factory=set)
     watched: bool = False
     dead: bool = False
@@ -92,15 +99,19 @@ class ReaderProcesses:
         self._args = (namespace, header_align, piece_bytes, timeout_s)
         self._children: list[_Child | None] = [None] * n
         self._slot_locks = [asyncio.Lock() for _ in range(n)]  # one start of a child at a time
-        self._memories: dict[int, tuple[int, int, SharedHostMemory]] = {}  # id → (base, size, memory)
+        #: id → (base address, size, the memory, weakly: a pool dropped is unmapped and freed)
+        self._memories: dict[int, tuple[int, int, weakref.ref[SharedHostMemory]]] = {}
+        self._ids: weakref.WeakKeyDictionary[SharedHostMemory, int] = weakref.WeakKeyDictionary()
+        self._next_id = itertools.count()
         self._closed = False
 
     # ---- memory ----
     def memory_id(self, memory: SharedHostMemory) -> int:
         """The id under which the children map ``memory`` (they map it before their next read)."""
-        mem_id = id(memory)
-        if mem_id not in self._memories:
-            self._memories[mem_id] = (memory.tensor.data_ptr(), memory.size, memory)
+        mem_id = self._ids.get(memory)
+        if mem_id is None:
+            mem_id = self._ids[memory] = next(self._next_id)
+            self._memories[mem_id] = (memory.tensor.data_ptr(), memory.size, weakref.ref(memory))
         return mem_id
 
     def pieces(self, mem_id: int, views: Sequence[np.ndarray]) -> tuple[tuple[int, int, int], ...]:
@@ -130,19 +141,33 @@ class ReaderProcesses:
         async def drive(slot: int) -> None:
             try:
                 child = await self._ready(slot)
-            except BackendError:
-                return  # the other children take the chunks; any left over stay failed
+            except Exception as e:  # noqa: BLE001 (cannot start or map: the others take the chunks)
+                log.warning("reader process %d unavailable: %s", slot, e)
+                return  # chunks no child takes stay failed (misses)
             inflight: deque[tuple[int, int, asyncio.Future[Any]]] = deque()
 
-            def send_next() -> None:
+            # A child holds at most CHUNKS_IN_FLIGHT chunks of all batches together (its
+            # ``room``), so a slow or stuck one never fills its socket, where a send would block
+            # the loop. A drive waits for room only while it holds none: no drive holds room
+            # while it waits for more.
+            def take_chunk() -> bool:  # with a unit of room held
                 for start in starts:
                     part = units[start : start + chunk]
                     inflight.append((start, len(part), self._send(child, ("read", list(part)))))
-                    return
+                    return True
+                child.room.release()  # nothing left to send
+                return False
+
+            async def send_more() -> None:
+                while len(inflight) < CHUNKS_IN_FLIGHT and not child.dead and not child.room.locked():
+                    await child.room.acquire()  # free: returns at once
+                    if not take_chunk():
+                        return
 
             try:
-                for _ in range(CHUNKS_IN_FLIGHT):
-                    send_next()
+                await child.room.acquire()
+                if take_chunk():
+                    await send_more()
                 while inflight:
                     start, count, fut = inflight[0]
                     try:
@@ -153,11 +178,18 @@ class ReaderProcesses:
                         for i in range(count):
                             results[start + i] = e
                     inflight.popleft()
-                    if not child.dead:
-                        send_next()
+                    child.room.release()
+                    if child.dead:
+                        continue
+                    if not inflight:
+                        await child.room.acquire()
+                        if not take_chunk():
+                            break
+                    await send_more()
             except BaseException:
                 for _, _, fut in inflight:  # the child may be writing into their slots
                     await drain_future(fut)
+                    child.room.release()
                 raise
 
         async with asyncio.TaskGroup() as tg:
@@ -177,16 +209,25 @@ class ReaderProcesses:
                 child = await asyncio.to_thread(self._spawn)
                 self._children[slot] = child
                 await self._request(child, ("ping",))  # answered once the child has imported its modules
-            for mem_id, (_, size, memory) in list(self._memories.items()):
-                if mem_id not in child.mapped:
+            for mem_id, (_, size, ref) in list(self._memories.items()):
+                memory = ref()
+                if memory is None:  # its pool is gone: free the mapping here and in the children
+                    self._memories.pop(mem_id, None)
+                elif mem_id not in child.mapped:
                     reply = await self._request(child, ("map", mem_id, memory.path, size))
                     if reply[0] != "ok":
                         raise BackendError(f"reader process: {reply[1]}")
                     child.mapped.add(mem_id)
+            for mem_id in child.mapped - self._memories.keys():
+                await self._request(child, ("unmap", mem_id))
+                child.mapped.discard(mem_id)
             return child
 
     def _spawn(self) -> _Child:
-        ours, theirs = socket.socketpair()
+        try:
+            ours, theirs = socket.socketpair()
+        except OSError as e:
+            raise BackendError(f"cannot start a reader process: {e}") from None
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-c", _CHILD, _PACKAGES_ROOT, str(theirs.fileno())],
@@ -271,6 +312,7 @@ class ReaderProcesses:
         loop = asyncio.get_running_loop()
         for child in children:
             self._lost(child, loop, "the backend was closed")
+        self._memories.clear()
         await asyncio.gather(*(asyncio.to_thread(_stop_process, c) for c in children))
 
 

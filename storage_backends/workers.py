@@ -87,7 +87,7 @@ class PriorityLimiter:
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():
                 self._release()  # handed a slot while being cancelled: pass it on
-            else:
+            elif fut in queue:  # (a release in the same iteration may have dropped it already)
                 queue.remove(fut)
             raise
 
@@ -116,6 +116,7 @@ class JobControl(threading.Event):
 @dataclass(eq=False, slots=True)
 class _Job:
     fn: Callable[[], Any]
+    stop: JobControl
     future: asyncio.Future[Any]
     loop: asyncio.AbstractEventLoop
     background: bool
@@ -146,7 +147,7 @@ class WorkerPool:
     async def run(self, fn: Callable[..., T], *args: Any, background: bool = False) -> T:
         loop = asyncio.get_running_loop()
         stop = JobControl(self)
-        job = _Job(fn=lambda: fn(stop, *args), future=loop.create_future(), loop=loop, background=background)
+        job = _Job(fn=lambda: fn(stop, *args), stop=stop, future=loop.create_future(), loop=loop, background=background)
         self._submit(job)
         try:
             return await asyncio.shield(job.future)
@@ -190,9 +191,11 @@ class WorkerPool:
                 result, error = None, e
             if result is YIELD and error is None:
                 with self._cv:
-                    job.started = False
-                    self._queues[job.background].append(job)
-                continue
+                    if not job.stop.is_set():  # (a cancelled caller waits for it: settle it now)
+                        job.started = False
+                        self._queues[job.background].append(job)
+                        continue
+                result = None
             _deliver(job, result, error)
 
     async def aclose(self) -> None:

@@ -6,9 +6,11 @@ suite also runs on them: the ``disk-procs`` harness.)"""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,7 @@ from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
 from asynccache.errors import ConfigError
 from asynccache.storage import PoolName
+from storage_backends import reader_processes
 from storage_backends.local_disk import LocalDiskBackend
 from storage_backends.reader_processes import _CHILD, _PACKAGES_ROOT
 
@@ -157,3 +160,77 @@ async def test_the_cache_puts_its_host_pools_in_shared_memory_for_reader_process
         assert cache.host_kv.shared_memory is not None and cache.host_mamba.shared_memory is not None
     async with HybridCache(SPEC, config()) as cache:
         assert cache.host_kv.shared_memory is None and cache.host_mamba.shared_memory is None
+
+
+async def test_a_stuck_child_never_blocks_the_event_loop(tmp_path: Path) -> None:
+    """Many batches queue on a child stuck in open() (a FIFO in place of the object): the loop
+    must keep running (a child holds at most two chunks of all batches, so no send blocks)."""
+    backend, _, _ = await open_procs(tmp_path)
+    keys = await stored(backend, 1, "stuck")
+    await backend._readers_start
+    path = backend.object_name(PoolName.KV, keys[0])
+    os.unlink(path)
+    os.mkfifo(path)
+    batches = [asyncio.create_task(backend.batch_get_v2([kv_transfer(keys, [8 + i % 8])])) for i in range(200)]
+    for _ in range(20):  # the loop keeps turning
+        async with asyncio.timeout(1):
+            await asyncio.sleep(0.01)
+    assert not any(b.done() for b in batches)
+    os.unlink(path)  # the object is gone, and the stuck child dies: every batch is a miss
+    for child in backend._readers._children:
+        child.process.kill()
+    async with asyncio.timeout(30):
+        got = await asyncio.gather(*batches)
+    assert all(g == [[False]] for g in got)
+    await backend.aclose()
+
+
+async def test_children_that_cannot_start_cost_misses_not_errors(tmp_path: Path, monkeypatch) -> None:
+    backend, kv, _ = await open_procs(tmp_path)
+    keys = await stored(backend, 4, "nostart")
+    await backend._readers_start
+    for child in backend._readers._children:
+        child.process.kill()
+        child.process.wait()
+
+    def no_fds() -> None:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(reader_processes.socket, "socketpair", no_fds)
+    assert await backend.batch_get_v2([kv_transfer(keys, range(8, 12))]) == [[False] * 4]
+    monkeypatch.undo()
+    assert await backend.batch_get_v2([kv_transfer(keys, range(8, 12))]) == [[True] * 4]
+    assert [slot(kv, 8 + i) for i in range(4)] == [slot(kv, i) for i in range(4)]
+    await backend.aclose()
+
+
+async def test_closing_while_the_first_read_starts_gives_misses(tmp_path: Path) -> None:
+    writer, _, _ = await open_procs(tmp_path)
+    keys = await stored(writer, 4, "closing")
+    await writer.aclose()
+    backend, _, _ = await open_procs(tmp_path)
+    reading = asyncio.create_task(backend.batch_get_v2([kv_transfer(keys, range(8, 12))]))
+    await asyncio.sleep(0)
+    await backend.aclose()
+    got = await reading
+    assert len(got[0]) == 4 and all(isinstance(hit, bool) for hit in got[0])
+
+
+async def test_a_dropped_pool_is_unmapped_in_the_children_and_freed(tmp_path: Path) -> None:
+    backend, _, _ = await open_procs(tmp_path)
+    keys = await stored(backend, 2, "dropped")
+    other_kv, other_mamba = make_pools(4, seed=None, shared=True)
+    await backend.register_host_pool_v2(PoolName.KV, other_kv)
+    assert await backend.batch_get_v2([kv_transfer(keys, [0, 1])]) == [[True, True]]
+    assert len(backend._readers._memories) == 1
+    memory = weakref.ref(other_kv.shared_memory)
+    kv, _ = make_pools(4, seed=None, shared=True)
+    await backend.register_host_pool_v2(PoolName.KV, kv)
+    del other_kv, other_mamba
+    gc.collect()
+    assert memory() is None  # the readers hold no strong reference
+    assert await backend.batch_get_v2([kv_transfer(keys, [2, 3])]) == [[True, True]]
+    assert len(backend._readers._memories) == 1
+    assert all(len(c.mapped) == 1 for c in backend._readers._children if c is not None)
+    await backend.aclose()
+    assert backend._readers._memories == {}

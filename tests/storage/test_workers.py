@@ -232,3 +232,64 @@ async def test_jobs_submitted_together_run_together_whatever_threads_are_idle() 
     async with asyncio.timeout(10):
         assert sorted(await asyncio.gather(*(pool.run(job) for _ in range(8)))) == list(range(8))
     await pool.aclose()
+
+
+async def test_a_waiter_cancelled_as_the_slot_is_released_raises_cancelled_and_keeps_the_count() -> None:
+    limiter = PriorityLimiter(1)
+    release = asyncio.Event()
+
+    async def holder() -> None:
+        async with limiter():
+            await release.wait()
+
+    async def waiter() -> None:
+        async with limiter():
+            pass
+
+    h = asyncio.create_task(holder())
+    await asyncio.sleep(0)
+    w = asyncio.create_task(waiter())
+    await asyncio.sleep(0)
+    release.set()  # the holder releases in the same iteration as the waiter's cancellation
+    w.cancel()
+    await h
+    with pytest.raises(asyncio.CancelledError):
+        await w
+    assert limiter.num_waiting == 0
+    async with asyncio.timeout(1), limiter():  # the one slot is free
+        pass
+
+
+async def test_a_background_job_yielding_as_its_caller_is_cancelled_is_not_queued_again() -> None:
+    """The cancelled caller waits for its running job; a job that yields then must be settled,
+    not put back behind the foreground work (which would hold the caller as long)."""
+    pool = WorkerPool(1, name="test-prio")
+    loop = asyncio.get_running_loop()
+    deciding = asyncio.Event()
+    runs: list[float] = []
+
+    def background(stop: JobControl) -> object:
+        runs.append(time.monotonic())
+        if stop.is_set():
+            return None
+        while not stop.foreground_waiting():
+            time.sleep(0.001)
+        loop.call_soon_threadsafe(deciding.set)
+        stop.wait(5)  # the caller is cancelled while this job is about to yield
+        return YIELD
+
+    def foreground(stop: JobControl) -> str:
+        time.sleep(1.0)
+        return "fg"
+
+    b = asyncio.create_task(pool.run(background, background=True))
+    await asyncio.sleep(0.05)
+    f = asyncio.create_task(pool.run(foreground))
+    await deciding.wait()
+    t0 = time.monotonic()
+    b.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await b
+    assert time.monotonic() - t0 < 0.5 and len(runs) == 1
+    assert await f == "fg"
+    await pool.aclose()
