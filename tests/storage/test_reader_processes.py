@@ -48,6 +48,13 @@ async def stored(backend: LocalDiskBackend, n: int, seed: str) -> list[str]:
     return keys
 
 
+async def reads_back(backend: LocalDiskBackend, kv: object, keys: list[str]) -> None:
+    """The pages of ``keys`` (slots 0…) read back into slots 8…, every one a hit, bytes equal."""
+    n = len(keys)
+    assert await backend.batch_get_v2([kv_transfer(keys, range(8, 8 + n))]) == [[True] * n]
+    assert [slot(kv, 8 + i) for i in range(n)] == [slot(kv, i) for i in range(n)]
+
+
 def test_a_reader_process_imports_no_torch() -> None:
     probe = _CHILD.replace(
         "serve_reader(Connection(int(sys.argv[2])))", "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
@@ -86,8 +93,7 @@ async def test_pools_outside_shared_memory_are_read_by_the_threads(tmp_path: Pat
         raise AssertionError("the reader processes cannot reach these pools")
 
     backend._readers.read = refuse  # type: ignore[method-assign]
-    assert await backend.batch_get_v2([kv_transfer(keys, range(8, 12))]) == [[True] * 4]
-    assert [slot(kv, 8 + i) for i in range(4)] == [slot(kv, i) for i in range(4)]
+    await reads_back(backend, kv, keys)
     await backend.aclose()
 
 
@@ -199,8 +205,7 @@ async def test_children_that_cannot_start_cost_misses_not_errors(tmp_path: Path,
     monkeypatch.setattr(reader_processes.socket, "socketpair", no_fds)
     assert await backend.batch_get_v2([kv_transfer(keys, range(8, 12))]) == [[False] * 4]
     monkeypatch.undo()
-    assert await backend.batch_get_v2([kv_transfer(keys, range(8, 12))]) == [[True] * 4]
-    assert [slot(kv, 8 + i) for i in range(4)] == [slot(kv, i) for i in range(4)]
+    await reads_back(backend, kv, keys)
     await backend.aclose()
 
 
