@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -123,26 +124,38 @@ class _Job:
     started: bool = field(default=False)
 
 
+class _PoolState:
+    """What a pool's threads share with it. The threads hold this, not the pool: a pool that
+    is dropped unclosed is collected, and its finalizer lets the idle threads exit."""
+
+    __slots__ = ("closed", "cv", "idle", "queues", "threads")
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.queues: tuple[deque[_Job], deque[_Job]] = (deque(), deque())  # foreground, background
+        self.threads: list[threading.Thread] = []
+        self.idle = 0
+        self.closed = False
+
+
 class WorkerPool:
     """At most ``max_workers`` threads running ``fn(stop, *args)`` for ``await run(...)``,
     foreground jobs first (see the module docstring). Threads start as work arrives and stay
-    until :meth:`aclose`, which lets queued jobs finish and refuses new ones."""
+    until :meth:`aclose` (or until the pool is collected), which lets queued jobs finish and
+    refuses new ones."""
 
     def __init__(self, max_workers: int, *, name: str) -> None:
         if max_workers < 1:
             raise ValueError(f"a worker pool needs at least one thread, got {max_workers}")
         self.max_workers = max_workers
         self.name = name
-        self._cv = threading.Condition()
-        self._queues: tuple[deque[_Job], deque[_Job]] = (deque(), deque())
-        self._threads: list[threading.Thread] = []
-        self._idle = 0
-        self._closed = False
+        self._state = _PoolState()
+        weakref.finalize(self, _close, self._state)
 
     @property
     def foreground_queued(self) -> bool:
         """Whether a foreground job waits for a thread."""
-        return bool(self._queues[0])
+        return bool(self._state.queues[0])
 
     async def run(self, fn: Callable[..., T], *args: Any, background: bool = False) -> T:
         loop = asyncio.get_running_loop()
@@ -153,58 +166,66 @@ class WorkerPool:
             return await asyncio.shield(job.future)
         except asyncio.CancelledError:
             stop.set()
-            with self._cv:
+            state = self._state
+            with state.cv:
                 queued = not job.started
                 if queued:
-                    self._queues[background].remove(job)
+                    state.queues[background].remove(job)
             if not queued:
                 await drain_future(job.future)
             raise
 
     def _submit(self, job: _Job) -> None:
-        with self._cv:
-            if self._closed:
+        state = self._state
+        with state.cv:
+            if state.closed:
                 raise BackendError("the backend was closed")
-            self._queues[job.background].append(job)
-            if self._idle:
-                self._idle -= 1  # this waiter is spoken for: the next job wakes another or starts one
-                self._cv.notify()
-            elif len(self._threads) < self.max_workers:
-                t = threading.Thread(target=self._work, name=f"{self.name}_{len(self._threads)}", daemon=True)
-                self._threads.append(t)
+            state.queues[job.background].append(job)
+            if state.idle:
+                state.idle -= 1  # this waiter is spoken for: the next job wakes another or starts one
+                state.cv.notify()
+            elif len(state.threads) < self.max_workers:
+                t = threading.Thread(target=_work, args=(state,), name=f"{self.name}_{len(state.threads)}", daemon=True)
+                state.threads.append(t)
                 t.start()
 
-    def _work(self) -> None:
-        while True:
-            with self._cv:
-                while not (self._queues[0] or self._queues[1] or self._closed):
-                    self._idle += 1
-                    self._cv.wait()  # woken by a submit (which took it off the idle count) or by close
-                queue = self._queues[0] or self._queues[1]
-                if not queue:
-                    return  # closed and nothing left
-                job = queue.popleft()
-                job.started = True
-            try:
-                result, error = job.fn(), None
-            except BaseException as e:  # noqa: BLE001 (delivered to the caller, whatever it is)
-                result, error = None, e
-            if result is YIELD and error is None:
-                with self._cv:
-                    if not job.stop.is_set():  # (a cancelled caller waits for it: settle it now)
-                        job.started = False
-                        self._queues[job.background].append(job)
-                        continue
-                result = None
-            _deliver(job, result, error)
-
     async def aclose(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._idle = 0
-            self._cv.notify_all()
-            threads = list(self._threads)
+        threads = _close(self._state)
         await asyncio.to_thread(lambda: [t.join() for t in threads])
+
+
+def _close(state: _PoolState) -> list[threading.Thread]:
+    with state.cv:
+        state.closed = True
+        state.idle = 0
+        state.cv.notify_all()
+        return list(state.threads)
+
+
+def _work(state: _PoolState) -> None:
+    while True:
+        with state.cv:
+            while not (state.queues[0] or state.queues[1] or state.closed):
+                state.idle += 1
+                state.cv.wait()  # woken by a submit (which took it off the idle count) or by close
+            queue = state.queues[0] or state.queues[1]
+            if not queue:
+                return  # closed and nothing left
+            job = queue.popleft()
+            job.started = True
+        try:
+            result, error = job.fn(), None
+        except BaseException as e:  # noqa: BLE001 (delivered to the caller, whatever it is)
+            result, error = None, e
+        if result is YIELD and error is None:
+            with state.cv:
+                if not job.stop.is_set():  # (a cancelled caller waits for it: settle it now)
+                    job.started = False
+                    state.queues[job.background].append(job)
+                    continue
+            result = None
+        _deliver(job, result, error)
+        del job, result, error  # nothing of a finished job keeps its pool alive
 
 
 def _deliver(job: _Job, result: Any, error: BaseException | None) -> None:

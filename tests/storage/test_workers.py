@@ -4,6 +4,7 @@ and the worker pool of ``storage_backends.workers``."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 
@@ -293,3 +294,15 @@ async def test_a_background_job_yielding_as_its_caller_is_cancelled_is_not_queue
     assert time.monotonic() - t0 < 0.5 and len(runs) == 1
     assert await f == "fg"
     await pool.aclose()
+
+
+async def test_a_pool_dropped_without_closing_lets_its_threads_exit() -> None:
+    pool = WorkerPool(3, name="test-dropped")
+    assert sorted(await asyncio.gather(*(pool.run(lambda stop, i=i: i) for i in range(3)))) == [0, 1, 2]
+    threads = list(pool._state.threads)
+    assert threads and all(t.is_alive() for t in threads)
+    del pool
+    gc.collect()
+    for t in threads:
+        t.join(5)
+    assert not any(t.is_alive() for t in threads)
