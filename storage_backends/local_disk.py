@@ -191,7 +191,7 @@ class LocalDiskBackend(ObjectBackend):
         self._written_sizes: dict[str, int] = {}
         self._dirs: set[str] = set()
         check_int("read_processes", read_processes, minimum=0)
-        if read_processes and (compression != "none" or direct_io):
+        if read_processes and (compression != "none" or direct_io is not False):
             raise ConfigError("read_processes reads plain objects through the page cache: it cannot be combined "
                               "with compression or direct_io")
         #: child processes that read into shared-memory pools (``read_processes``; see

@@ -295,7 +295,7 @@ class DiskHarness(Harness):
 
     def _open(self, namespace: str, options: dict[str, Any]) -> ObjectBackend:
         options.setdefault("compression", self.compression)
-        if self.read_processes and options["compression"] == "none" and not options.get("direct_io"):
+        if self.read_processes and options["compression"] == "none" and options.get("direct_io", False) is False:
             options.setdefault("read_processes", self.read_processes)
         return LocalDiskBackend(f"file://{self.root}", namespace=namespace, **options)
 

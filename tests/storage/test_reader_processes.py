@@ -148,6 +148,7 @@ async def test_a_cancelled_read_returns_only_after_the_child_is_done(tmp_path: P
         ({"read_processes": -1}, "read_processes must be an int >= 0"),
         ({"read_processes": 2, "compression": "zstd"}, "cannot be combined"),
         ({"read_processes": 2, "direct_io": True}, "cannot be combined"),
+        ({"read_processes": 2, "direct_io": None}, "cannot be combined"),
     ],
 )
 def test_bad_options_are_refused(tmp_path: Path, options: dict[str, object], message: str) -> None:
