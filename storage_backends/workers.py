@@ -106,12 +106,12 @@ class JobControl(threading.Event):
     """A job's ``stop`` event (set when its caller is cancelled), which also tells a background
     job whether foreground work is waiting for a thread."""
 
-    def __init__(self, pool: WorkerPool) -> None:
+    def __init__(self, state: _PoolState) -> None:
         super().__init__()
-        self._pool = pool
+        self._queues = state.queues
 
     def foreground_waiting(self) -> bool:
-        return self._pool.foreground_queued
+        return bool(self._queues[0])
 
 
 @dataclass(eq=False, slots=True)
@@ -152,14 +152,9 @@ class WorkerPool:
         self._state = _PoolState()
         weakref.finalize(self, _close, self._state)
 
-    @property
-    def foreground_queued(self) -> bool:
-        """Whether a foreground job waits for a thread."""
-        return bool(self._state.queues[0])
-
     async def run(self, fn: Callable[..., T], *args: Any, background: bool = False) -> T:
         loop = asyncio.get_running_loop()
-        stop = JobControl(self)
+        stop = JobControl(self._state)
         job = _Job(fn=lambda: fn(stop, *args), stop=stop, future=loop.create_future(), loop=loop, background=background)
         self._submit(job)
         try:

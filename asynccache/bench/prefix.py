@@ -154,11 +154,9 @@ def _stored_fraction(root: Path, spec: HybridSpec) -> float:
     """Bytes the stored objects take on disk (headers included) over the payload bytes they
     hold: 1 and a little for plain objects, less for compressed ones."""
     stored = payload = 0
-    for path in root.rglob("*"):
-        if path.is_file() and not path.name.endswith(".tmp"):
-            pool = path.parent.parent.name
-            stored += path.stat().st_size
-            payload += spec.state_bytes if pool == "mamba" else spec.kv_page_bytes
+    for path in _object_files(root):
+        stored += path.stat().st_size
+        payload += spec.state_bytes if path.parent.parent.name == "mamba" else spec.kv_page_bytes
     return stored / payload if payload else 1.0
 
 

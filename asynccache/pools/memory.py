@@ -76,23 +76,15 @@ class SharedHostMemory:
             rt = torch.cuda.cudart()
             err = rt.cudaHostRegister(self.tensor.data_ptr(), size, 0)
             if int(err) != 0:
-                self.close()
+                os.close(self._fd)
                 raise PinningError(f"{what}: cudaHostRegister of {size} bytes of shared memory failed ({err})")
             self.pinned = True
-        self._finalizer = weakref.finalize(self, _release_shared, self._fd, self.tensor.data_ptr() if pin else None)
+        weakref.finalize(self, _release_shared, self._fd, self.tensor.data_ptr() if pin else None)
 
     @property
     def path(self) -> str:
         """Where another process opens this memory (while this object lives)."""
         return f"/proc/{os.getpid()}/fd/{self._fd}"
-
-    def close(self) -> None:
-        """Unregister and close the file (the mapping stays while a view of it lives)."""
-        finalizer = getattr(self, "_finalizer", None)
-        if finalizer is not None:
-            finalizer()
-        else:
-            os.close(self._fd)
 
 
 def _release_shared(fd: int, registered_ptr: int | None) -> None:

@@ -30,7 +30,6 @@ from storage_harness import (
 from asynccache.errors import BackendError, ConfigError
 from asynccache.storage import PoolName
 from storage_backends import local_disk, object_reads
-from storage_backends.base import WorkerPool
 from storage_backends.local_disk import STALE_TMP_S, LocalDiskBackend
 from storage_backends.object_format import payload_range
 from storage_backends.ranged_reads import item_outcomes, read_units
@@ -173,24 +172,6 @@ async def test_a_timed_out_read_never_touches_the_slot_after_returning(tmp_path:
     assert backend.statistics().num_timeouts == 1
     assert slot(dst, 1) != slot(mamba, 0)  # never completed
     await backend.aclose()
-
-
-async def test_worker_pool_waits_for_a_cancelled_job() -> None:
-    pool = WorkerPool(2, name="test-workers")
-    started, finished = threading.Event(), threading.Event()
-
-    def job(stop: threading.Event) -> None:
-        started.set()
-        while not stop.wait(0.01):
-            pass
-        time.sleep(0.05)  # the job's last touch of shared memory
-        finished.set()
-
-    with pytest.raises(TimeoutError):
-        async with asyncio.timeout(0.1):
-            await pool.run(job)
-    assert started.is_set() and finished.is_set()
-    await pool.aclose()
 
 
 async def test_no_fsync_and_no_leftovers(tmp_path: Path) -> None:

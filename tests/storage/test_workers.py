@@ -118,20 +118,23 @@ async def test_a_background_job_gives_its_thread_to_foreground_work_between_unit
     await pool.aclose()
 
 
-async def test_foreground_jobs_start_before_queued_background_jobs() -> None:
+async def held_pool() -> tuple[WorkerPool, threading.Event, asyncio.Task[None]]:
+    """A one-thread pool whose thread is held by a job until the returned event is set."""
     pool = WorkerPool(1, name="test-prio")
     gate = threading.Event()
-    order: list[str] = []
+    first = asyncio.create_task(pool.run(lambda stop: gate.wait(5) and None))
+    await asyncio.sleep(0.02)
+    return pool, gate, first
 
-    def blocker(stop: JobControl) -> None:
-        gate.wait(5)
+
+async def test_foreground_jobs_start_before_queued_background_jobs() -> None:
+    pool, gate, first = await held_pool()
+    order: list[str] = []
 
     def record(stop: JobControl, name: str) -> str:
         order.append(name)
         return name
 
-    first = asyncio.create_task(pool.run(blocker))
-    await asyncio.sleep(0.02)
     jobs = [asyncio.create_task(pool.run(record, n, background=n.startswith("b"))) for n in ("b1", "f1", "b2", "f2")]
     await asyncio.sleep(0.02)
     gate.set()
@@ -141,15 +144,8 @@ async def test_foreground_jobs_start_before_queued_background_jobs() -> None:
 
 
 async def test_a_job_cancelled_before_it_started_never_runs() -> None:
-    pool = WorkerPool(1, name="test-prio")
-    gate = threading.Event()
+    pool, gate, first = await held_pool()
     ran: list[str] = []
-
-    def blocker(stop: JobControl) -> None:
-        gate.wait(5)
-
-    first = asyncio.create_task(pool.run(blocker))
-    await asyncio.sleep(0.02)
     queued = asyncio.create_task(pool.run(lambda stop: ran.append("queued")))
     await asyncio.sleep(0.02)
     queued.cancel()
@@ -164,9 +160,10 @@ async def test_a_job_cancelled_before_it_started_never_runs() -> None:
 
 async def test_a_cancelled_running_job_is_waited_for_and_errors_reach_the_caller() -> None:
     pool = WorkerPool(2, name="test-prio")
-    finished = threading.Event()
+    started, finished = threading.Event(), threading.Event()
 
     def job(stop: JobControl) -> None:
+        started.set()
         while not stop.wait(0.01):
             pass
         time.sleep(0.05)  # the job's last touch of shared memory
@@ -175,7 +172,7 @@ async def test_a_cancelled_running_job_is_waited_for_and_errors_reach_the_caller
     with pytest.raises(TimeoutError):
         async with asyncio.timeout(0.1):
             await pool.run(job)
-    assert finished.is_set()
+    assert started.is_set() and finished.is_set()
 
     def fails(stop: JobControl) -> None:
         raise OSError("disk on fire")
