@@ -11,17 +11,56 @@ The one object a serving engine holds::
 
 from __future__ import annotations
 
+import logging
+import sys
+from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 
 from asynccache.config import HybridCacheConfig
 from asynccache.controller import HybridCacheController
+from asynccache.errors import CapacityError, PinningError
 from asynccache.pools import DeviceKVPool, DeviceMambaPool, HostKVPool, MambaPoolHost
 from asynccache.spec import HybridSpec
 from asynccache.storage import StorageBackend, open_backend
 
-__all__ = ["HybridCache"]
+__all__ = ["HybridCache", "effective_storage_options"]
+
+log = logging.getLogger("asynccache.cache")
+
+
+def effective_storage_options(
+    config: HybridCacheConfig, device: str | torch.device, *, materialize: bool = True
+) -> dict[str, Any]:
+    """The options the storage backend is opened with: ``config.storage_options``, and reader
+    processes for a local disk on a CUDA device.
+
+    There a serving loop's forward pass holds the interpreter lock for much of its time, and the
+    disk's worker threads read slower beside it than children with interpreters of their own
+    (split restores of a 32k-token prefix 19–38 % faster in the same run on H200 machines:
+    docs/benchmarks.md, Long-prefix TTFT). So a ``file://`` tier that leaves ``read_processes``
+    unset reads in ``max_concurrency`` children when the cache is on CUDA with real host pools
+    (Linux, plain objects read through the page cache: no ``compression``, no ``direct_io``).
+    ``read_processes=0`` keeps the threads; on CPU the threads stay the default.
+    """
+    options = dict(config.storage_options)
+    if (
+        "read_processes" not in options
+        and config.storage_uri is not None
+        and urlsplit(config.storage_uri).scheme == "file"
+        and torch.device(device).type == "cuda"
+        and materialize
+        and config.has_host_tier
+        and sys.platform.startswith("linux")
+        and options.get("compression", "none") == "none"
+        and options.get("direct_io", False) is False
+    ):
+        from storage_backends.local_disk import LocalDiskBackend
+
+        options["read_processes"] = options.get("max_concurrency") or LocalDiskBackend.default_max_concurrency
+    return options
 
 
 class HybridCache:
@@ -43,27 +82,26 @@ class HybridCache:
         self.config = config
         self.device_kv = DeviceKVPool(spec, config.device_kv_pages, device=device, materialize=materialize)
         self.device_mamba = DeviceMambaPool(spec, config.device_state_slots, device=device, materialize=materialize)
-        pin = config.pin_host_memory
+        #: the options the storage backend is opened with (see :func:`effective_storage_options`);
+        #: the config's own when the caller hands a backend in
+        self.storage_options: Mapping[str, Any] = (
+            effective_storage_options(config, device, materialize=materialize)
+            if backend is None
+            else dict(config.storage_options)
+        )
         # a storage tier that reads in other processes needs host pools they can map
-        shared = bool(config.storage_options.get("read_processes")) and materialize
-        self.host_kv = (
-            HostKVPool(
-                spec, size_bytes=config.host_kv_bytes, layout=config.host_layout, pin=pin, materialize=materialize,
-                shared=shared,
-            )
-            if config.host_kv_bytes > 0
-            else None
-        )
-        self.host_mamba = (
-            MambaPoolHost(
-                spec, size_bytes=config.host_state_bytes, layout=config.host_layout, pin=pin, materialize=materialize,
-                shared=shared,
-            )
-            if config.host_state_bytes > 0
-            else None
-        )
+        shared = bool(self.storage_options.get("read_processes")) and materialize
+        try:
+            self.host_kv, self.host_mamba = self._host_pools(shared, materialize=materialize)
+        except (PinningError, CapacityError) as e:
+            if not shared or "read_processes" in config.storage_options:
+                raise
+            # reader processes chosen here, not by the caller: fall back to the reader threads
+            log.warning("host pools in shared memory unavailable (%s): the storage tier reads with threads", e)
+            self.storage_options = {**self.storage_options, "read_processes": 0}
+            self.host_kv, self.host_mamba = self._host_pools(False, materialize=materialize)
         if backend is None and config.storage_uri is not None:
-            backend = open_backend(config.storage_uri, namespace=spec.namespace_id, **config.storage_options)
+            backend = open_backend(config.storage_uri, namespace=spec.namespace_id, **self.storage_options)
         self.tree = HybridRadixTree(
             spec,
             device_kv=self.device_kv,
@@ -84,6 +122,17 @@ class HybridCache:
             backend=backend,
         )
         self.tree.write_back = self.controller.write_back
+
+    def _host_pools(self, shared: bool, *, materialize: bool) -> tuple[HostKVPool | None, MambaPoolHost | None]:
+        config = self.config
+
+        def pool(cls: type[HostKVPool | MambaPoolHost], size: int) -> Any:
+            return cls(
+                self.spec, size_bytes=size, layout=config.host_layout, pin=config.pin_host_memory,
+                materialize=materialize, shared=shared,
+            ) if size > 0 else None  # fmt: skip
+
+        return pool(HostKVPool, config.host_kv_bytes), pool(MambaPoolHost, config.host_state_bytes)
 
     @classmethod
     def build(cls, spec: HybridSpec, config: HybridCacheConfig, **kwargs: Any) -> HybridCache:

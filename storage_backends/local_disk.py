@@ -32,7 +32,8 @@ by default: an option for capacity, or for disks slower than the cores decode.
 With the option ``read_processes=N`` reads run in N child processes instead, straight into host
 pools that live in shared memory (``storage_backends.reader_processes``): a child has an
 interpreter of its own, so a forward pass beside the read does not hold up its Python steps.
-Pools not in shared memory, writes and deletes stay on the threads.
+Pools not in shared memory, writes and deletes stay on the threads. ``HybridCache`` sets this
+option itself on a CUDA device (``asynccache.cache.effective_storage_options``).
 
 A payload larger than ``READ_RANGE_BYTES`` (a Mamba state of tens of MB) is read as ranges on
 several jobs at once, first in the batch, and its checksum is the sum of the ranges' (the
@@ -458,7 +459,8 @@ def open_local_disk(uri: str, **options: Any) -> LocalDiskBackend:
     ``None``: ``O_DIRECT`` where the filesystem allows it), ``compression`` (``"none"``, the
     default, or ``"zstd"``: objects stored as compressed frames, see
     ``storage_backends.compression``; read through the page cache), ``read_processes`` (0, the
-    default: worker threads read; ``N``: N child processes read plain objects into host pools
-    allocated in shared memory — ``HostKVPool(..., shared=True)``, which ``HybridCache`` does
-    when this option is set — see ``storage_backends.reader_processes``)."""
+    backend's default: worker threads read; ``N``: N child processes read plain objects into
+    host pools allocated in shared memory — ``HostKVPool(..., shared=True)``, which
+    ``HybridCache`` does when this option is set, and which it sets to ``max_concurrency`` on a
+    CUDA device unless told otherwise — see ``storage_backends.reader_processes``)."""
     return LocalDiskBackend(uri, **options)

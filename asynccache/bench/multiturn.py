@@ -34,8 +34,10 @@ import uvloop
 
 from asynccache.bench.options import positive_int
 from asynccache.bench.progress import progress_bar
+from asynccache.bench.storage import parse_options
 from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
+from asynccache.errors import ConfigError
 from asynccache.reference.model import HybridModel
 from asynccache.reference.scheduler import RequestResult, Scheduler, SchedulerConfig
 from asynccache.reference.workload import ProcessedPrefixes, make_conversations
@@ -62,6 +64,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-kv-bytes", type=positive_int, default=None, help="host KV bytes (default: holds every client)")
     p.add_argument("--host-state-bytes", type=positive_int, default=None, help="host state bytes (default: 4 states per client per round)")
     p.add_argument("--storage", default=None, help="storage URI for kv+mamba+storage (default: temp directory)")
+    p.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option of the storage backend, repeatable (e.g. read_processes=0 to read with threads on CUDA)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", default=None, help="write results as JSON to this path")
     p.add_argument("--plot", default=None, help="write a PNG of hit rate and TTFT per round to this path")
@@ -72,6 +81,8 @@ class ModeResult:
     results: list[list[RequestResult]] = field(default_factory=list)  # per round
     ideal: list[list[int]] = field(default_factory=list)
     wall_s: float = 0.0
+    #: the storage backend's options, with the defaults the cache chose (storage mode only)
+    storage_options: dict[str, Any] | None = None
 
     def summary(self) -> dict[str, Any]:
         flat = [r for rnd in self.results for r in rnd]
@@ -81,7 +92,7 @@ class ModeResult:
         ttft = np.array([r.ttft_s * 1e3 for r in flat])
         out_tokens = sum(len(r.output_ids) for r in flat)
         by_tier = {t: sum(r.cached_by_tier.get(t, 0) for r in flat) for t in ("device", "host", "storage")}
-        return {
+        out: dict[str, Any] = {
             "hit_rate": cached / prompt,
             "ideal_hit_rate": ideal / prompt,
             "fraction_of_ideal": cached / ideal if ideal else 1.0,
@@ -101,6 +112,9 @@ class ModeResult:
                 for rnd, ide in zip(self.results, self.ideal, strict=True)
             ],
         }
+        if self.storage_options is not None:
+            out["storage_options"] = self.storage_options
+        return out
 
 
 def _default_budgets(args: argparse.Namespace, spec: HybridSpec) -> dict[str, int]:
@@ -119,7 +133,9 @@ def _default_budgets(args: argparse.Namespace, spec: HybridSpec) -> dict[str, in
     }
 
 
-def _mode_config(mode: str, budgets: dict[str, int], storage_uri: str | None) -> HybridCacheConfig:
+def _mode_config(
+    mode: str, budgets: dict[str, int], storage_uri: str | None, storage_options: dict[str, Any] | None = None
+) -> HybridCacheConfig:
     host_kv = budgets["host_kv_bytes"] if mode != "no-offload" else 0
     host_state = budgets["host_state_bytes"] if mode in ("kv+mamba-offload", "kv+mamba+storage") else 0
     return HybridCacheConfig(
@@ -129,6 +145,7 @@ def _mode_config(mode: str, budgets: dict[str, int], storage_uri: str | None) ->
         host_state_bytes=host_state,
         write_policy="write_through",
         storage_uri=storage_uri if mode == "kv+mamba+storage" else None,
+        storage_options=(storage_options or {}) if mode == "kv+mamba+storage" else {},
         prefetch_policy="wait_complete",
     )
 
@@ -150,7 +167,7 @@ async def run_mode(
         vocab_size=spec.vocab_size,
         seed=args.seed,
     )
-    cfg = _mode_config(mode, budgets, storage_uri)
+    cfg = _mode_config(mode, budgets, storage_uri, parse_options(args.storage_option))
     # A salt of this run's own: a --storage that an earlier run filled holds nothing it can hit.
     salt = uuid.uuid4().hex
     res = ModeResult()
@@ -161,6 +178,8 @@ async def run_mode(
     async with HybridCache(spec, cfg, device=args.device) as cache, Scheduler(
         model, cache, SchedulerConfig(max_running=args.max_parallel, chunk_size=4096, max_batch_tokens=16384)
     ) as sched:
+        if cfg.storage_uri is not None:
+            res.storage_options = dict(cache.storage_options)
 
         async def one(c: int, prompt: list[int]) -> RequestResult:
             async with sem:
@@ -239,6 +258,11 @@ def _plot(summaries: dict[str, dict[str, Any]], path: str, title: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        parse_options(args.storage_option)
+    except ConfigError as e:
+        print(f"error: --storage-option: {e}", file=sys.stderr)
+        return 2
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = sorted(set(modes) - set(MODES))
     if unknown or not modes:
@@ -263,17 +287,21 @@ def run(args: argparse.Namespace) -> int:
         storage_uri = args.storage or Path(tmp).as_uri()
         for mode in modes:
             print(f"mode {mode}" + (f" (storage {storage_uri})" if mode == "kv+mamba+storage" else ""))
-            res = uvloop.run(
-                run_mode(
-                    mode,
-                    model=model,
-                    spec=spec,
-                    args=args,
-                    budgets=budgets,
-                    storage_uri=storage_uri,
-                    progress=progress_bar(args.clients * args.rounds, "requests"),
+            try:
+                res = uvloop.run(
+                    run_mode(
+                        mode,
+                        model=model,
+                        spec=spec,
+                        args=args,
+                        budgets=budgets,
+                        storage_uri=storage_uri,
+                        progress=progress_bar(args.clients * args.rounds, "requests"),
+                    )
                 )
-            )
+            except ConfigError as e:  # a storage option the backend refuses
+                print(f"error: {e}", file=sys.stderr)
+                return 2
             summaries[mode] = res.summary()
     _print_tables(summaries)
     if args.json_path:

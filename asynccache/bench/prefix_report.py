@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from storage_backends.local_disk import READ_RANGE_BYTES
+
 __all__ = ["plot", "print_report"]
 
 
@@ -24,6 +26,9 @@ def _direct_note(res: dict[str, Any]) -> str:
     if res["raw_disk_direct_read_gbps"] is None:
         return f"; no direct reads ({res['raw_disk_direct_refused']})"
     used = "direct" if res.get("storage_direct_io") else "through the page cache"
+    procs = (res.get("storage_options") or {}).get("read_processes")
+    if procs:
+        used += f" in {procs} reader processes"
     return f", {res['raw_disk_direct_read_gbps']:.2f} GB/s direct (O_DIRECT); the backend read {used}"
 
 
@@ -65,6 +70,14 @@ def print_report(res: dict[str, Any]) -> None:
             f"{res['disk_optimum_prefix_parallel_ms']:.1f} ms, disk (cost model) / it "
             f"{res['disk_split_over_optimum_prefix_parallel']:.3f}, restore all / it "
             f"{res['disk_all_over_optimum_prefix_parallel']:.3f}"
+        )
+    if "raw_disk_prefix_ranges_read_gbps" in res:
+        print(
+            f"  the same objects cut as the backend reads them (states in {READ_RANGE_BYTES >> 20} MiB ranges, each thread "
+            f"taking the next range): {res['raw_disk_prefix_ranges_read_gbps']:.2f} GB/s; the optimum with it "
+            f"{res['disk_optimum_prefix_ranges_ms']:.1f} ms, disk (cost model) / it "
+            f"{res['disk_split_over_optimum_prefix_ranges']:.3f}, restore all / it "
+            f"{res['disk_all_over_optimum_prefix_ranges']:.3f}"
         )
     if "prefill_fit" in res:
         fit = res["prefill_fit"]

@@ -39,6 +39,10 @@ def _one_line_error(capsys: pytest.CaptureFixture[str], *needles: str) -> None:
         (["bench", "trace", "--trace", "/nonexistent/t.jsonl"], ("cannot read trace",)),
         (["bench", "storage", "--preset", "nope"], ("unknown preset",)),
         (["bench", "storage", "--option", "no_such_option=1"], ("does not take",)),
+        ([*TINY_MULTITURN, "--storage-option", "read_processes"], ("--storage-option", "KEY=VALUE")),
+        ([*TINY_MULTITURN, "--modes", "kv+mamba+storage", "--storage-option", "no_such_option=1"], ("does not take",)),
+        ([*TINY_MULTITURN, "--modes", "kv+mamba+storage", "--storage-option", "read_processes=-1"],
+         ("read_processes must be",)),
         (["bench", "overlap", "--preset", "tiny", "--device", "cpu", "--copy-method", "bogus"], ("copy_method",)),
     ],
 )
@@ -125,6 +129,25 @@ def test_multiturn_over_a_store_an_earlier_run_filled_measures_this_run(
     assert second["hit_rate"] == pytest.approx(first["hit_rate"])
     assert second["hit_rate"] <= second["ideal_hit_rate"] + 1e-9
     assert second["rounds"][0]["hit_rate"] == 0.0  # round 0 is cold in every run
+
+
+def test_multiturn_reads_storage_in_reader_processes_as_the_threads_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The storage mode through reader processes (the default on CUDA, an option here) hits
+    what the worker threads hit, and the result names the backend's options."""
+    runs = {}
+    for procs in (0, 2):
+        out = tmp_path / f"procs{procs}.json"
+        argv = [*TINY_MULTITURN, "--modes", "kv+mamba+storage", "--storage-option", f"read_processes={procs}",
+                "--json", str(out)]  # fmt: skip
+        assert main(argv) == 0
+        runs[procs] = json.loads(out.read_text())["modes"]["kv+mamba+storage"]
+    capsys.readouterr()
+    assert runs[2]["storage_options"] == {"read_processes": 2}
+    assert runs[0]["storage_options"] == {"read_processes": 0}
+    assert runs[2]["cached_by_tier"] == runs[0]["cached_by_tier"]
+    assert runs[2]["cached_by_tier"]["storage"] > 0
 
 
 def test_prefix_over_a_storage_dir_an_earlier_run_filled_starts_cold(

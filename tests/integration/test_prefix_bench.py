@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 from asynccache.bench import prefix
 from asynccache.spec import HybridSpec
 from asynccache.tiering import RestoreCost
+from storage_backends.local_disk import READ_RANGE_BYTES
 
 
 def bench_args(**kw: object) -> argparse.Namespace:
@@ -73,19 +75,23 @@ def test_every_tier_serves_the_whole_prefix(tmp_path: Path, capsys: pytest.Captu
     # at the page before the prompt's end and at the end), and the optimum with it.
     stored = sorted(p.relative_to(tmp_path / "disk") for p in (tmp_path / "disk").rglob("*") if p.is_file())
     assert res["prefix_files"] == 72 // 8 + 2 < len(stored)
-    assert res["raw_disk_prefix_parallel_read_gbps"] > 0
-    bps = res["raw_disk_prefix_parallel_read_gbps"] * 1e9
-    want = min(
-        max((a * spec.kv_bytes_per_token + (spec.state_bytes if a else 0)) / bps, (72 - a) / res["prefill_tokens_per_s"])
-        for a in range(0, 65, 8)
-    )
-    assert res["disk_optimum_prefix_parallel_ms"] == pytest.approx(want * 1e3)
-    assert res["disk_split_over_optimum_prefix_parallel"] == pytest.approx(
-        res["ttft_ms"]["disk_split"] / res["disk_optimum_prefix_parallel_ms"]
-    )
+    # The same objects read in ranges as the backend cuts them too, and the optimum with each.
+    for read, optimum, ratio in (
+        ("raw_disk_prefix_parallel_read_gbps", "disk_optimum_prefix_parallel_ms", "disk_split_over_optimum_prefix_parallel"),
+        ("raw_disk_prefix_ranges_read_gbps", "disk_optimum_prefix_ranges_ms", "disk_split_over_optimum_prefix_ranges"),
+    ):
+        assert res[read] > 0
+        bps = res[read] * 1e9
+        want = min(
+            max((a * spec.kv_bytes_per_token + (spec.state_bytes if a else 0)) / bps, (72 - a) / res["prefill_tokens_per_s"])
+            for a in range(0, 65, 8)
+        )
+        assert res[optimum] == pytest.approx(want * 1e3)
+        assert res[ratio] == pytest.approx(res["ttft_ms"]["disk_split"] / res[optimum])
     captured = capsys.readouterr()
     printed = captured.out
     assert "the prefix's request stored alone, plain reads" in printed
+    assert "cut as the backend reads them" in printed
     assert "host/device" in printed and "each tail read beside a head" in printed
     assert "remaining tokens' compute from the fit" in printed
     # Progress: warm-up, 1 cold, a short warm-up and 1 short cold, the populating request, 3
@@ -161,3 +167,17 @@ def test_from_json_that_cannot_be_read_is_refused(tmp_path: Path, capsys: pytest
     for path in (bad, tmp_path / "missing.json"):
         assert prefix.run(bench_args(from_json=str(path))) == 2
         assert f"cannot read {path}" in capsys.readouterr().err
+
+
+def test_ranged_raw_reads_read_every_byte_of_every_file(tmp_path: Path) -> None:
+    """Files above the range size are read as several ranges, the last one short; every byte of
+    every file is counted once, whatever the number of threads."""
+    sizes = [0, 1, 4096, READ_RANGE_BYTES, READ_RANGE_BYTES + 1, 2 * READ_RANGE_BYTES + 12345]
+    files = set()
+    for i, n in enumerate(sizes):
+        path = tmp_path / f"o{i}"
+        path.write_bytes(os.urandom(n))
+        files.add(path)
+    for threads in (1, 3, 8):
+        bps, total = prefix._ranged_read_bytes_per_s(tmp_path, files, threads)
+        assert total == sum(sizes) and bps > 0

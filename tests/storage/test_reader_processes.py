@@ -24,7 +24,7 @@ from storage_harness import (
     slot,
 )
 
-from asynccache.cache import HybridCache
+from asynccache.cache import HybridCache, effective_storage_options
 from asynccache.config import HybridCacheConfig
 from asynccache.errors import ConfigError
 from asynccache.storage import PoolName
@@ -167,6 +167,67 @@ async def test_the_cache_puts_its_host_pools_in_shared_memory_for_reader_process
         assert cache.host_kv.shared_memory is not None and cache.host_mamba.shared_memory is not None
     async with HybridCache(SPEC, config()) as cache:
         assert cache.host_kv.shared_memory is None and cache.host_mamba.shared_memory is None
+
+
+@pytest.mark.parametrize(
+    "uri,device,options,host,expected",
+    [
+        ("file:///tmp/x", "cuda", {}, True, 8),  # the local disk's default concurrency
+        ("file:///tmp/x", "cuda:1", {"max_concurrency": 3}, True, 3),
+        ("file:///tmp/x", "cuda", {"read_processes": 0}, True, 0),  # the caller's choice stays
+        ("file:///tmp/x", "cuda", {"read_processes": 2}, True, 2),
+        ("file:///tmp/x", "cpu", {}, True, None),  # threads on CPU
+        ("file:///tmp/x", "cuda", {"compression": "zstd"}, True, None),  # cannot be combined
+        ("file:///tmp/x", "cuda", {"direct_io": True}, True, None),
+        ("file:///tmp/x", "cuda", {"direct_io": None}, True, None),
+        ("file:///tmp/x", "cuda", {}, False, None),  # no host pools for children to fill
+        ("memory://", "cuda", {}, True, None),
+        ("s3://bucket/p", "cuda", {}, True, None),
+    ],
+)
+def test_reader_processes_are_the_default_for_a_local_disk_on_cuda(
+    uri: str, device: str, options: dict[str, object], host: bool, expected: int | None, monkeypatch
+) -> None:
+    monkeypatch.setattr(LocalDiskBackend, "default_max_concurrency", 8)
+    cfg = HybridCacheConfig(
+        device_kv_pages=8, device_state_slots=4, host_kv_bytes=SPEC.kv_page_bytes if host else 0,
+        storage_uri=uri, storage_options=options,
+    )
+    got = effective_storage_options(cfg, device)
+    assert got.get("read_processes") == expected
+    assert {k: v for k, v in got.items() if k != "read_processes"} == {
+        k: v for k, v in options.items() if k != "read_processes"}
+    # accounting pools (trace replay) have no memory for children to map
+    assert "read_processes" not in effective_storage_options(cfg, device, materialize=False) or "read_processes" in options
+
+
+async def test_shared_pools_the_cache_chose_fall_back_to_threads_when_unavailable(tmp_path: Path, monkeypatch) -> None:
+    """Reader processes the cache chose itself (CUDA) fall back to the threads when shared host
+    memory cannot be had (here: registration refused); asked for by the caller, it is an error."""
+    import asynccache.cache as cache_module
+    from asynccache.errors import PinningError
+    from asynccache.pools import memory
+
+    def refuse(self: object, size: int, *, pin: bool, what: str) -> None:
+        raise PinningError(f"{what}: cudaHostRegister refused")
+
+    monkeypatch.setattr(memory.SharedHostMemory, "__init__", refuse)
+    def as_on_cuda(config: HybridCacheConfig, device: object, *, materialize: bool = True) -> dict[str, object]:
+        return {"read_processes": 2, **config.storage_options}
+
+    monkeypatch.setattr(cache_module, "effective_storage_options", as_on_cuda)
+    cfg = HybridCacheConfig(
+        device_kv_pages=8, device_state_slots=4, host_kv_bytes=8 * SPEC.kv_page_bytes,
+        host_state_bytes=2 * SPEC.state_bytes, storage_uri=tmp_path.as_uri(),
+    )
+    async with HybridCache(SPEC, cfg) as cache:
+        assert cache.storage_options == {"read_processes": 0}
+        assert cache.host_kv.shared_memory is None and cache.controller.tiering.backend._readers is None
+    with pytest.raises(PinningError, match="refused"):
+        HybridCache(SPEC, HybridCacheConfig(
+            device_kv_pages=8, device_state_slots=4, host_kv_bytes=8 * SPEC.kv_page_bytes,
+            storage_uri=tmp_path.as_uri(), storage_options={"read_processes": 2},
+        ))
 
 
 async def test_a_stuck_child_never_blocks_the_event_loop(tmp_path: Path) -> None:
