@@ -21,7 +21,7 @@ import torch
 
 from asynccache.config import HybridCacheConfig
 from asynccache.controller import HybridCacheController
-from asynccache.errors import CapacityError, PinningError
+from asynccache.errors import SharedMemoryError
 from asynccache.pools import DeviceKVPool, DeviceMambaPool, HostKVPool, MambaPoolHost
 from asynccache.spec import HybridSpec
 from asynccache.storage import StorageBackend, open_backend
@@ -41,7 +41,8 @@ def effective_storage_options(
     disk's worker threads read slower beside it than children with interpreters of their own
     (split restores of a 32k-token prefix 19–38 % faster in the same run on H200 machines:
     docs/benchmarks.md, Long-prefix TTFT). So a ``file://`` tier that leaves ``read_processes``
-    unset reads in ``max_concurrency`` children when the cache is on CUDA with real host pools
+    unset reads in ``max_concurrency`` children (at most one per usable core) when the cache is
+    on CUDA with real host pools
     (Linux, plain objects read through the page cache: no ``compression``, no ``direct_io``).
     ``read_processes=0`` keeps the threads; on CPU the threads stay the default.
     """
@@ -57,9 +58,12 @@ def effective_storage_options(
         and options.get("compression", "none") == "none"
         and options.get("direct_io", False) is False
     ):
+        from storage_backends.base import usable_cores
         from storage_backends.local_disk import LocalDiskBackend
 
-        options["read_processes"] = options.get("max_concurrency") or LocalDiskBackend.default_max_concurrency
+        wanted = options.get("max_concurrency") or LocalDiskBackend.default_max_concurrency
+        # an I/O depth set high (max_concurrency=64) is not worth as many interpreters
+        options["read_processes"] = max(1, min(wanted, usable_cores())) if isinstance(wanted, int) else wanted
     return options
 
 
@@ -93,7 +97,7 @@ class HybridCache:
         shared = bool(self.storage_options.get("read_processes")) and materialize
         try:
             self.host_kv, self.host_mamba = self._host_pools(shared, materialize=materialize)
-        except (PinningError, CapacityError) as e:
+        except SharedMemoryError as e:
             if not shared or "read_processes" in config.storage_options:
                 raise
             # reader processes chosen here, not by the caller: fall back to the reader threads

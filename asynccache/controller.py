@@ -204,7 +204,11 @@ class HybridCacheController:
             from asynccache.tiering import StorageTier
 
             self.tiering = StorageTier(self, self.backend, self._tg)
-            await self.tiering.register()
+            try:  # registering may start the backend's reader processes: a failed entry stops them
+                await self.tiering.register()
+            except BaseException:
+                await self.aclose()
+                raise
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

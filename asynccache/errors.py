@@ -8,7 +8,8 @@ Hierarchy::
     │   └── TraceFormatError a request trace is unreadable or malformed
     ├── TreeError            the radix tree was driven out of its protocol (a caller bug)
     ├── CapacityError        a pool cannot be created or a demanded resource is unavailable
-    │   └── PinningError     pinned host memory was demanded but is not available
+    │   ├── PinningError     pinned host memory was demanded but is not available
+    │   └── SharedMemoryError  host memory shared between processes cannot be had
     ├── AllocationError      misuse of an allocator (double free, foreign index)
     ├── TransferError        a copy was rejected before launch or failed
     └── BackendError         a storage backend failed (I/O, network, timeout)
@@ -48,6 +49,11 @@ class CapacityError(AsyncCacheError):
 
 class PinningError(CapacityError):
     """Pinned host memory was demanded but is unavailable."""
+
+
+class SharedMemoryError(CapacityError):
+    """Host memory shared between processes cannot be had: the memory file cannot be made or
+    mapped, or the CUDA runtime refuses to register (pin) it."""
 
 
 class AllocationError(AsyncCacheError):

@@ -61,7 +61,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
 from asynccache.errors import BackendError, ConfigError
@@ -96,8 +96,11 @@ from storage_backends.object_format import (
 )
 from storage_backends.object_reads import ReadUnit, read_object_range
 from storage_backends.ranged_reads import item_outcomes, read_units
-from storage_backends.reader_processes import ReaderProcesses
+from storage_backends.reader_processes import ReaderLost, ReaderProcesses
 from storage_backends.workers import YIELD, JobControl, WorkerPool
+
+if TYPE_CHECKING:
+    from asynccache.pools.base import ItemPool
 
 logger = logging.getLogger("asynccache.storage")
 
@@ -222,11 +225,24 @@ class LocalDiskBackend(ObjectBackend):
     # ---- primitives (event loop) ---------------------------------------------------------
     async def _prepare(self) -> None:
         await self._workers.run(self._make_root)
-        if self._readers is not None and not self._closed:  # in the background: a read waits for it
-            self._readers_start = asyncio.get_running_loop().create_task(
-                self._readers.start(), name="asynccache-disk-readers"
-            )
-            self._readers_start.add_done_callback(_report_start)
+
+    async def register_host_pool_v2(self, pool_name: PoolName, host_pool: ItemPool) -> None:
+        """Register the pool; with reader processes and a pool in shared memory, also start the
+        children (a few hundred milliseconds) and have them map it, so that the first reads
+        neither wait for that nor run beside it. A child that cannot start is logged; reads
+        start it again."""
+        await super().register_host_pool_v2(pool_name, host_pool)
+        memory = getattr(host_pool, "shared_memory", None)
+        if self._readers is None or memory is None or self._closed:
+            return
+        if self._readers_start is not None:  # a start for another pool still running
+            await asyncio.wait([self._readers_start])
+        self._readers.memory_id(memory)  # mapped by every child that start() readies
+        self._readers_start = asyncio.get_running_loop().create_task(
+            self._readers.start(), name="asynccache-disk-readers"
+        )
+        self._readers_start.add_done_callback(_report_start)
+        await asyncio.wait([self._readers_start])
 
     async def _close(self) -> None:
         if self._readers is not None:
@@ -246,17 +262,32 @@ class LocalDiskBackend(ObjectBackend):
 
     async def _read_many(self, items: Sequence[BatchItem]) -> list[Outcome]:
         units = read_units(items, READ_RANGE_BYTES)
-        if self._readers is not None and all(item.pool.shared_memory is not None for item in items):
-            try:
-                work = [self._read_unit(items[i], off, n) for i, off, n in units]
-                results: list[Any] = await self._readers.read(work)
-            except BackendError as e:  # closed meanwhile: every unit failed (misses)
-                results = [e] * len(units)
-        else:
-            results = await self._in_jobs(
-                lambda stop, deadline, unit: self._read_range(stop, deadline, items[unit[0]], unit[1], unit[2]), units
-            )
+
+        def read_range(stop: threading.Event, deadline: float, unit: tuple[int, int, int]) -> Any:
+            return self._read_range(stop, deadline, items[unit[0]], unit[1], unit[2])
+
+        if not await self._processes_read(items):
+            return item_outcomes(len(items), units, await self._in_jobs(read_range, units))
+        assert self._readers is not None
+        try:
+            results: list[Any] = await self._readers.read([self._read_unit(items[i], off, n) for i, off, n in units])
+        except BackendError as e:  # closed meanwhile: every unit failed (misses)
+            results = [e] * len(units)
+        lost = [k for k, r in enumerate(results) if isinstance(r, ReaderLost)]
+        if lost and not self._closed:  # a child died or never started: the threads read those
+            for k, r in zip(lost, await self._in_jobs(read_range, [units[k] for k in lost]), strict=True):
+                results[k] = r
         return item_outcomes(len(items), units, results)
+
+    async def _processes_read(self, items: Sequence[BatchItem]) -> bool:
+        """Whether the reader processes read ``items``: there are some, every item's pool is in
+        shared memory, and the children are up or start now (else the threads read)."""
+        if self._readers is None or not all(item.pool.shared_memory is not None for item in items):
+            return False
+        try:
+            return await self._readers.available()
+        except BackendError:  # closed meanwhile
+            return False
 
     def _read_unit(self, item: BatchItem, offset: int, length: int) -> ReadUnit:
         assert self._readers is not None and item.pool.shared_memory is not None

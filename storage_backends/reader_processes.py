@@ -14,8 +14,11 @@ and takes each reply when the child's socket is readable — no thread of this p
 chunk is a few units, so a batch spreads over the children as they finish. A caller cancelled
 meanwhile still waits for the chunks in flight (a child must not write into a slot after the
 call that named it has returned); each unit has its own deadline, ``timeout_s`` from its
-start. A child that dies fails its chunks' units (a backend failure: a miss) and is started
-again at the next read.
+start. A child that dies fails its chunks' units with :class:`ReaderLost` — the local disk
+reads those with its threads — and is started again at the next read. A child that does not
+answer its start or a mapping within ``timeout_s`` is killed. When no child can be started,
+:meth:`ReaderProcesses.available` says so (the threads read the batch) and a start is tried
+again only ``RETRY_START_S`` later.
 
 Children are fresh interpreters (``python -c``, a socket pair between them and this process)
 that import ``storage_backends.object_reads`` and what it needs, no torch: not forks of this
@@ -33,6 +36,7 @@ import math
 import socket
 import subprocess
 import sys
+import time
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -50,7 +54,7 @@ from storage_backends.workers import drain_future
 
 log = logging.getLogger("asynccache.storage")
 
-__all__ = ["ReaderProcesses"]
+__all__ = ["RETRY_START_S", "ReaderLost", "ReaderProcesses"]
 
 #: Units per message: enough to keep a child's pipe round trip small against its reads, few
 #: enough that the children share a batch's tail.
@@ -58,6 +62,10 @@ CHUNK_UNITS_MAX = 16
 #: Chunks sent to a child ahead of its replies: it starts the next one while the event loop,
 #: perhaps busy with a forward pass, has not yet taken the last reply.
 CHUNKS_IN_FLIGHT = 2
+
+#: After every child failed to start, batches go to the threads for this long before a start is
+#: tried again.
+RETRY_START_S = 30.0
 
 #: Where ``asynccache`` and ``storage_backends`` are. A child imports from them without running
 #: their ``__init__`` (which import torch): it starts in a fraction of a second and small.
@@ -75,6 +83,11 @@ serve_reader(Connection(int(sys.argv[2])))
 
 
 # ---- the parent ----------------------------------------------------------------------------------
+class ReaderLost(BackendError):
+    """A unit no reader process read: its child died, could not start, or the readers were
+    closed. Nothing writes into its slot any more, so another reader may take it."""
+
+
 @dataclass(eq=False, slots=True)
 class _Child:
     """A running child: its replies come in the order of the requests (``pending``)."""
@@ -104,6 +117,7 @@ class ReaderProcesses:
         self._ids: weakref.WeakKeyDictionary[SharedHostMemory, int] = weakref.WeakKeyDictionary()
         self._next_id = itertools.count()
         self._closed = False
+        self._failed_at: float | None = None  # when every child last failed to start
 
     # ---- memory ----
     def memory_id(self, memory: SharedHostMemory) -> int:
@@ -130,11 +144,28 @@ class ReaderProcesses:
         needs), rather than at the first read."""
         await asyncio.gather(*(self._ready(slot) for slot in range(self.n)))
 
+    async def available(self) -> bool:
+        """Whether the children can take a batch: each is running with every memory mapped, or
+        one at least starts now. ``False`` when none can — the caller reads with threads — and
+        then for ``RETRY_START_S`` without trying again."""
+        if self._closed:
+            raise BackendError("the backend was closed")
+        if self._failed_at is not None and time.monotonic() - self._failed_at < RETRY_START_S:
+            return False
+        got = await asyncio.gather(*(self._ready(slot) for slot in range(self.n)), return_exceptions=True)
+        errors = [g for g in got if isinstance(g, BaseException)]
+        if len(errors) < self.n:
+            self._failed_at = None
+            return True
+        self._failed_at = time.monotonic()
+        log.warning("no reader process could start (%s): the threads read for %.0f s", errors[0], RETRY_START_S)
+        return False
+
     # ---- reading ----
     async def read(self, units: Sequence[ReadUnit]) -> list[RangeResult | BaseException]:
         if self._closed:
             raise BackendError("the backend was closed")
-        results: list[RangeResult | BaseException] = [BackendError("not read")] * len(units)
+        results: list[RangeResult | BaseException] = [ReaderLost("not read")] * len(units)
         chunk = max(1, min(CHUNK_UNITS_MAX, math.ceil(len(units) / (4 * self.n))))
         starts = iter(range(0, len(units), chunk))
 
@@ -143,7 +174,7 @@ class ReaderProcesses:
                 child = await self._ready(slot)
             except Exception as e:  # noqa: BLE001 (cannot start or map: the others take the chunks)
                 log.warning("reader process %d unavailable: %s", slot, e)
-                return  # chunks no child takes stay failed (misses)
+                return  # chunks no child takes stay ReaderLost (the threads read them)
             inflight: deque[tuple[int, int, asyncio.Future[Any]]] = deque()
 
             # A child holds at most CHUNKS_IN_FLIGHT chunks of all batches together (its
@@ -208,18 +239,19 @@ class ReaderProcesses:
                     await asyncio.to_thread(_stop_process, child)
                 child = await asyncio.to_thread(self._spawn)
                 self._children[slot] = child
-                await self._request(child, ("ping",))  # answered once the child has imported its modules
+                # answered once the child has imported its modules
+                await self._request(child, ("ping",), kill_after_s=self._args[3])
             for mem_id, (_, size, ref) in list(self._memories.items()):
                 memory = ref()
                 if memory is None:  # its pool is gone: free the mapping here and in the children
                     self._memories.pop(mem_id, None)
                 elif mem_id not in child.mapped:
-                    reply = await self._request(child, ("map", mem_id, memory.path, size))
+                    reply = await self._request(child, ("map", mem_id, memory.path, size), kill_after_s=self._args[3])
                     if reply[0] != "ok":
                         raise BackendError(f"reader process: {reply[1]}")
                     child.mapped.add(mem_id)
             for mem_id in child.mapped - self._memories.keys():
-                await self._request(child, ("unmap", mem_id))
+                await self._request(child, ("unmap", mem_id), kill_after_s=self._args[3])
                 child.mapped.discard(mem_id)
             return child
 
@@ -239,21 +271,26 @@ class ReaderProcesses:
         finally:
             theirs.close()
         conn = Connection(ours.detach())
-        conn.send(("init", *self._args))
-        return _Child(process=proc, conn=conn)
+        child = _Child(process=proc, conn=conn)
+        try:
+            conn.send(("init", *self._args))
+        except OSError as e:  # it exited at once
+            _stop_process(child, timeout_s=0.0)
+            raise BackendError(f"cannot start a reader process: {e}") from None
+        return child
 
     def _send(self, child: _Child, msg: tuple[Any, ...]) -> asyncio.Future[Any]:
         """Send ``msg``; the future gets the child's reply (or a BackendError if it died)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         if child.dead:
-            fut.set_exception(BackendError("reader process exited"))
+            fut.set_exception(ReaderLost("reader process exited"))
             return fut
         try:
             child.conn.send(msg)
         except OSError as e:
             self._lost(child, loop, f"reader process exited: {e}")
-            fut.set_exception(BackendError(f"reader process exited: {e}"))
+            fut.set_exception(ReaderLost(f"reader process exited: {e}"))
             return fut
         child.pending.append(fut)
         if not child.watched:
@@ -283,17 +320,20 @@ class ReaderProcesses:
         while child.pending:
             fut = child.pending.popleft()
             if not fut.done():
-                fut.set_exception(BackendError(why))
+                fut.set_exception(ReaderLost(why))
 
-    async def _request(self, child: _Child, msg: tuple[Any, ...]) -> Any:
-        """``msg``'s reply. A cancelled caller still waits for it (the child may be writing
-        into slots)."""
+    async def _request(self, child: _Child, msg: tuple[Any, ...], *, kill_after_s: float) -> Any:
+        """``msg``'s reply; a child that has not answered within ``kill_after_s`` is killed (the
+        request then fails). A cancelled caller still waits for the reply or the end."""
         fut = self._send(child, msg)
+        kill = asyncio.get_running_loop().call_later(kill_after_s, _kill, child)
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
             await drain_future(fut)
             raise
+        finally:
+            kill.cancel()
 
     async def aclose(self) -> None:
         self._closed = True
@@ -313,7 +353,13 @@ class ReaderProcesses:
         for child in children:
             self._lost(child, loop, "the backend was closed")
         self._memories.clear()
+        self._ids = weakref.WeakKeyDictionary()  # a read planned after this gets new ids (and fails: closed)
         await asyncio.gather(*(asyncio.to_thread(_stop_process, c) for c in children))
+
+
+def _kill(child: _Child) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        child.process.kill()
 
 
 def _stop_process(child: _Child, timeout_s: float = 5.0) -> None:

@@ -180,6 +180,9 @@ async def run_mode(
     ) as sched:
         if cfg.storage_uri is not None:
             res.storage_options = dict(cache.storage_options)
+            # open the store now: an option it refuses only at first use (direct_io=true where
+            # the filesystem refuses O_DIRECT) is a usage error, not a run of misses
+            await cache.controller.tiering.backend.batch_exists_v2([], [])
 
         async def one(c: int, prompt: list[int]) -> RequestResult:
             async with sem:

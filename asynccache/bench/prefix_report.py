@@ -23,10 +23,11 @@ def _direct_note(res: dict[str, Any]) -> str:
     """The direct-read part of the report's first line (absent from runs before it was measured)."""
     if "raw_disk_direct_read_gbps" not in res:
         return ""
-    if res["raw_disk_direct_read_gbps"] is None:
-        return f"; no direct reads ({res['raw_disk_direct_refused']})"
-    used = "direct" if res.get("storage_direct_io") else "through the page cache"
     procs = (res.get("storage_options") or {}).get("read_processes")
+    readers = f"; the backend read in {procs} reader processes" if procs else ""
+    if res["raw_disk_direct_read_gbps"] is None:
+        return f"; no direct reads ({res['raw_disk_direct_refused']})" + readers
+    used = "direct" if res.get("storage_direct_io") else "through the page cache"
     if procs:
         used += f" in {procs} reader processes"
     return f", {res['raw_disk_direct_read_gbps']:.2f} GB/s direct (O_DIRECT); the backend read {used}"

@@ -19,7 +19,12 @@ import weakref
 
 import torch
 
-from asynccache.errors import CapacityError, ConfigError, PinningError
+from asynccache.errors import (
+    CapacityError,
+    ConfigError,
+    PinningError,
+    SharedMemoryError,
+)
 
 __all__ = ["HOST_ALIGN", "SharedHostMemory", "allocate_bytes", "available_host_bytes", "pinning_available"]
 
@@ -77,7 +82,7 @@ class SharedHostMemory:
             err = rt.cudaHostRegister(self.tensor.data_ptr(), size, 0)
             if int(err) != 0:
                 os.close(self._fd)
-                raise PinningError(f"{what}: cudaHostRegister of {size} bytes of shared memory failed ({err})")
+                raise SharedMemoryError(f"{what}: cudaHostRegister of {size} bytes of shared memory failed ({err})")
             self.pinned = True
         weakref.finalize(self, _release_shared, self._fd, self.tensor.data_ptr() if pin else None)
 
@@ -118,7 +123,7 @@ def allocate_bytes(
         try:
             mem = SharedHostMemory(nbytes, pin=do_pin, what=what)
         except OSError as e:
-            raise CapacityError(f"{what}: cannot map {nbytes} bytes of shared host memory: {e}") from e
+            raise SharedMemoryError(f"{what}: cannot map {nbytes} bytes of shared host memory: {e}") from e
         return mem.tensor, mem.pinned, mem
     try:
         if do_pin:

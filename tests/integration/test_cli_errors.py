@@ -131,6 +131,21 @@ def test_multiturn_over_a_store_an_earlier_run_filled_measures_this_run(
     assert second["rounds"][0]["hit_rate"] == 0.0  # round 0 is cold in every run
 
 
+def test_multiturn_storage_option_refused_at_first_use_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``direct_io=true`` where the filesystem refuses O_DIRECT is found when the store is
+    opened: one error line and status 2, not a run of misses with status 0."""
+    from storage_backends import local_disk
+
+    monkeypatch.setattr(local_disk, "probe_direct", lambda path: "O_DIRECT refused")
+    out = tmp_path / "r.json"
+    argv = [*TINY_MULTITURN, "--modes", "kv+mamba+storage", "--storage-option", "direct_io=true", "--json", str(out)]
+    assert main(argv) == 2
+    _one_line_error(capsys, "direct_io=True", "O_DIRECT refused")
+    assert not out.exists()
+
+
 def test_multiturn_reads_storage_in_reader_processes_as_the_threads_do(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -181,3 +181,13 @@ def test_ranged_raw_reads_read_every_byte_of_every_file(tmp_path: Path) -> None:
     for threads in (1, 3, 8):
         bps, total = prefix._ranged_read_bytes_per_s(tmp_path, files, threads)
         assert total == sum(sizes) and bps > 0
+
+
+@pytest.mark.parametrize("direct", [None, 1.7])
+def test_the_report_names_reader_processes_with_or_without_direct_reads(direct: float | None) -> None:
+    from asynccache.bench.prefix_report import _direct_note
+
+    res = {"raw_disk_direct_read_gbps": direct, "raw_disk_direct_refused": "O_DIRECT refused",
+           "storage_direct_io": False, "storage_options": {"read_processes": 8}}  # fmt: skip
+    assert "in 8 reader processes" in _direct_note(res)
+    assert "reader processes" not in _direct_note({**res, "storage_options": {"read_processes": 0}})

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import socket
 import subprocess
 import sys
 import weakref
@@ -97,22 +98,30 @@ async def test_pools_outside_shared_memory_are_read_by_the_threads(tmp_path: Pat
     await backend.aclose()
 
 
-async def test_a_killed_child_costs_misses_never_wrong_bytes_and_is_replaced(tmp_path: Path) -> None:
+async def test_a_child_killed_mid_read_costs_no_hit_and_no_wrong_byte(tmp_path: Path, monkeypatch) -> None:
+    """A child killed with a chunk in hand: the threads read that chunk's units again, every
+    unit is a hit with the stored bytes, and the next read starts a new child."""
     backend, kv, _ = await open_procs(tmp_path)
     keys = await stored(backend, 8, "killed")
     assert await backend.batch_get_v2([kv_transfer(keys, range(8, 16))]) == [[True] * 8]
     victim = backend._readers._children[0]
-    victim.process.kill()
-    victim.process.wait()
+    send = reader_processes.ReaderProcesses._send
+
+    def send_then_kill(self: object, child: object, msg: tuple) -> object:
+        fut = send(self, child, msg)
+        if child is victim and msg[0] == "read":
+            victim.process.kill()
+        return fut
+
+    monkeypatch.setattr(reader_processes.ReaderProcesses, "_send", send_then_kill)
     kv.buffer[8:16].fill_(0)
-    got = await backend.batch_get_v2([kv_transfer(keys, range(8, 16))])
-    assert not all(got[0])  # the dead child's units are misses
-    for i, hit in enumerate(got[0]):
-        if hit:
-            assert slot(kv, 8 + i) == slot(kv, i)
-    assert backend.statistics().num_failures >= 1
-    assert await backend.batch_get_v2([kv_transfer(keys, range(8, 16))]) == [[True] * 8]  # started again
+    assert await backend.batch_get_v2([kv_transfer(keys, range(8, 16))]) == [[True] * 8]
     assert [slot(kv, 8 + i) for i in range(8)] == [slot(kv, i) for i in range(8)]
+    assert victim.dead and backend.statistics().num_failures == 0
+    monkeypatch.undo()
+    kv.buffer[8:16].fill_(0)
+    await reads_back(backend, kv, keys)
+    assert backend._readers._children[0] is not victim  # started again
     await backend.aclose()
 
 
@@ -174,6 +183,7 @@ async def test_the_cache_puts_its_host_pools_in_shared_memory_for_reader_process
     [
         ("file:///tmp/x", "cuda", {}, True, 8),  # the local disk's default concurrency
         ("file:///tmp/x", "cuda:1", {"max_concurrency": 3}, True, 3),
+        ("file:///tmp/x", "cuda", {"max_concurrency": 64}, True, 16),  # one per usable core at most
         ("file:///tmp/x", "cuda", {"read_processes": 0}, True, 0),  # the caller's choice stays
         ("file:///tmp/x", "cuda", {"read_processes": 2}, True, 2),
         ("file:///tmp/x", "cpu", {}, True, None),  # threads on CPU
@@ -188,7 +198,10 @@ async def test_the_cache_puts_its_host_pools_in_shared_memory_for_reader_process
 def test_reader_processes_are_the_default_for_a_local_disk_on_cuda(
     uri: str, device: str, options: dict[str, object], host: bool, expected: int | None, monkeypatch
 ) -> None:
+    import storage_backends.base
+
     monkeypatch.setattr(LocalDiskBackend, "default_max_concurrency", 8)
+    monkeypatch.setattr(storage_backends.base, "usable_cores", lambda: 16)
     cfg = HybridCacheConfig(
         device_kv_pages=8, device_state_slots=4, host_kv_bytes=SPEC.kv_page_bytes if host else 0,
         storage_uri=uri, storage_options=options,
@@ -205,11 +218,11 @@ async def test_shared_pools_the_cache_chose_fall_back_to_threads_when_unavailabl
     """Reader processes the cache chose itself (CUDA) fall back to the threads when shared host
     memory cannot be had (here: registration refused); asked for by the caller, it is an error."""
     import asynccache.cache as cache_module
-    from asynccache.errors import PinningError
+    from asynccache.errors import SharedMemoryError
     from asynccache.pools import memory
 
     def refuse(self: object, size: int, *, pin: bool, what: str) -> None:
-        raise PinningError(f"{what}: cudaHostRegister refused")
+        raise SharedMemoryError(f"{what}: cudaHostRegister refused")
 
     monkeypatch.setattr(memory.SharedHostMemory, "__init__", refuse)
     def as_on_cuda(config: HybridCacheConfig, device: object, *, materialize: bool = True) -> dict[str, object]:
@@ -223,7 +236,7 @@ async def test_shared_pools_the_cache_chose_fall_back_to_threads_when_unavailabl
     async with HybridCache(SPEC, cfg) as cache:
         assert cache.storage_options == {"read_processes": 0}
         assert cache.host_kv.shared_memory is None and cache.controller.tiering.backend._readers is None
-    with pytest.raises(PinningError, match="refused"):
+    with pytest.raises(SharedMemoryError, match="refused"):
         HybridCache(SPEC, HybridCacheConfig(
             device_kv_pages=8, device_state_slots=4, host_kv_bytes=8 * SPEC.kv_page_bytes,
             storage_uri=tmp_path.as_uri(), storage_options={"read_processes": 2},
@@ -253,22 +266,89 @@ async def test_a_stuck_child_never_blocks_the_event_loop(tmp_path: Path) -> None
     await backend.aclose()
 
 
-async def test_children_that_cannot_start_cost_misses_not_errors(tmp_path: Path, monkeypatch) -> None:
+async def test_children_that_cannot_start_leave_the_reads_to_the_threads(tmp_path: Path, monkeypatch, caplog) -> None:
+    """No child can start (here: no descriptors for its socket): the threads read every unit,
+    and the children are not tried again before ``RETRY_START_S``; then they are."""
     backend, kv, _ = await open_procs(tmp_path)
     keys = await stored(backend, 4, "nostart")
     await backend._readers_start
     for child in backend._readers._children:
         child.process.kill()
         child.process.wait()
+    tries = []
+    socketpair = socket.socketpair
 
     def no_fds() -> None:
+        tries.append(1)
         raise OSError(24, "Too many open files")
 
     monkeypatch.setattr(reader_processes.socket, "socketpair", no_fds)
-    assert await backend.batch_get_v2([kv_transfer(keys, range(8, 12))]) == [[False] * 4]
-    monkeypatch.undo()
+    for _ in range(4):  # dead children's units, then every unit, go to the threads: all hits
+        kv.buffer[8:12].fill_(0)
+        await reads_back(backend, kv, keys)
+        if "no reader process could start" in caplog.text:
+            break
+    assert "no reader process could start" in caplog.text and tries
+    before = len(tries)
     await reads_back(backend, kv, keys)
+    assert len(tries) == before  # not tried again so soon
+    monkeypatch.setattr(reader_processes, "RETRY_START_S", 0.0)
+    monkeypatch.setattr(reader_processes.socket, "socketpair", socketpair)
+    await reads_back(backend, kv, keys)
+    assert all(c is not None and not c.dead for c in backend._readers._children)
+    assert backend.statistics().num_failures == 0
     await backend.aclose()
+
+
+async def test_registering_a_shared_pool_starts_the_children_and_maps_it(tmp_path: Path) -> None:
+    """The children are up, with the pools mapped, once registration returns: the first reads
+    neither wait for them nor run beside their start."""
+    backend, kv, mamba = await open_procs(tmp_path)
+    readers = backend._readers
+    assert backend._readers_start is not None and backend._readers_start.done()
+    ids = {readers.memory_id(kv.shared_memory), readers.memory_id(mamba.shared_memory)}
+    assert all(c is not None and not c.dead and c.mapped >= ids for c in readers._children)
+    await backend.aclose()
+    # a pool in ordinary memory starts nothing: the threads read into it
+    idle = LocalDiskBackend(tmp_path.as_uri(), namespace=NAMESPACE, read_processes=2, fsync=False)
+    plain_kv, _ = make_pools(4, seed=None, shared=False)
+    await idle.register_host_pool_v2(PoolName.KV, plain_kv)
+    assert idle._readers_start is None and idle._readers._children == [None, None]
+    await idle.aclose()
+
+
+async def test_a_child_that_never_answers_its_start_is_killed_and_the_threads_read(tmp_path: Path, monkeypatch) -> None:
+    """A child stuck before it answers (a hung import, say) is killed after ``timeout_s``:
+    registration returns, and the reads go to the threads."""
+    monkeypatch.setattr(reader_processes, "_CHILD", "import time; time.sleep(3600)\n")
+    backend = LocalDiskBackend(tmp_path.as_uri(), namespace=NAMESPACE, read_processes=1, fsync=False, timeout_s=0.5)
+    kv, mamba = make_pools(16, seed=3, shared=True)
+    async with asyncio.timeout(10):
+        await backend.register_host_pool_v2(PoolName.KV, kv)
+    await backend.register_host_pool_v2(PoolName.MAMBA, mamba)
+    (child,) = backend._readers._children
+    assert child.dead and child.process.wait(5) is not None
+    keys = await stored(backend, 4, "stuck-start")
+    async with asyncio.timeout(10):
+        await reads_back(backend, kv, keys)
+    await backend.aclose()
+
+
+async def test_a_cache_whose_entry_is_cancelled_stops_its_reader_processes(tmp_path: Path) -> None:
+    """Entering the cache starts the children (registration); a timeout meanwhile closes the
+    backend, and no child outlives it."""
+    cfg = HybridCacheConfig(
+        device_kv_pages=8, device_state_slots=4, host_kv_bytes=8 * SPEC.kv_page_bytes,
+        host_state_bytes=2 * SPEC.state_bytes, storage_uri=tmp_path.as_uri(), storage_options={"read_processes": 2},
+    )
+    cache = HybridCache(SPEC, cfg)
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.02):
+            async with cache:
+                pytest.fail("entered before the children could start")
+    backend = cache.controller.tiering.backend
+    assert backend._closed and backend._readers._children == [None, None]
+    assert cache.controller._tg is None
 
 
 async def test_closing_while_the_first_read_starts_gives_misses(tmp_path: Path) -> None:
@@ -289,7 +369,8 @@ async def test_a_dropped_pool_is_unmapped_in_the_children_and_freed(tmp_path: Pa
     other_kv, other_mamba = make_pools(4, seed=None, shared=True)
     await backend.register_host_pool_v2(PoolName.KV, other_kv)
     assert await backend.batch_get_v2([kv_transfer(keys, [0, 1])]) == [[True, True]]
-    assert len(backend._readers._memories) == 1
+    dropped_id = backend._readers.memory_id(other_kv.shared_memory)
+    assert dropped_id in backend._readers._memories
     memory = weakref.ref(other_kv.shared_memory)
     kv, _ = make_pools(4, seed=None, shared=True)
     await backend.register_host_pool_v2(PoolName.KV, kv)
@@ -297,7 +378,7 @@ async def test_a_dropped_pool_is_unmapped_in_the_children_and_freed(tmp_path: Pa
     gc.collect()
     assert memory() is None  # the readers hold no strong reference
     assert await backend.batch_get_v2([kv_transfer(keys, [2, 3])]) == [[True, True]]
-    assert len(backend._readers._memories) == 1
-    assert all(len(c.mapped) == 1 for c in backend._readers._children if c is not None)
+    assert dropped_id not in backend._readers._memories
+    assert all(dropped_id not in c.mapped for c in backend._readers._children if c is not None)
     await backend.aclose()
     assert backend._readers._memories == {}
