@@ -17,7 +17,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["CompletionQueue"]
+__all__ = ["CompletionQueue", "drop_done"]
+
+
+def drop_done(tasks: set[asyncio.Task[Any]]) -> None:
+    """Remove the finished tasks from ``tasks``, a set that their done callbacks ``discard``
+    them from (in place: the callbacks hold its ``discard``). Those callbacks run in a later
+    loop pass, and since Python 3.12 gathering only finished tasks returns without yielding to
+    the loop: a ``while tasks: await asyncio.gather(*tasks)`` would spin forever without this."""
+    tasks.difference_update([t for t in tasks if t.done()])
 
 
 class CompletionQueue:

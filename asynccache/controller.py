@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asynccache.completion import CompletionQueue
+from asynccache.completion import CompletionQueue, drop_done
 from asynccache.config import HybridCacheConfig
 from asynccache.errors import TransferError, TreeError
 from asynccache.layer_counter import LayerTransferCounter
@@ -609,6 +609,7 @@ class HybridCacheController:
         busy = False
         while self._loaders or self._load_completion.depth or self._write_completion.depth:
             busy = True
+            drop_done(self._loaders)  # a finished one leaves by its callback a loop pass later
             if self._loaders:
                 await asyncio.gather(*list(self._loaders), return_exceptions=True)
             await self._load_completion.wait_idle()

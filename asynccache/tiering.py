@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from asynccache.completion import drop_done
 from asynccache.restore_cost import ReadTimeCorrection, RestoreCost
 from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer, StorageBackend
 
@@ -130,7 +131,9 @@ class StorageTier:
 
     async def drain(self) -> None:
         while self._in_flight:
-            await asyncio.gather(*list(self._in_flight), return_exceptions=True)
+            drop_done(self._in_flight)
+            if self._in_flight:
+                await asyncio.gather(*list(self._in_flight), return_exceptions=True)
 
     # ---- backup ------------------------------------------------------------------------
     def on_host_write(self, plan: Any) -> None:

@@ -564,3 +564,24 @@ async def test_a_load_copies_the_boundary_state_into_the_callers_slots_too(budge
         assert cache.device_mamba.num_free == before
         cache.device_mamba.free(mine)  # still ours: no double free
         cache.tree.check_integrity()
+
+
+async def test_waiting_for_idle_ends_while_finished_tasks_still_await_their_done_callbacks(tmp_path: Any) -> None:
+    """A finished task stays in the controller's loader set (and the storage tier's backup set)
+    until its done callback runs, a loop pass later; since Python 3.12 gathering only finished
+    tasks does not yield to the loop. Waiting for idle must end anyway, not spin on them."""
+
+    async def nothing() -> None:
+        return None
+
+    async with make_cache(storage_uri=tmp_path.as_uri()) as cache:
+        ctrl = cache.controller
+        done = asyncio.get_running_loop().create_task(nothing())
+        await done
+        for tasks, wait in ((ctrl._loaders, ctrl.wait_idle), (ctrl.tiering._in_flight, ctrl.tiering.drain)):
+            tasks.add(done)  # as if its discard callback had not run yet
+            waiter = asyncio.ensure_future(wait())
+            ended, _ = await asyncio.wait({waiter}, timeout=5)
+            tasks.clear()  # (a waiter that spins ends now)
+            await waiter
+            assert ended, f"{wait.__qualname__} did not end"
