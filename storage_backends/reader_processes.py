@@ -15,8 +15,10 @@ chunk is a few units, so a batch spreads over the children as they finish. A cal
 meanwhile still waits for the chunks in flight (a child must not write into a slot after the
 call that named it has returned); each unit has its own deadline, ``timeout_s`` from its
 start. A child that dies fails its chunks' units with :class:`ReaderLost` — the local disk
-reads those with its threads — and is started again at the next read. A child that does not
-answer its start or a mapping within ``timeout_s`` is killed. When no child can be started,
+reads those with its threads — and is started again at the next read; a child whose socket
+fails while it may still run is killed first, and its units fail only once it has exited. A
+child that does not answer its start within ``START_TIMEOUT_S`` (or ``timeout_s``, if longer),
+or a mapping within ``timeout_s`` for it and for each unit queued ahead of it, is killed. When no child can be started,
 :meth:`ReaderProcesses.available` says so (the threads read the batch) and a start is tried
 again only ``RETRY_START_S`` later.
 
@@ -54,7 +56,7 @@ from storage_backends.workers import drain_future
 
 log = logging.getLogger("asynccache.storage")
 
-__all__ = ["RETRY_START_S", "ReaderLost", "ReaderProcesses"]
+__all__ = ["RETRY_START_S", "START_TIMEOUT_S", "ReaderLost", "ReaderProcesses"]
 
 #: Units per message: enough to keep a child's pipe round trip small against its reads, few
 #: enough that the children share a batch's tail.
@@ -66,6 +68,9 @@ CHUNKS_IN_FLIGHT = 2
 #: After every child failed to start, batches go to the threads for this long before a start is
 #: tried again.
 RETRY_START_S = 30.0
+#: A child that has not answered its first request within this long (or the backend's
+#: ``timeout_s``, if longer) is killed: a start takes a few hundred milliseconds.
+START_TIMEOUT_S = 30.0
 
 #: Where ``asynccache`` and ``storage_backends`` are. A child imports from them without running
 #: their ``__init__`` (which import torch): it starts in a fraction of a second and small.
@@ -94,12 +99,18 @@ class _Child:
 
     process: subprocess.Popen[bytes]
     conn: Connection
-    pending: deque[asyncio.Future[Any]] = field(default_factory=deque)
+    #: each request's future and, for a read, its number of units
+    pending: deque[tuple[asyncio.Future[Any], int]] = field(default_factory=deque)
     #: read chunks it may hold, all batches together
     room: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(CHUNKS_IN_FLIGHT))
     mapped: set[int] = field(default_factory=set)
     watched: bool = False
+    #: takes no more requests: it exited, or was killed and is being reaped (``reaping``)
     dead: bool = False
+    reaping: asyncio.Task[None] | None = None
+
+    def queued_units(self) -> int:
+        return sum(units for _, units in self.pending)
 
 
 class ReaderProcesses:
@@ -110,6 +121,7 @@ class ReaderProcesses:
     def __init__(self, n: int, *, namespace: str, header_align: int, piece_bytes: int, timeout_s: float) -> None:
         self.n = n
         self._args = (namespace, header_align, piece_bytes, timeout_s)
+        self._timeout_s = timeout_s
         self._children: list[_Child | None] = [None] * n
         self._slot_locks = [asyncio.Lock() for _ in range(n)]  # one start of a child at a time
         #: id → (base address, size, the memory, weakly: a pool dropped is unmapped and freed)
@@ -240,18 +252,18 @@ class ReaderProcesses:
                 child = await asyncio.to_thread(self._spawn)
                 self._children[slot] = child
                 # answered once the child has imported its modules
-                await self._request(child, ("ping",), kill_after_s=self._args[3])
+                await self._request(child, ("ping",), kill_after_s=max(self._timeout_s, START_TIMEOUT_S))
             for mem_id, (_, size, ref) in list(self._memories.items()):
                 memory = ref()
                 if memory is None:  # its pool is gone: free the mapping here and in the children
                     self._memories.pop(mem_id, None)
                 elif mem_id not in child.mapped:
-                    reply = await self._request(child, ("map", mem_id, memory.path, size), kill_after_s=self._args[3])
+                    reply = await self._request(child, ("map", mem_id, memory.path, size))
                     if reply[0] != "ok":
                         raise BackendError(f"reader process: {reply[1]}")
                     child.mapped.add(mem_id)
             for mem_id in child.mapped - self._memories.keys():
-                await self._request(child, ("unmap", mem_id), kill_after_s=self._args[3])
+                await self._request(child, ("unmap", mem_id))
                 child.mapped.discard(mem_id)
             return child
 
@@ -288,11 +300,11 @@ class ReaderProcesses:
             return fut
         try:
             child.conn.send(msg)
-        except OSError as e:
-            self._lost(child, loop, f"reader process exited: {e}")
-            fut.set_exception(ReaderLost(f"reader process exited: {e}"))
+        except OSError as e:  # this message never reached it whole; it may still be running
+            fut.set_exception(ReaderLost(f"reader process lost: {e}"))
+            self._abandon(child, loop, f"reader process lost: {e}")
             return fut
-        child.pending.append(fut)
+        child.pending.append((fut, len(msg[1]) if msg[0] == "read" else 0))
         if not child.watched:
             loop.add_reader(child.conn.fileno(), self._on_readable, child, loop)
             child.watched = True
@@ -301,10 +313,13 @@ class ReaderProcesses:
     def _on_readable(self, child: _Child, loop: asyncio.AbstractEventLoop) -> None:
         try:
             reply = child.conn.recv()
-        except (EOFError, OSError):
+        except EOFError:  # its end closed: it exited, or is exiting past its last write
             self._lost(child, loop, "reader process exited")
             return
-        fut = child.pending.popleft()
+        except OSError as e:
+            self._abandon(child, loop, f"reader process lost: {e}")
+            return
+        fut, _ = child.pending.popleft()
         if not fut.done():
             fut.set_result(reply)
         if not child.pending:
@@ -318,13 +333,34 @@ class ReaderProcesses:
             loop.remove_reader(child.conn.fileno())
             child.watched = False
         while child.pending:
-            fut = child.pending.popleft()
+            fut, _ = child.pending.popleft()
             if not fut.done():
                 fut.set_exception(ReaderLost(why))
 
-    async def _request(self, child: _Child, msg: tuple[Any, ...], *, kill_after_s: float) -> Any:
-        """``msg``'s reply; a child that has not answered within ``kill_after_s`` is killed (the
-        request then fails). A cancelled caller still waits for the reply or the end."""
+    def _abandon(self, child: _Child, loop: asyncio.AbstractEventLoop, why: str) -> None:
+        """The child's socket failed, but the child may still be running — and writing into the
+        slots of the chunks it holds: kill it, and fail its requests only once it has exited."""
+        if child.reaping is not None:
+            return
+        child.dead = True
+        if child.watched:
+            loop.remove_reader(child.conn.fileno())
+            child.watched = False
+        _kill(child)
+
+        async def reap() -> None:
+            await asyncio.to_thread(child.process.wait)
+            self._lost(child, loop, why)
+
+        child.reaping = loop.create_task(reap(), name="asynccache-reader-reap")
+
+    async def _request(self, child: _Child, msg: tuple[Any, ...], *, kill_after_s: float | None = None) -> Any:
+        """``msg``'s reply. A child that has not answered within ``kill_after_s`` — by default
+        ``timeout_s`` for this request and for each read unit queued ahead of it, each of which
+        has that long — is killed, and the request fails. A cancelled caller still waits for
+        the reply or the end."""
+        if kill_after_s is None:
+            kill_after_s = self._timeout_s * (1 + child.queued_units())
         fut = self._send(child, msg)
         kill = asyncio.get_running_loop().call_later(kill_after_s, _kill, child)
         try:
@@ -347,7 +383,7 @@ class ReaderProcesses:
                 with contextlib.suppress(OSError):
                     child.conn.send(("exit",))
         for child in children:
-            for fut in list(child.pending):
+            for fut, _ in list(child.pending):
                 await drain_future(fut)
         loop = asyncio.get_running_loop()
         for child in children:

@@ -6,6 +6,7 @@ suite also runs on them: the ``disk-procs`` harness.)"""
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import os
 import socket
@@ -318,10 +319,11 @@ async def test_registering_a_shared_pool_starts_the_children_and_maps_it(tmp_pat
 
 
 async def test_a_child_that_never_answers_its_start_is_killed_and_the_threads_read(tmp_path: Path, monkeypatch) -> None:
-    """A child stuck before it answers (a hung import, say) is killed after ``timeout_s``:
-    registration returns, and the reads go to the threads."""
+    """A child stuck before it answers (a hung import, say) is killed after
+    ``START_TIMEOUT_S``: registration returns, and the reads go to the threads."""
     monkeypatch.setattr(reader_processes, "_CHILD", "import time; time.sleep(3600)\n")
-    backend = LocalDiskBackend(tmp_path.as_uri(), namespace=NAMESPACE, read_processes=1, fsync=False, timeout_s=0.5)
+    monkeypatch.setattr(reader_processes, "START_TIMEOUT_S", 0.5)
+    backend = LocalDiskBackend(tmp_path.as_uri(), namespace=NAMESPACE, read_processes=1, fsync=False, timeout_s=0.1)
     kv, mamba = make_pools(16, seed=3, shared=True)
     async with asyncio.timeout(10):
         await backend.register_host_pool_v2(PoolName.KV, kv)
@@ -349,6 +351,76 @@ async def test_a_cache_whose_entry_is_cancelled_stops_its_reader_processes(tmp_p
     backend = cache.controller.tiering.backend
     assert backend._closed and backend._readers._children == [None, None]
     assert cache.controller._tg is None
+
+
+def slow_children(monkeypatch: pytest.MonkeyPatch, seconds_per_unit: float) -> None:
+    """Children that take ``seconds_per_unit`` over each unit they read."""
+    monkeypatch.setattr(reader_processes, "_CHILD", _CHILD.replace(
+        "from storage_backends.object_reads import serve_reader",
+        "import time\nimport storage_backends.object_reads as reads\nread = reads.read_object_range\n"
+        f"def slow(*a, **k):\n    time.sleep({seconds_per_unit!r})\n    return read(*a, **k)\n"
+        "reads.read_object_range = slow\nfrom storage_backends.object_reads import serve_reader",
+    ))
+
+
+async def test_a_send_that_fails_on_a_live_child_waits_for_its_end(tmp_path: Path, monkeypatch) -> None:
+    """A send fails (ENOBUFS) while the child still reads an earlier chunk: the child is
+    killed, and the call returns only once it has exited — the threads' hits are never
+    overwritten by it afterwards."""
+    slow_children(monkeypatch, 0.2)
+    backend = LocalDiskBackend(tmp_path.as_uri(), namespace=NAMESPACE, read_processes=1, fsync=False)
+    kv, _ = make_pools(16, seed=3, shared=True)
+    await backend.register_host_pool_v2(PoolName.KV, kv)
+    keys = make_keys(8, seed="enobufs")
+    assert await backend.batch_set_v2([kv_transfer(keys, range(8))]) == [[True] * 8]
+    (child,) = backend._readers._children
+    send, sends = reader_processes.ReaderProcesses._send, []
+
+    def failing_second_read(self: object, c: object, msg: tuple) -> object:
+        if msg[0] == "read" and len(sends) == 1:
+            real = c.conn.send
+
+            def refuse(m: object) -> None:
+                raise OSError(errno.ENOBUFS, "No buffer space available")
+
+            c.conn.send = refuse
+            try:
+                return send(self, c, msg)
+            finally:
+                c.conn.send = real
+        sends.append(msg[0])
+        return send(self, c, msg)
+
+    monkeypatch.setattr(reader_processes.ReaderProcesses, "_send", failing_second_read)
+    kv.buffer[8:16].fill_(0)
+    assert await backend.batch_get_v2([kv_transfer(keys, range(8, 16))]) == [[True] * 8]
+    assert child.process.poll() is not None  # it had exited when the call returned
+    assert [slot(kv, 8 + i) for i in range(8)] == [slot(kv, i) for i in range(8)]
+    await backend.aclose()
+
+
+async def test_a_mapping_behind_a_busy_childs_reads_does_not_get_it_killed(tmp_path: Path, monkeypatch) -> None:
+    """A pool registered while a child reads a batch: its mapping waits behind the child's
+    units, each of which has ``timeout_s``; the child is not killed for that."""
+    slow_children(monkeypatch, 0.3)
+    backend = LocalDiskBackend(tmp_path.as_uri(), namespace=NAMESPACE, read_processes=1, fsync=False, timeout_s=0.5)
+    kv, mamba = make_pools(16, seed=3, shared=True)
+    await backend.register_host_pool_v2(PoolName.KV, kv)
+    keys = make_keys(6, seed="busy")
+    assert await backend.batch_set_v2([kv_transfer(keys, range(6))]) == [[True] * 6]
+    (child,) = backend._readers._children
+    reading = asyncio.create_task(backend.batch_get_v2([kv_transfer(keys, range(8, 14))]))
+    await asyncio.sleep(0.1)
+    await backend.register_host_pool_v2(PoolName.MAMBA, mamba)
+    assert await reading == [[True] * 6]
+    assert child.process.poll() is None and not child.dead and backend._readers._children[0] is child
+    await backend.aclose()
+
+
+async def test_a_short_read_deadline_does_not_keep_the_children_from_starting(tmp_path: Path) -> None:
+    backend, _, _ = await open_procs(tmp_path, timeout_s=0.01)  # far below a child's start
+    assert all(c is not None and not c.dead for c in backend._readers._children)
+    await backend.aclose()
 
 
 async def test_closing_while_the_first_read_starts_gives_misses(tmp_path: Path) -> None:
