@@ -402,8 +402,8 @@ async def test_a_send_that_fails_on_a_live_child_waits_for_its_end(tmp_path: Pat
 async def test_a_mapping_behind_a_busy_childs_reads_does_not_get_it_killed(tmp_path: Path, monkeypatch) -> None:
     """A pool registered while a child reads a batch: its mapping waits behind the child's
     units, each of which has ``timeout_s``; the child is not killed for that."""
-    slow_children(monkeypatch, 0.3)
-    backend = LocalDiskBackend(tmp_path.as_uri(), namespace=NAMESPACE, read_processes=1, fsync=False, timeout_s=0.5)
+    slow_children(monkeypatch, 0.4)  # the two chunks ahead of the mapping: 4 units, 1.6 s
+    backend = LocalDiskBackend(tmp_path.as_uri(), namespace=NAMESPACE, read_processes=1, fsync=False, timeout_s=1.0)
     kv, mamba = make_pools(16, seed=3, shared=True)
     await backend.register_host_pool_v2(PoolName.KV, kv)
     keys = make_keys(6, seed="busy")
