@@ -42,9 +42,9 @@ def effective_storage_options(
     (split restores of a 32k-token prefix 19–38 % faster in the same run on H200 machines:
     docs/benchmarks.md, Long-prefix TTFT). So a ``file://`` tier that leaves ``read_processes``
     unset reads in ``max_concurrency`` children (at most one per usable core) when the cache is
-    on CUDA with real host pools
-    (Linux, plain objects read through the page cache: no ``compression``, no ``direct_io``).
-    ``read_processes=0`` keeps the threads; on CPU the threads stay the default.
+    on CUDA with real host pools (Linux, plain objects read through the page cache: no
+    ``compression``, no ``direct_io``). ``read_processes=0`` keeps the threads; on CPU the
+    threads stay the default.
     """
     options = dict(config.storage_options)
     if (
@@ -98,7 +98,7 @@ class HybridCache:
         try:
             self.host_kv, self.host_mamba = self._host_pools(shared, materialize=materialize)
         except SharedMemoryError as e:
-            if not shared or "read_processes" in config.storage_options:
+            if "read_processes" in config.storage_options:  # the caller's demand
                 raise
             # reader processes chosen here, not by the caller: fall back to the reader threads
             log.warning("host pools in shared memory unavailable (%s): the storage tier reads with threads", e)

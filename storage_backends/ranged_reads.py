@@ -63,4 +63,3 @@ def item_outcomes(num_items: int, units: Sequence[Unit], results: Sequence[Any])
             total = add_checksums(partial for _, partial, _ in results_of_item)
             outcomes.append(True if total == want else ObjectFormatError("payload checksum mismatch"))
     return outcomes
-

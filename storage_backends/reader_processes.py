@@ -120,7 +120,7 @@ class ReaderProcesses:
 
     def __init__(self, n: int, *, namespace: str, header_align: int, piece_bytes: int, timeout_s: float) -> None:
         self.n = n
-        self._args = (namespace, header_align, piece_bytes, timeout_s)
+        self._codec_args = (namespace, header_align, piece_bytes)  # a child's init, with timeout_s
         self._timeout_s = timeout_s
         self._children: list[_Child | None] = [None] * n
         self._slot_locks = [asyncio.Lock() for _ in range(n)]  # one start of a child at a time
@@ -285,7 +285,7 @@ class ReaderProcesses:
         conn = Connection(ours.detach())
         child = _Child(process=proc, conn=conn)
         try:
-            conn.send(("init", *self._args))
+            conn.send(("init", *self._codec_args, self._timeout_s))
         except OSError as e:  # it exited at once
             _stop_process(child, timeout_s=0.0)
             raise BackendError(f"cannot start a reader process: {e}") from None

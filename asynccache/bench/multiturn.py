@@ -159,6 +159,7 @@ async def run_mode(
     budgets: dict[str, int],
     storage_uri: str | None,
     progress: Any,
+    storage_options: dict[str, Any] | None = None,
 ) -> ModeResult:
     convs = make_conversations(
         num_clients=args.clients,
@@ -167,7 +168,7 @@ async def run_mode(
         vocab_size=spec.vocab_size,
         seed=args.seed,
     )
-    cfg = _mode_config(mode, budgets, storage_uri, parse_options(args.storage_option))
+    cfg = _mode_config(mode, budgets, storage_uri, storage_options)
     # A salt of this run's own: a --storage that an earlier run filled holds nothing it can hit.
     salt = uuid.uuid4().hex
     res = ModeResult()
@@ -262,7 +263,7 @@ def _plot(summaries: dict[str, dict[str, Any]], path: str, title: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        parse_options(args.storage_option)
+        storage_options = parse_options(args.storage_option)
     except ConfigError as e:
         print(f"error: --storage-option: {e}", file=sys.stderr)
         return 2
@@ -299,6 +300,7 @@ def run(args: argparse.Namespace) -> int:
                         args=args,
                         budgets=budgets,
                         storage_uri=storage_uri,
+                        storage_options=storage_options,
                         progress=progress_bar(args.clients * args.rounds, "requests"),
                     )
                 )
