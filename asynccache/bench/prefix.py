@@ -17,7 +17,8 @@ host):
   the storage tier's cost model (``RestoreCost`` from the measured read bandwidth and prefill
   times, corrected by the read times the tier observes from one repeat to the next), which picks
   recomputing, restoring everything, or a split restore: the head of the prefix computed while
-  the tail is read.
+  the tail is read. The two alternate, each repeat right after a raw read of the prefix's
+  objects.
 
 On CUDA the run also times one contiguous pinned host → device copy of the prefix's bytes: the
 link's floor for the host row, and the host tier's physical optimum ``max(device TTFT, link
@@ -30,7 +31,11 @@ optimum for the disk case, ``min over a of max(bytes(a) / raw_read_bw, cold_comp
 with each and with the best of them. The threaded reads are also made of only the objects that
 the prefix's request stored (``raw_disk_prefix_parallel_read_gbps``, ``disk_optimum_prefix_*``):
 a restore reads one prefix, a burst of 0.6 GB, while reading every object of the run streams
-several GB. ``cold_compute(L − a)`` is taken two ways: at the cold
+several GB. Those reads, cut as the backend cuts them, also run before every disk restore: the
+optimum with their median (``disk_optimum_interleaved_ms``), and the median over the repeats of
+each restore's TTFT over the optimum with the read just before it
+(``disk_split_over_optimum_paired``), meet a disk whose speed drifts through the run where the
+restores meet it. ``cold_compute(L − a)`` is taken two ways: at the cold
 prefill's average rate (``disk_optimum_*``), and as the compute of positions ``[a, L)`` after a
 prefix of ``a`` (``disk_optimum_fit_*``) from a fit of cold prefills of ``L`` and ``L / 4``
 tokens (``RestoreCost.fit``: a flat per-token cost plus attention's, which grows with the
@@ -328,9 +333,14 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         if compressed:
             backend_bps /= stored_fraction
         split_cost = RestoreCost.fit(read_bytes_per_s=backend_bps, prefills=prefills)
-        for key, cost in (("disk_all", None), ("disk_split", split_cost)):
-            tier.cost = cost
-            for _ in range(args.repeats):
+        # Whole and split restores alternate, each after a raw read of the prefix's objects (cut
+        # as the backend cuts them), so that a disk whose speed drifts through the run meets
+        # both kinds alike and each restore has a raw read of the same files just before it.
+        paired_bps: dict[str, list[float]] = {"disk_all": [], "disk_split": []}
+        for _ in range(args.repeats):
+            for key, cost in (("disk_all", None), ("disk_split", split_cost)):
+                paired_bps[key].append(_ranged_read_bytes_per_s(root, prefix_files, par_threads)[0])
+                tier.cost = cost
                 cache.flush_device()
                 cache.flush_host()
                 _drop_page_cache(root)
@@ -368,6 +378,9 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     prefix_par_ms = optimum_s(raw_prefix_bps) * 1e3
     ranges_ms = optimum_s(raw_ranges_bps) * 1e3
     stored_par_ms = optimum_s(raw_par_bps, fit=True, stored=True) * 1e3
+    paired_ms = {k: [optimum_s(bps) * 1e3 for bps in v] for k, v in paired_bps.items()}
+    interleaved_bps = statistics.median(paired_bps["disk_all"] + paired_bps["disk_split"])
+    interleaved_ms = optimum_s(interleaved_bps) * 1e3
     out.update(
         {
             "ttft_ms": med,
@@ -415,6 +428,16 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             "disk_optimum_prefix_ranges_ms": ranges_ms,
             "disk_split_over_optimum_prefix_ranges": med["disk_split"] / ranges_ms,
             "disk_all_over_optimum_prefix_ranges": med["disk_all"] / ranges_ms,
+            "raw_disk_paired_read_gbps": {k: [b / 1e9 for b in v] for k, v in paired_bps.items()},
+            "disk_optimum_interleaved_ms": interleaved_ms,
+            "disk_split_over_optimum_interleaved": med["disk_split"] / interleaved_ms,
+            "disk_all_over_optimum_interleaved": med["disk_all"] / interleaved_ms,
+            "disk_split_over_optimum_paired": statistics.median(
+                t / o for t, o in zip(times["disk_split"], paired_ms["disk_split"], strict=True)
+            ),
+            "disk_all_over_optimum_paired": statistics.median(
+                t / o for t, o in zip(times["disk_all"], paired_ms["disk_all"], strict=True)
+            ),
             "disk_split_over_optimum_best": med["disk_split"] / opt_best_ms,
             "disk_split_over_optimum_fit_parallel": med["disk_split"] / fit_par_ms,
             "disk_split_over_optimum_fit_best": med["disk_split"] / fit_best_ms,

@@ -80,6 +80,17 @@ def print_report(res: dict[str, Any]) -> None:
             f"{res['disk_split_over_optimum_prefix_ranges']:.3f}, restore all / it "
             f"{res['disk_all_over_optimum_prefix_ranges']:.3f}"
         )
+    if "disk_optimum_interleaved_ms" in res:
+        reads = res["raw_disk_paired_read_gbps"]
+        every = reads["disk_all"] + reads["disk_split"]
+        print(
+            f"  the same ranged reads before each disk restore: {min(every):.2f}–{max(every):.2f} GB/s; the optimum "
+            f"with their median {res['disk_optimum_interleaved_ms']:.1f} ms, disk (cost model) / it "
+            f"{res['disk_split_over_optimum_interleaved']:.3f}, restore all / it "
+            f"{res['disk_all_over_optimum_interleaved']:.3f}; each restore over the optimum with the read just "
+            f"before it (median): cost model {res['disk_split_over_optimum_paired']:.3f}, restore all "
+            f"{res['disk_all_over_optimum_paired']:.3f}"
+        )
     if "prefill_fit" in res:
         fit = res["prefill_fit"]
         (n_long, ms_long), (n_short, ms_short) = fit["prefills_ms"]

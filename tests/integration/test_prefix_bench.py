@@ -88,8 +88,28 @@ def test_every_tier_serves_the_whole_prefix(tmp_path: Path, capsys: pytest.Captu
         )
         assert res[optimum] == pytest.approx(want * 1e3)
         assert res[ratio] == pytest.approx(res["ttft_ms"]["disk_split"] / res[optimum])
+    # A ranged read of the prefix's objects before each disk restore: the optimum with their
+    # median, and each restore over the optimum with the read just before it.
+    paired = res["raw_disk_paired_read_gbps"]
+    assert [len(paired["disk_all"]), len(paired["disk_split"])] == [1, 1] and min(paired["disk_all"] + paired["disk_split"]) > 0
+
+    def optimum_ms(gbps: float) -> float:
+        bps = gbps * 1e9
+        return 1e3 * min(
+            max((a * spec.kv_bytes_per_token + (spec.state_bytes if a else 0)) / bps, (72 - a) / res["prefill_tokens_per_s"])
+            for a in range(0, 65, 8)
+        )
+
+    median_gbps = (paired["disk_all"][0] + paired["disk_split"][0]) / 2
+    assert res["disk_optimum_interleaved_ms"] == pytest.approx(optimum_ms(median_gbps))
+    assert res["disk_split_over_optimum_interleaved"] == pytest.approx(
+        res["ttft_ms"]["disk_split"] / res["disk_optimum_interleaved_ms"]
+    )
+    for key in ("disk_split", "disk_all"):
+        assert res[f"{key}_over_optimum_paired"] == pytest.approx(res["ttft_ms"][key] / optimum_ms(paired[key][0]))
     captured = capsys.readouterr()
     printed = captured.out
+    assert "the same ranged reads before each disk restore" in printed
     assert "the prefix's request stored alone, plain reads" in printed
     assert "cut as the backend reads them" in printed
     assert "host/device" in printed and "each tail read beside a head" in printed
