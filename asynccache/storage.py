@@ -77,6 +77,15 @@ class PoolTransfer:
     num_trailing: int = 1
 
     def __post_init__(self) -> None:
+        # The enums' plain values are accepted and made members: the backends pick pools by
+        # identity (``is PoolHitPolicy.ALL_PAGES``), so a plain string would be no policy at all.
+        for name, kind in (("pool_name", PoolName), ("hit_policy", PoolHitPolicy)):
+            value = getattr(self, name)
+            if not isinstance(value, kind):
+                try:
+                    object.__setattr__(self, name, kind(value))
+                except ValueError:
+                    raise ConfigError(f"{name} must be one of {[m.value for m in kind]}, got {value!r}") from None
         if self.num_trailing < 1:
             raise ConfigError(f"num_trailing must be >= 1, got {self.num_trailing}")
 
@@ -174,7 +183,10 @@ def known_schemes() -> list[str]:
 
 def open_backend(uri: str, **options: Any) -> StorageBackend:
     """Open the backend for ``uri``; options go to the backend's factory (namespace, limits…)."""
-    scheme = urlsplit(uri).scheme
+    try:
+        scheme = urlsplit(uri).scheme
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ConfigError(f"malformed storage URI {uri!r}: {e}") from None
     if not scheme:
         raise ConfigError(f"storage URI {uri!r} has no scheme; known schemes: {known_schemes()}")
     factory = _REGISTRY.get(scheme)
@@ -186,6 +198,8 @@ def open_backend(uri: str, **options: Any) -> StorageBackend:
     try:
         return factory(uri, **options)
     except TypeError as e:
-        if "unexpected keyword argument" not in str(e):
-            raise
-        raise ConfigError(f"storage {uri!r}: an option the backend does not take ({e})") from None
+        if "unexpected keyword argument" in str(e):
+            raise ConfigError(f"storage {uri!r}: an option the backend does not take ({e})") from None
+        if "required keyword-only argument" in str(e):
+            raise ConfigError(f"storage {uri!r}: an option the backend needs is missing ({e})") from None
+        raise

@@ -115,7 +115,10 @@ READ_RANGE_BYTES = 4 << 20
 
 def parse_file_uri(uri: str) -> str:
     """``file:///absolute/path`` (or ``file://localhost/…``) → the normalized root path."""
-    parts = urlsplit(uri)
+    try:
+        parts = urlsplit(uri)
+    except ValueError as e:
+        raise ConfigError(f"malformed file URI {uri!r}: {e}") from None
     if parts.scheme != "file":
         raise ConfigError(f"not a file URI: {uri!r}")
     if parts.netloc not in ("", "localhost"):

@@ -28,7 +28,10 @@ class MemoryBackend(ObjectBackend):
     probe_window = 256
 
     def __init__(self, uri: str, *, objects: dict[str, bytes | bytearray] | None = None, **options: Any) -> None:
-        parts = urlsplit(uri)
+        try:
+            parts = urlsplit(uri)
+        except ValueError as e:
+            raise ConfigError(f"malformed memory URI {uri!r}: {e}") from None
         if parts.scheme != "memory" or parts.query or parts.fragment or parts.path not in ("", "/"):
             raise ConfigError(f"memory URI must be memory:// or memory://NAME, got {uri!r}")
         if parts.netloc:

@@ -76,7 +76,10 @@ WORKER_PIECE_BYTES = 4 << 20
 
 def _shown(uri: str) -> str:
     """The URI without its query values (for error messages: a refused URI may hold secrets)."""
-    parts = urlsplit(uri)
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return "(not shown: it does not parse)"
     keys = [k for k, _ in parse_qsl(parts.query, keep_blank_values=True)]
     query = "&".join(f"{k}=…" for k in keys)
     return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}" + (f"?{query}" if query else "")
@@ -124,11 +127,11 @@ def parse_s3_uri(uri: str) -> S3Location:
         seen[key] = value
     endpoint = seen.get("endpoint_url")
     if endpoint is not None:
-        ep = urlsplit(endpoint)
         try:
+            ep = urlsplit(endpoint)
             ep.port  # noqa: B018 (parses the port: a bad one raises ValueError)
         except ValueError as e:
-            raise ConfigError(f"s3 URI {_shown(uri)}: endpoint_url has an invalid port ({e})") from e
+            raise ConfigError(f"s3 URI {_shown(uri)}: endpoint_url is malformed or has an invalid port ({e})") from e
         if ep.scheme not in ("http", "https") or not ep.hostname or "@" in ep.netloc or ep.query or ep.fragment:
             raise ConfigError(f"s3 URI {_shown(uri)}: endpoint_url must be http(s)://host[:port] without credentials")
     region = seen.get("region")

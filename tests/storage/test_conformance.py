@@ -127,6 +127,15 @@ async def test_exists_honours_every_policy(harness: Harness) -> None:
             flags = result.exists[t.pool_name]
             assert len(flags) == len(keys)
             assert all(truth[t.pool_name][i] for i, f in enumerate(flags) if f)  # never claims a missing one
+    # The enums' plain values mean what the members mean (not "no policy": every key a hit);
+    # anything else is refused.
+    plain = [PoolTransfer(pool_name="kv", keys=tuple(keys), hit_policy="all_pages"),
+             PoolTransfer(pool_name="mamba", keys=tuple(keys), hit_policy="trailing_pages")]  # fmt: skip
+    assert [t.hit_policy for t in plain] == [PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES]
+    assert (await backend.batch_exists_v2(keys, plain)).num_hit_pages == answers[2]
+    for bad in ({"hit_policy": "some_pages"}, {"pool_name": "ssm"}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            PoolTransfer(**{"pool_name": PoolName.KV, "keys": tuple(keys), **bad})
     # a hole in the KV prefix cuts the hit at the hole, then back to the deepest state
     await harness.raw_put(backend, backend.object_name(PoolName.KV, keys[2]), b"")
     assert await hit_pages(backend, keys, kv_transfer(keys), mamba_transfer(keys)) == 2

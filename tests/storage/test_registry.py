@@ -9,7 +9,7 @@ from storage_harness import NAMESPACE
 
 from asynccache.errors import ConfigError
 from asynccache.storage import known_schemes, open_backend, register_backend
-from storage_backends.local_disk import LocalDiskBackend
+from storage_backends.local_disk import LocalDiskBackend, parse_file_uri
 from storage_backends.memory import MemoryBackend
 from storage_backends.object_store import ObjectStoreBackend, parse_s3_uri
 
@@ -75,6 +75,9 @@ BAD_URIS = [
     "s3://bucket-name/prefix?endpoint_url=http://127.0.0.1:99999",
     "s3://bucket-name/prefix?endpoint_url=http://127.0.0.1:9000:9000",
     "s3://bucket-name/prefix?endpoint_url=http://127.0.0.1:abc",
+    "s3://bucket-name/prefix?endpoint_url=http://[::1",
+    "file://[::1/var/cache",
+    "memory://[::1",
 ]
 
 
@@ -82,6 +85,21 @@ BAD_URIS = [
 def test_invalid_uris_are_refused(uri: str) -> None:
     with pytest.raises(ConfigError):
         open_backend(uri, namespace=NAMESPACE)
+
+
+@pytest.mark.parametrize(
+    ("parse", "uri"),
+    [(parse_s3_uri, "s3://[::1/prefix"), (parse_file_uri, "file://[::1/var/cache"), (MemoryBackend, "memory://[::1")],
+)
+def test_each_scheme_refuses_a_uri_that_does_not_parse_when_called_directly(parse: Any, uri: str) -> None:
+    with pytest.raises(ConfigError, match="malformed"):
+        parse(uri)
+
+
+def test_a_missing_required_option_is_a_config_error(tmp_path: Any) -> None:
+    for uri in ("memory://", f"file://{tmp_path}", "s3://bucket-name"):
+        with pytest.raises(ConfigError, match="namespace"):
+            open_backend(uri)
 
 
 @pytest.mark.parametrize(
