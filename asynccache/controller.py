@@ -181,6 +181,8 @@ class HybridCacheController:
         self._closing: asyncio.Future[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._loaders: set[asyncio.Task[None]] = set()
+        #: storage lookups in flight (each holds its match's node locked until it ends)
+        self._prefetches: set[asyncio.Task[Any]] = set()
         #: The copy function of backups, and the copier factory of layer-by-layer loads,
         #: ``layer_copier(pair, host_indices, device_indices)`` (replaceable in tests to count
         #: calls or inject failures).
@@ -605,13 +607,15 @@ class HybridCacheController:
         return len(ops)
 
     async def wait_idle(self) -> bool:
-        """Wait until no copy is in flight; True if anything was (memory may have been freed)."""
+        """Wait until no copy and no storage lookup is in flight; True if anything was (memory
+        may have been freed, and nodes a lookup held locked may be evictable again)."""
         busy = False
-        while self._loaders or self._load_completion.depth or self._write_completion.depth:
+        while self._loaders or self._prefetches or self._load_completion.depth or self._write_completion.depth:
             busy = True
-            drop_done(self._loaders)  # a finished one leaves by its callback a loop pass later
-            if self._loaders:
-                await asyncio.gather(*list(self._loaders), return_exceptions=True)
+            for tasks in (self._loaders, self._prefetches):
+                drop_done(tasks)  # a finished one leaves by its callback a loop pass later
+                if tasks:
+                    await asyncio.gather(*list(tasks), return_exceptions=True)
             await self._load_completion.wait_idle()
             await self._write_completion.wait_idle()
         return busy
@@ -646,6 +650,8 @@ class HybridCacheController:
             self.tiering.prefetch(tokens, match, salt=salt, allow_tail=allow_tail), name="asynccache-prefetch"
         )
         task.add_done_callback(unlock)
+        self._prefetches.add(task)
+        task.add_done_callback(self._prefetches.discard)
         return task
 
     def load_tail(self, tail: Any, device_pages: torch.Tensor, state_slots: torch.Tensor) -> CacheOperation:

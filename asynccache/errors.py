@@ -12,6 +12,7 @@ Hierarchy::
     │   └── SharedMemoryError  host memory shared between processes cannot be had
     ├── AllocationError      misuse of an allocator (double free, foreign index)
     ├── TransferError        a copy was rejected before launch or failed
+    ├── SchedulerError       the reference scheduler's loop stopped, or it is closed
     └── BackendError         a storage backend failed (I/O, network, timeout)
         └── ObjectFormatError  a stored object is truncated, corrupted or foreign
 
@@ -62,6 +63,11 @@ class AllocationError(AsyncCacheError):
 
 class TransferError(AsyncCacheError):
     """A copy was rejected before launch (bad dtype, layout, index) or failed."""
+
+
+class SchedulerError(AsyncCacheError, RuntimeError):
+    """The reference scheduler takes no more requests: its loop stopped on an error (the
+    ``__cause__``; every request it held failed with that error), or it is closed."""
 
 
 class BackendError(AsyncCacheError):

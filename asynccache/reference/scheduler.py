@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from asynccache.cache import HybridCache
-from asynccache.errors import CapacityError
+from asynccache.errors import CapacityError, ConfigError, SchedulerError
 from asynccache.layer_counter import LayerTransferCounter
 from asynccache.reference.model import ForwardBatch, HybridModel, SequenceInput
 from asynccache.tree import Tier
@@ -56,6 +56,12 @@ class SchedulerConfig:
     chunk_size: int = 512  # prefill tokens per request per step
     max_batch_tokens: int = 4096
     use_cache: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "chunk_size", "max_batch_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"SchedulerConfig.{name} must be an int >= 1, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -102,6 +108,9 @@ class _Request:
     first_token_at: float | None = None
     first_logits: torch.Tensor | None = None
     cancelled: bool = False
+    #: tokens its storage lookup brought (None: not looked up yet; one lookup per request, so a
+    #: request that waits for room does not repeat it every step)
+    storage_tokens: int | None = None
 
     @property
     def total_len(self) -> int:
@@ -155,6 +164,8 @@ class Scheduler:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._tg: asyncio.TaskGroup | None = None
+        self._failure: BaseException | None = None  # what stopped the loop
+        self._closed = False
         self.num_steps = 0
         #: node state slot → the working slot of the request whose load (this step) brings it
         self._loading_slots: dict[int, int] = {}
@@ -166,14 +177,16 @@ class Scheduler:
         self._task = self._tg.create_task(self._loop(), name="asynccache-scheduler")
         return self
 
-    async def __aexit__(self, *exc_info: object) -> None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
         assert self._tg is not None and self._task is not None
-        for req in list(self._waiting) + list(self._running):
-            self._cancel(req)
+        self._closed = True
+        self._cancel_all(list(self._waiting) + list(self._running))
         self._task.cancel()
         tg, self._tg = self._tg, None
         with contextlib.suppress(asyncio.CancelledError):
             await tg.__aexit__(None, None, None)
+        if self._failure is not None and exc_type is None:
+            raise SchedulerError(f"the scheduler's loop stopped: {self._failure!r}") from self._failure
 
     # ---- public API --------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], max_new_tokens: int, *, salt: str = "") -> asyncio.Future[RequestResult]:
@@ -188,6 +201,10 @@ class Scheduler:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         if self._task is None:
             raise RuntimeError("use the scheduler as `async with Scheduler(...)`")
+        if self._failure is not None:
+            raise SchedulerError(f"the scheduler's loop stopped: {self._failure!r}") from self._failure
+        if self._closed:
+            raise SchedulerError("the scheduler is closed")
         fut: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
         req = _Request(
             request_id=next(_ids),
@@ -222,11 +239,14 @@ class Scheduler:
                 # so submitters, cancellations and background copies run between steps.
                 await asyncio.sleep(0)
         except Exception as e:
-            # Fail every request rather than leave callers waiting on a dead loop.
+            # Fail every request rather than leave callers waiting on a dead loop, and refuse
+            # new ones (submit). The error is not raised into the TaskGroup: that would cancel
+            # the task that entered the scheduler, which may be awaiting one of these requests;
+            # leaving the scheduler raises it instead (SchedulerError).
+            self._failure = e
             for req in self._waiting + self._running:
                 if not req.future.done():
                     req.future.set_exception(e)
-            raise
 
     async def _step(self) -> None:
         self.num_steps += 1
@@ -301,20 +321,37 @@ class Scheduler:
         match = tree.match_prefix(key, salt=req.salt) if self.config.use_cache else None
         by_tier = {"device": 0, "host": 0, "storage": 0}
         tail = None
-        if match is not None and ctrl.tiering is not None:
+        if match is not None and ctrl.tiering is not None and req.storage_tokens is None:
             before = match.num_tokens
             task = ctrl.prefetch(key, match, salt=req.salt, allow_tail=True)
+            req.storage_tokens = 0
             if task is not None:
                 res = await ctrl.wait_prefetch(task, len(key))
                 tail = res.tail if res is not None else None
                 match = tree.match_prefix(key, salt=req.salt)
-                by_tier["storage"] = max(0, match.num_tokens - before)
+                req.storage_tokens = max(0, match.num_tokens - before)
                 if tail is not None and tail.begin_tokens <= match.num_tokens:
                     tail.release()  # the tree caught up meanwhile (another request restored it)
                     tail = None
         num_cached = match.num_tokens if match is not None else 0
-        if match is not None:
-            tree.lock(match.last_node)
+        by_tier["storage"] = min(req.storage_tokens or 0, num_cached)
+        if match is None:
+            return self._allocate(req, None, num_cached, tail, by_tier)
+        # Pin the match on both tiers while making room: under write_back, allocating device
+        # slots writes device states back to the host, which may evict host copies — the
+        # match's own included, unless it is locked there too.
+        tree.lock(match.last_node)
+        tree.lock_host(match.last_node)
+        try:
+            return self._allocate(req, match, num_cached, tail, by_tier)
+        finally:
+            tree.unlock_host(match.last_node)
+
+    def _allocate(self, req: _Request, match: Any, num_cached: int, tail: Any, by_tier: dict[str, int]) -> bool:
+        """Allocate a matched request's slots and pages and queue its load (``match`` locked on
+        the device by the caller; the lock is the request's once admitted); False, with
+        everything undone, when there is no room."""
+        tree, ctrl, page = self.cache.tree, self.cache.controller, self.spec.page_size
         # Pages for every position this request will compute: [num_cached, total_len - 1).
         last_pos = req.total_len - 1
         num_pages_total = -(-last_pos // page)
@@ -508,7 +545,13 @@ class Scheduler:
             )
 
     def _reap_cancelled(self) -> None:
-        for req in [r for r in self._waiting + self._running if r.cancelled]:
+        self._cancel_all([r for r in self._waiting + self._running if r.cancelled])
+
+    def _cancel_all(self, reqs: list[_Request]) -> None:
+        """Cancel ``reqs``, the running ones newest first: a queued load may build on an older
+        request's (a shared prefix), and the older one cannot be cancelled while it does."""
+        running = [r for r in reversed(self._running) if r in reqs]
+        for req in [r for r in reqs if r not in running] + running:
             self._cancel(req)
 
     def _cancel(self, req: _Request) -> None:
