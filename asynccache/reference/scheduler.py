@@ -238,7 +238,7 @@ class Scheduler:
                 # A step may complete without suspending (CPU copies, nothing to wait for): yield
                 # so submitters, cancellations and background copies run between steps.
                 await asyncio.sleep(0)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 (any error stops the loop; it goes to the requests)
             # Fail every request rather than leave callers waiting on a dead loop, and refuse
             # new ones (submit). The error is not raised into the TaskGroup: that would cancel
             # the task that entered the scheduler, which may be awaiting one of these requests;
@@ -316,7 +316,7 @@ class Scheduler:
             self._running.append(req)
 
     async def _try_admit(self, req: _Request) -> bool:
-        tree, ctrl, page = self.cache.tree, self.cache.controller, self.spec.page_size
+        tree, ctrl = self.cache.tree, self.cache.controller
         key = req.prompt[:-1]
         match = tree.match_prefix(key, salt=req.salt) if self.config.use_cache else None
         by_tier = {"device": 0, "host": 0, "storage": 0}

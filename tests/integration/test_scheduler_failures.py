@@ -22,12 +22,12 @@ MODEL = tiny_model(SPEC, "cpu", seed=0)
 
 
 def config(**overrides: Any) -> HybridCacheConfig:
-    options: dict[str, Any] = dict(
-        device_kv_pages=128,
-        device_state_slots=32,
-        host_kv_bytes=256 * SPEC.kv_page_bytes,
-        host_state_bytes=32 * SPEC.state_bytes,
-    )
+    options: dict[str, Any] = {
+        "device_kv_pages": 128,
+        "device_state_slots": 32,
+        "host_kv_bytes": 256 * SPEC.kv_page_bytes,
+        "host_state_bytes": 32 * SPEC.state_bytes,
+    }
     return HybridCacheConfig(**(options | overrides))
 
 
