@@ -3,6 +3,10 @@ test's device, the cache budgets they serve through, and a prefix left in storag
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from asynccache.cache import HybridCache
@@ -57,3 +61,22 @@ async def store_only(cache: HybridCache, tokens: list[int], *, grid: int) -> Non
     cache.flush_device()
     cache.flush_host()
     assert cache.tree.match_prefix(tokens).num_tokens == 0
+
+
+def slow_backend(cache: HybridCache, method: str, seconds: float, during: Callable[[], None] | None = None) -> list[int]:
+    """Make the storage backend's ``method`` (a coroutine) wait ``seconds`` before each call,
+    then run ``during`` (if given); returns a one-item list counting the calls."""
+    tier = cache.controller.tiering
+    assert tier is not None
+    real = getattr(tier.backend, method)
+    calls = [0]
+
+    async def slow(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        await asyncio.sleep(seconds)
+        if during is not None:
+            during()
+        return await real(*args, **kwargs)
+
+    setattr(tier.backend, method, slow)
+    return calls

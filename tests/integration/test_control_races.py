@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from serving import store_only
+from serving import slow_backend, store_only
 
 from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
@@ -55,20 +55,6 @@ async def stored(cache: HybridCache) -> None:
     await store_only(cache, TOKENS, grid=4)
 
 
-def slow_lookups(cache: HybridCache, seconds: float, during: Any = None) -> None:
-    tier = cache.controller.tiering
-    assert tier is not None
-    real = tier.backend.batch_exists_v2
-
-    async def slow(*args: Any, **kwargs: Any) -> Any:
-        await asyncio.sleep(seconds)
-        if during is not None:
-            during()
-        return await real(*args, **kwargs)
-
-    tier.backend.batch_exists_v2 = slow  # type: ignore[method-assign]
-
-
 async def test_the_matched_node_survives_eviction_during_the_storage_lookup() -> None:
     async with HybridCache(SPEC, config(storage_uri="memory://race1"), admission=EveryPageAdmission()) as cache:
         await stored(cache)
@@ -76,7 +62,7 @@ async def test_the_matched_node_survives_eviction_during_the_storage_lookup() ->
         match = cache.tree.match_prefix(TOKENS)
         assert match.num_tokens == 16
         # Another request needs the device meanwhile: everything evictable goes.
-        slow_lookups(cache, 0.01, during=cache.flush_device)
+        slow_backend(cache, "batch_exists_v2", 0.01, during=cache.flush_device)
         task = cache.controller.prefetch(TOKENS, match)
         assert task is not None
         res = await cache.controller.wait_prefetch(task, len(TOKENS))
@@ -96,7 +82,7 @@ async def test_a_cancelled_waiter_releases_the_split_restore_it_would_have_taken
         assert tier is not None
         read_page_s = SPEC.kv_page_bytes / 1e6
         tier.cost = RestoreCost(read_bytes_per_s=1e6, prefill_tokens_per_s=PAGE / (3.0 * read_page_s))
-        slow_lookups(cache, 0.05)
+        slow_backend(cache, "batch_exists_v2", 0.05)
         before = free_counts(cache)
 
         async def request() -> None:
@@ -190,14 +176,7 @@ async def test_overlapping_closes_wait_for_the_first() -> None:
     cache = HybridCache(SPEC, config(storage_uri="memory://race5"))
     await cache.__aenter__()
     ctrl = cache.controller
-    assert ctrl.tiering is not None
-    real = ctrl.tiering.backend.batch_set_v2
-
-    async def slow_set(*args: Any, **kwargs: Any) -> Any:
-        await asyncio.sleep(0.05)
-        return await real(*args, **kwargs)
-
-    ctrl.tiering.backend.batch_set_v2 = slow_set  # type: ignore[method-assign]
+    slow_backend(cache, "batch_set_v2", 0.05)
     res = insert(cache, TOKENS[:16])
     op = ctrl.write(res.backup_nodes)
     assert op is not None
@@ -212,7 +191,7 @@ async def test_a_request_cancelled_while_its_lookup_runs_does_not_stop_the_sched
     model = HybridModel(SPEC, seed=0)
     cfg = config(device_kv_pages=16, device_state_slots=8, storage_uri="memory://race6", prefetch_policy="wait_complete")
     async with HybridCache(SPEC, cfg) as cache:
-        slow_lookups(cache, 0.05)
+        slow_backend(cache, "batch_exists_v2", 0.05)
         async with Scheduler(model, cache, SchedulerConfig(chunk_size=16)) as sched:
             first = await sched.generate(list(range(1, 20)), 2)
             too_big = sched.submit(list(range(1, 101)), 2)  # 25 pages: never fits in 16
@@ -247,7 +226,7 @@ async def test_leaving_the_scheduler_mid_admission_leaves_no_load_queued(tmp_pat
             cache.flush_device()  # p2: on the host
         read_page_s = SPEC.kv_page_bytes / 1e6
         tier.cost = RestoreCost(read_bytes_per_s=1e6, prefill_tokens_per_s=PAGE / (3.0 * read_page_s))
-        slow_lookups(cache, 0.05)
+        slow_backend(cache, "batch_exists_v2", 0.05)
         sched = Scheduler(model, cache, SchedulerConfig(chunk_size=PAGE))
         await sched.__aenter__()
         sched.submit([*p2, *r2.output_ids, 9, 9, 9], 2)  # a host hit: its load is queued
