@@ -49,7 +49,7 @@ def _req(cfg: dict[str, Any], key: str, model_type: str) -> Any:
     return cfg[key]
 
 
-def _as_int(value: Any, key: str, model_type: str) -> int:
+def _as_int(value: Any, key: str, model_type: str, minimum: int | None = None) -> int:
     if isinstance(value, bool):
         raise SpecError(f"{model_type} config field {key!r} must be an integer, got {value!r}")
     try:
@@ -58,18 +58,23 @@ def _as_int(value: Any, key: str, model_type: str) -> int:
         raise SpecError(f"{model_type} config field {key!r} must be an integer, got {value!r}") from None
     if out != value and not isinstance(value, str):
         raise SpecError(f"{model_type} config field {key!r} must be an integer, got {value!r}")
+    if minimum is not None and out < minimum:
+        raise SpecError(f"{model_type} config field {key!r} must be >= {minimum}, got {out}")
     return out
 
 
-def _req_int(cfg: dict[str, Any], key: str, model_type: str) -> int:
-    return _as_int(_req(cfg, key, model_type), key, model_type)
+def _req_int(cfg: dict[str, Any], key: str, model_type: str, minimum: int = 1) -> int:
+    """A required integer field, at least ``minimum`` (counts and sizes are positive)."""
+    return _as_int(_req(cfg, key, model_type), key, model_type, minimum)
 
 
-def _first_int(cfg: dict[str, Any], keys: Sequence[str], model_type: str, default: int | None = None) -> int:
+def _first_int(
+    cfg: dict[str, Any], keys: Sequence[str], model_type: str, default: int | None = None, minimum: int = 1
+) -> int:
     """The first of ``keys`` present (aliases of one field), else ``default``, else an error."""
     for key in keys:
         if cfg.get(key) is not None:
-            return _as_int(cfg[key], key, model_type)
+            return _as_int(cfg[key], key, model_type, minimum)
     if default is not None:
         return default
     raise SpecError(f"{model_type} config is missing required field {keys[0]!r}")
@@ -107,7 +112,7 @@ def _qwen_next(cfg: dict[str, Any], mt: str) -> _Parsed:
         head_dim=_req_int(cfg, "linear_value_head_dim", mt),
         num_k_heads=_req_int(cfg, "linear_num_key_heads", mt),
         head_k_dim=_req_int(cfg, "linear_key_head_dim", mt),
-        conv_kernel=_req_int(cfg, "linear_conv_kernel_dim", mt),
+        conv_kernel=_req_int(cfg, "linear_conv_kernel_dim", mt, minimum=2),
     )
     return n, attn, lin, geo
 
@@ -120,7 +125,7 @@ def _nemotron_geo(cfg: dict[str, Any], mt: str) -> LinearGeometry:
         head_dim=_req_int(cfg, "mamba_head_dim", mt),
         n_groups=_first_int(cfg, ("n_groups", "mamba_n_groups"), mt),
         state_size=_req_int(cfg, "ssm_state_size", mt),
-        conv_kernel=_first_int(cfg, ("conv_kernel", "mamba_d_conv"), mt),
+        conv_kernel=_first_int(cfg, ("conv_kernel", "mamba_d_conv"), mt, minimum=2),
     )
 
 
@@ -130,7 +135,7 @@ def _mamba2_geo(cfg: dict[str, Any], mt: str) -> LinearGeometry:
     if n_heads <= 0:
         raise SpecError(f"mamba_n_heads must be positive, got {n_heads}")
     if cfg.get("mamba_d_ssm") is not None:
-        inner_field, inner = "mamba_d_ssm", _as_int(cfg["mamba_d_ssm"], "mamba_d_ssm", mt)
+        inner_field, inner = "mamba_d_ssm", _as_int(cfg["mamba_d_ssm"], "mamba_d_ssm", mt, 1)
     else:
         expand = _first_int(cfg, ("mamba_expand",), mt, default=2)
         inner_field, inner = "mamba_expand * hidden_size", expand * _req_int(cfg, "hidden_size", mt)
@@ -140,7 +145,7 @@ def _mamba2_geo(cfg: dict[str, Any], mt: str) -> LinearGeometry:
             raise SpecError(f"mamba_n_heads={n_heads} does not divide the Mamba inner size {inner_field}={inner}")
         d_head = inner // n_heads
     else:
-        d_head = _as_int(d_head_raw, "mamba_d_head", mt)
+        d_head = _as_int(d_head_raw, "mamba_d_head", mt, 1)
         if d_head * n_heads != inner:
             raise SpecError(
                 f"mamba_d_head={d_head} × mamba_n_heads={n_heads} does not match the Mamba inner size "
@@ -152,7 +157,7 @@ def _mamba2_geo(cfg: dict[str, Any], mt: str) -> LinearGeometry:
         head_dim=d_head,
         n_groups=_first_int(cfg, ("mamba_n_groups",), mt, default=1),
         state_size=_req_int(cfg, "mamba_d_state", mt),
-        conv_kernel=_first_int(cfg, ("mamba_d_conv",), mt, default=4),
+        conv_kernel=_first_int(cfg, ("mamba_d_conv",), mt, default=4, minimum=2),
     )
 
 
@@ -219,7 +224,7 @@ def _jamba(cfg: dict[str, Any], mt: str) -> _Parsed:
         attn = [i for i, t in enumerate(kinds) if t == "attention"]
     else:
         period = _req_int(cfg, "attn_layer_period", mt)
-        offset = _req_int(cfg, "attn_layer_offset", mt)
+        offset = _req_int(cfg, "attn_layer_offset", mt, minimum=0)
         if period <= 0 or not 0 <= offset < period:
             raise SpecError(f"attn_layer_offset={offset} must lie in [0, attn_layer_period={period})")
         attn = [i for i in range(n) if i % period == offset]
@@ -231,7 +236,7 @@ def _jamba(cfg: dict[str, Any], mt: str) -> _Parsed:
         num_heads=1,
         head_dim=_first_int(cfg, ("mamba_expand",), mt, default=2) * hidden,
         state_size=_req_int(cfg, "mamba_d_state", mt),
-        conv_kernel=_req_int(cfg, "mamba_d_conv", mt),
+        conv_kernel=_req_int(cfg, "mamba_d_conv", mt, minimum=2),
     )
     return n, attn, mamba, geo
 

@@ -14,6 +14,7 @@ range; ``validate_indices``), ``check_device_buffers`` (devices, pinning), ``che
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Protocol
 
@@ -100,9 +101,23 @@ def validate_copy(
     """Raise :class:`TransferError` for anything a launch would get wrong: the pools
     (:func:`validate_pools`), the layer range, the index lists (:func:`validate_indices`)."""
     validate_pools(src, dst)
+    for name, value in (("layer_begin", layer_begin), ("layer_end", layer_end)):
+        if not _is_index(value):
+            raise TransferError(f"{name} must be an int, got {value!r}")
     if not 0 <= layer_begin <= layer_end <= src.num_layers:
         raise TransferError(f"layer range [{layer_begin}, {layer_end}) outside 0..{src.num_layers}")
     validate_indices(src, dst, src_indices, dst_indices)
+
+
+def _is_index(value: object) -> bool:
+    """An integer (Python or NumPy, not bool): what a layer number or count may be."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
 
 
 def validate_pools(src: PoolBufferLike, dst: PoolBufferLike) -> None:
@@ -191,7 +206,14 @@ def shares_buffer(src: PoolBufferLike, dst: PoolBufferLike) -> bool:
     """Whether two materialized pools live in one buffer (then their geometries must agree:
     :class:`TransferError` otherwise)."""
     assert src.buffer is not None and dst.buffer is not None
-    if src.buffer.untyped_storage().data_ptr() != dst.buffer.untyped_storage().data_ptr():
+    s, d = src.buffer, dst.buffer
+    if s.untyped_storage().data_ptr() != d.untyped_storage().data_ptr():
+        return False
+    if s.data_ptr() != d.data_ptr():
+        # Views of one allocation from different bytes: disjoint parts are separate buffers;
+        # overlapping ones cannot be checked by index (item i of one is not item i of the other).
+        if s.data_ptr() < d.data_ptr() + d.numel() and d.data_ptr() < s.data_ptr() + s.numel():
+            raise TransferError("src and dst are overlapping views of one buffer that start at different bytes")
         return False
     if src.layer_stride_bytes != dst.layer_stride_bytes or src.item_stride_bytes != dst.item_stride_bytes:
         raise TransferError("src and dst share a buffer with different geometries")
@@ -388,6 +410,8 @@ class PoolPair:
             check_overlap(src, dst, src_indices, dst_indices)  # the rule of the CUDA paths, here too
 
         def check_range(layer: int, count: int) -> None:
+            if not (_is_index(layer) and _is_index(count)):
+                raise TransferError(f"layer and count must be ints, got {layer!r}, {count!r}")
             if not (0 <= layer and count >= 1 and layer + count <= num_layers):
                 raise TransferError(f"layers [{layer}, {layer + count}) outside 0..{num_layers - 1}")
 

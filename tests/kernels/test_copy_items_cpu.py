@@ -240,6 +240,42 @@ def test_overlap_inside_one_pool_is_found_for_short_and_long_index_lists() -> No
         check_overlap(pool, pool, src, src + n - 1, shared=False)  # the caller's word is taken
 
 
+class _View:
+    """A pool over bytes of a given tensor (the PoolBufferLike protocol): one layer of 16-byte items."""
+
+    num_layers, item_bytes, layer_stride_bytes, item_stride_bytes = 1, 16, 16, 16
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer, self.num_items = buffer, buffer.numel() // 16
+
+
+def test_views_of_one_buffer_from_different_bytes() -> None:
+    """Item i of one view is not item i of the other: overlapping views are refused (an index
+    check cannot tell a read from a write of the same bytes), disjoint ones copy normally."""
+    storage = torch.arange(12 * 16, dtype=torch.uint8)
+    a, shifted = _View(storage[0:128]), _View(storage[16:144])  # shifted[j] is a[j + 1]
+    before = storage.clone()
+    with pytest.raises(TransferError, match="overlapping views"):
+        copy_items(a, shifted, torch.tensor([0, 4, 2]), torch.tensor([1, 5, 3]))
+    assert torch.equal(storage, before)
+    apart = _View(storage[128:192])  # items 8..11 of the storage
+    assert not shares_buffer(a, apart)
+    copy_items(a, apart, torch.tensor([0, 1]), torch.tensor([1, 0]))
+    assert torch.equal(storage[144:160], before[0:16]) and torch.equal(storage[128:144], before[16:32])
+
+
+@pytest.mark.parametrize("layers", [(0.5, 2), (0, 1.5), (True, 2)])
+def test_a_layer_range_of_non_integers_is_refused(layers: tuple[object, object]) -> None:
+    src, dst = _pools()
+    before = snapshot(dst)
+    with pytest.raises(TransferError, match="must be an int"):
+        copy_items(src, dst, torch.tensor([0]), torch.tensor([1]), layer_begin=layers[0], layer_end=layers[1])  # type: ignore[arg-type]
+    copy = layer_copier(src, dst, torch.tensor([0]), torch.tensor([1]))
+    with pytest.raises(TransferError, match="must be ints"):
+        copy(0.5)  # type: ignore[arg-type]
+    assert torch.equal(snapshot(dst), before)
+
+
 def test_a_destination_named_twice_is_refused_on_every_path() -> None:
     """Two writes of one item would race on a GPU (which one lands is unspecified), so no path
     takes them: short and long lists, sorted or not, through copy_items and a layer copier. The

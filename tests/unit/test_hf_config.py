@@ -295,6 +295,13 @@ def test_non_integer_field_is_named() -> None:
         ({"vocab_size": {"a": 1}}, "'vocab_size'"),
         ({"model_type": ["qwen3_next"]}, "'model_type'"),
         ({"torch_dtype": "float64"}, "'torch_dtype'"),
+        # counts and sizes must be positive (a negative one was taken as it was)
+        ({"num_attention_heads": -16}, "'num_attention_heads' must be >= 1"),
+        ({"hidden_size": -1}, "'hidden_size' must be >= 1"),
+        ({"num_key_value_heads": 0}, "'num_key_value_heads' must be >= 1"),
+        ({"num_hidden_layers": 0}, "'num_hidden_layers' must be >= 1"),
+        ({"linear_num_value_heads": 0}, "'linear_num_value_heads' must be >= 1"),
+        ({"linear_conv_kernel_dim": 1}, "'linear_conv_kernel_dim' must be >= 2"),
     ],
 )
 def test_malformed_values_are_spec_errors_naming_the_field(change: dict[str, Any], named: str) -> None:
