@@ -435,7 +435,8 @@ class ObjectBackend(ABC):
     async def batch_exists_v2(self, keys: Sequence[str], transfers: Sequence[PoolTransfer]) -> PoolTransferResult:
         """The longest prefix of ``keys`` whose objects exist as every transfer's hit policy
         asks. ALL_PAGES pools are probed window by window up to their first miss; TRAILING_PAGES
-        pools downwards from there. ``exists`` flags are ``False`` for keys not probed."""
+        pools downwards from there (first only the keys their policy needs there, then window
+        by window). ``exists`` flags are ``False`` for keys not probed."""
         for key in keys:
             validate_key(key)
         pool_names = [_value(t.pool_name) for t in transfers]
@@ -468,7 +469,10 @@ class ObjectBackend(ABC):
         while trailing and m > 0:
             need_lo = max(0, m - span)
             if need_lo < probed_lo:
-                new_lo = max(0, min(need_lo, probed_lo - self.probe_window))
+                # The deepest keys alone first (a prefix stored whole has its state there), then
+                # window by window downwards.
+                step = span if probed_lo == n_all else self.probe_window
+                new_lo = max(0, min(need_lo, probed_lo - step))
                 await probe([nm for nm, _ in trailing], new_lo, probed_lo)
                 probed_lo = new_lo
             if all(all(flags[nm][max(0, m - num) : m]) for nm, num in trailing):

@@ -152,6 +152,18 @@ async def test_exists_probes_long_prefixes_in_windows(harness: Harness) -> None:
     await put(backend2, kv_transfer(keys[:290], range(290)), mamba_transfer([keys[40]], [0]))
     assert await hit_pages(backend, keys, kv_transfer(keys)) == 290
     assert await hit_pages(backend, keys, kv_transfer(keys), mamba_transfer(keys)) == 41
+    # A prefix stored whole has its state at its end: that key alone is looked up for it.
+    await put(backend2, mamba_transfer([keys[289]], [1]))
+    probed: list[int] = []
+    real = backend._object_sizes
+
+    async def counted(names: list[str]) -> list[int | None]:
+        probed.append(len(names))
+        return await real(names)
+
+    backend._object_sizes = counted  # type: ignore[method-assign]
+    assert await hit_pages(backend, keys, kv_transfer(keys), mamba_transfer(keys)) == 290
+    assert sum(probed) == 300 + 1 and probed[-1] == 1  # the KV windows (to the one with the miss), then one
 
 
 # ---- writes ----------------------------------------------------------------------------------
