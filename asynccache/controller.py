@@ -35,7 +35,7 @@ import torch
 
 from asynccache.completion import CompletionQueue, drop_done
 from asynccache.config import HybridCacheConfig
-from asynccache.errors import TransferError, TreeError
+from asynccache.errors import ConfigError, TransferError, TreeError
 from asynccache.layer_counter import LayerTransferCounter
 from asynccache.ops import CacheOperation, MergedTransfer, OpKind, OpState
 from asynccache.pools.base import ItemPool
@@ -269,6 +269,7 @@ class HybridCacheController:
         cancelled load never frees them. A match that needs nothing returns an already
         completed operation.
         """
+        self._require_started()  # a load queued after close would never be issued
         loop = asyncio.get_running_loop()
         if state_to and (not match.needs_load or match.state_tier is not Tier.HOST):
             raise ValueError("state_to needs a match whose boundary state is loaded from the host")
@@ -520,7 +521,11 @@ class HybridCacheController:
     # ---- writes (device → host) --------------------------------------------------------
     def write(self, nodes: Sequence[Any], *, priority: int = 0) -> CacheOperation | None:
         """Queue a device → host backup of ``nodes``; ``None`` when the host has no room."""
+        self._require_started()  # a backup queued after close would never be issued
         loop = asyncio.get_running_loop()
+        dead = next((n for n in nodes if not n.alive), None)
+        if dead is not None:  # before any lock: a node deleted meanwhile must not leave others locked
+            raise TreeError(f"cannot back up {dead}: it was deleted from the tree")
         num_pages, num_states = self.tree.backup_pages_needed(nodes)
         # Pin the nodes on both tiers while making room: host eviction must neither delete them
         # nor drop the host copies of their ancestors (host copies stay contiguous).
@@ -662,8 +667,15 @@ class HybridCacheController:
 
         The controller takes the tail over and releases it once the copy has finished (or, if
         cancelled or failed, once no copy from it is in flight). The device pages and slots stay
-        the caller's.
+        the caller's. Raises :class:`ConfigError` for page or slot lists that do not fit the tail
+        (before queueing: a bad list would fail the whole step's merged copy).
         """
+        self._require_started()
+        for what, t, n in (("device_pages", device_pages, tail.host_kv.numel()), ("state_slots", state_slots, None)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int64:
+                raise ConfigError(f"load_tail: {what} must be a 1-D int64 tensor")
+            if (n is not None and t.numel() != n) or (n is None and t.numel() < 1):
+                raise ConfigError(f"load_tail: {what} holds {t.numel()} indices, the tail needs {n or 'at least 1'}")
         loop = asyncio.get_running_loop()
         op = CacheOperation(
             OpKind.LOAD,
@@ -737,7 +749,7 @@ class HybridCacheController:
                 op.future.set_result(None)
             return
         try:
-            self._abort(op)
+            self._abort(op, failed=True)
         except TreeError as e:  # never leave the op unresolved: its waiter must hear of it
             log.error("could not undo the failed %r: %s", op, e)
         op.state = OpState.FAILED
@@ -756,15 +768,17 @@ class HybridCacheController:
             assert state_pool is not None
             state_pool.free(slots)
 
-    def _abort(self, op: CacheOperation) -> None:
+    def _abort(self, op: CacheOperation, *, failed: bool = False) -> None:
         """Undo a plan whose copy will never (or did not fully) happen; free what it allocated.
+        ``failed``: the copy failed, so device data inserted below a load goes too (a queued
+        load that data builds on is not cancelled: it completes instead).
 
         Only called when no copy into the plan's destination is in flight (before issue, or
         after a failed copy's stream position has completed)."""
         if op.kind is OpKind.LOAD:
             if op.plan is None:  # a tail restore: its pages and slots are the caller's
                 return
-            released = self.tree.abort_load(op.plan)
+            released = self.tree.abort_load(op.plan, drop_below=failed)
             self._free(released.kv_indices, released.state_slots, device=True)
         else:
             released = self.tree.abort_backup(op.plan)

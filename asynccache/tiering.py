@@ -4,7 +4,11 @@
 - **Backup** follows every completed host write: for each backed-up node that holds a host
   state, the KV pages of its path not yet archived are written, then the host states of those
   nodes (KV first, states last), so a stored state always has its KV and archived KV always has
-  a state companion at or below it. Nodes are marked archived only when both succeeded. Backups run in the controller's TaskGroup, at most
+  a state companion at or below it. Nodes are marked archived only when both succeeded (not
+  one whose state reached the host while the write ran: its own backup follows). A backend
+  that evicts for room (it reports a ``capacity_bytes``) may drop what was stored, so then no
+  node is marked archived and a backup writes its whole path (objects already stored are
+  skipped). Backups run in the controller's TaskGroup, at most
   ``config.max_backups_in_flight`` at once; the queue behind them is bounded too (past it a
   backup is skipped and counted). Host copies stay locked while their bytes are read.
 - **Prefetch** of a miss past the host tier: ``batch_exists_v2`` with KV ``ALL_PAGES`` and the
@@ -165,7 +169,9 @@ class StorageTier:
                 return
             self.tree.lock_host(node)
             try:
-                todo = [n for n in path if not n.archived]
+                # Storage that evicts may have dropped what a flag says is there: the whole path.
+                evicts = self._storage_evicts()
+                todo = path if evicts else [n for n in path if not n.archived]
                 kv = PoolTransfer(
                     pool_name=PoolName.KV,
                     keys=tuple(h for n in todo for h in n.page_hashes),
@@ -187,12 +193,21 @@ class StorageTier:
             finally:
                 self.tree.unlock_host(node)
             if state_ok:
+                # Not a node whose state arrived on the host while this was written (it has its
+                # own archive to come), nor anything when storage evicts (the flag would not stay
+                # true: ``evict_host(archived_only=True)`` could drop a last copy).
+                written = {id(n) for n in with_state}
                 for n in todo:
-                    if n.alive:
+                    if n.alive and not evicts and (id(n) in written or n.host_state is None):
                         self.tree.mark_archived(n)
                 self.counts["backup_ok"] += 1
             else:
                 self.counts["backup_failed"] += 1
+
+    def _storage_evicts(self) -> bool:
+        """Whether the backend drops objects for room (it reports a capacity)."""
+        stats = getattr(self.backend, "statistics", None)
+        return stats is not None and getattr(stats(), "capacity_bytes", None) is not None
 
     # ---- prefetch ----------------------------------------------------------------------
     async def prefetch(self, tokens: Any, match: Any, *, salt: str = "", allow_tail: bool = False) -> PrefetchResult:

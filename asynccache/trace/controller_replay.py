@@ -125,6 +125,10 @@ class ControllerReplay(TraceReplay):
         moved["d2h"] = stats.bytes_total("d2h") + (self.storage_tier.staged_state_bytes if self.storage_tier else 0)
         moved["d2h_kv"] = stats.bytes.get("d2h:kv", 0)
         moved["d2h_state"] = stats.bytes.get("d2h:mamba", 0)
+        if self.attention_only:  # its states cost nothing: their copies do not count
+            moved["h2d"] -= stats.bytes.get("h2d:mamba", 0)
+            moved["d2h"] -= moved["d2h_state"]
+            moved["d2h_state"] = 0
         extra = dict(result.extra)
         extra["engine"] = "controller"
         if self.controller.tiering is not None:

@@ -311,6 +311,10 @@ class TraceReplay:
             "device_lost_states": self.device_budget.counts.lost_states,
             "released_states": self.released_states,
         }
+        if self.attention_only:  # its states cost nothing: their copies do not count
+            moved["h2d"] -= self.transfer.state_bytes_loaded
+            moved["d2h"] -= self.transfer.state_bytes_backed_up
+            moved["d2h_state"] = 0
         peak = {"device": self.device_budget.peak_bytes}
         if self.host_budget is not None:
             evictions["host_kv"] = self.host_budget.counts.kv_pages

@@ -243,6 +243,9 @@ class TreeCore:
 
     def _set_host_state(self, node: TreeNode, slot: int) -> None:
         node.host_state = slot
+        # ``archived`` covers what the node holds on the host: a state that arrives (e.g. at a
+        # branch point split off an archived node) is not in storage yet, so the tier archives it.
+        node.archived = False
         self.host_state_lru.push(node)
         self._host_states += 1
 
@@ -422,6 +425,8 @@ class TreeCore:
             raise ConfigError(f"{what} must hold one index per full page ({num_pages}), got shape {tuple(t.shape)}")
         if t.dtype not in (torch.int64, torch.int32):
             raise ConfigError(f"{what} must be an integer tensor, got {t.dtype}")
+        if t.numel() > 1 and int(torch.unique(t).numel()) != t.numel():
+            raise ConfigError(f"{what}: the same page index is given twice")
         # A private copy: the caller may reuse its tensor (e.g. a row of its page table).
         if t.dtype is torch.int64 and t.device.type == "cpu":
             return t.clone()

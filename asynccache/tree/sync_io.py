@@ -30,6 +30,9 @@ class SyncTransfer:
         self.tree = tree
         self.bytes_loaded = 0
         self.bytes_backed_up = 0
+        #: the states' share of the two
+        self.state_bytes_loaded = 0
+        self.state_bytes_backed_up = 0
 
     def backup(self, nodes: Sequence[TreeNode]) -> BackupPlan | None:
         """Back ``nodes`` up (parents first; ancestors without a host copy must be included),
@@ -37,6 +40,9 @@ class SyncTransfer:
         tree = self.tree
         if tree.host_kv is None:
             return None
+        dead = next((n for n in nodes if not n.alive), None)
+        if dead is not None:  # before any lock: a node deleted meanwhile must not leave others locked
+            raise TreeError(f"cannot back up {dead}: it was deleted from the tree")
         num_kv, num_states = tree.backup_pages_needed(nodes)
         # Pin the nodes on the host while making room: host eviction must neither delete them
         # nor drop the host copies of their ancestors (contiguity).
@@ -58,9 +64,9 @@ class SyncTransfer:
             raise
         self.bytes_backed_up += copy_items(tree.device_kv, tree.host_kv, plan.device_kv_indices, plan.host_kv_indices)
         if tree.host_mamba is not None:
-            self.bytes_backed_up += copy_items(
-                tree.device_mamba, tree.host_mamba, plan.device_state_slots, plan.host_state_slots
-            )
+            n = copy_items(tree.device_mamba, tree.host_mamba, plan.device_state_slots, plan.host_state_slots)
+            self.bytes_backed_up += n
+            self.state_bytes_backed_up += n
         tree.finish_backup(plan)
         return plan
 
@@ -94,8 +100,8 @@ class SyncTransfer:
             self.bytes_loaded += copy_items(tree.host_kv, tree.device_kv, plan.host_kv_indices, plan.device_kv_indices)
         if plan.num_states:
             assert tree.host_mamba is not None
-            self.bytes_loaded += copy_items(
-                tree.host_mamba, tree.device_mamba, plan.host_state_slots, plan.device_state_slots
-            )
+            n = copy_items(tree.host_mamba, tree.device_mamba, plan.host_state_slots, plan.device_state_slots)
+            self.bytes_loaded += n
+            self.state_bytes_loaded += n
         tree.finish_load(plan)
         return plan

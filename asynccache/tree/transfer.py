@@ -48,6 +48,16 @@ def _walk_up(node: TreeNode, top_page: int) -> Iterator[TreeNode]:
         n = n.parent
 
 
+def _subtree(node: TreeNode) -> list[TreeNode]:
+    """``node`` and every node below it, parents before their children."""
+    out, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        out.append(n)
+        stack.extend(n.children.values())
+    return out
+
+
 def plan_nodes(plan: LoadPlan | BackupPlan) -> list[TreeNode]:
     """The nodes an in-flight plan covers now (nodes split since ``begin_*`` included)."""
     if isinstance(plan, LoadPlan):
@@ -172,11 +182,14 @@ class TransferMixin(TreeCore):
             for n in list(_walk_up(plan._last, plan._top_page)):
                 self._pin(n, -1, loading=True)
 
-    def abort_load(self, plan: LoadPlan) -> ReleasedIndices:
-        """Undo :meth:`begin_load` of a plan whose copies were never enqueued: detach the device
-        indices (returned; the caller frees them) and unpin. Raises :class:`TreeError` when
-        device data was attached below the loaded nodes meanwhile, or another in-flight copy
-        covers them (nothing changes then)."""
+    def abort_load(self, plan: LoadPlan, *, drop_below: bool = False) -> ReleasedIndices:
+        """Undo :meth:`begin_load` of a plan whose copies were never enqueued, or failed: detach
+        the device indices (returned; the caller frees them) and unpin. Device data inserted
+        below the loaded nodes meanwhile (computed on top of the prefix) makes it raise
+        :class:`TreeError` — unless ``drop_below`` (the copy failed: that data would be served
+        after pages it never filled), then it loses its device copy too, and only a node of it
+        in use (locked, or in a copy) makes it raise. It also raises when another in-flight
+        copy covers the loaded nodes. Nothing changes when it raises."""
         self._check_plan(plan)
         released = ReleasedIndices(kv_indices=plan.device_kv_indices, state_slots=plan.device_state_slots)
         last = plan._last
@@ -186,12 +199,18 @@ class TransferMixin(TreeCore):
         segment = list(_walk_up(last, plan._top_page))
         self._check_no_overlap(plan, segment)
         loaded_kv = plan.num_kv_pages > 0
+        below: list[TreeNode] = []
         if loaded_kv:
             ids = {n.node_id for n in segment}
             for n in segment:
                 for c in n.children.values():
                     if c.device_kv is not None and c.node_id not in ids:
-                        raise TreeError(f"cannot abort load {plan.plan_id}: {c} already uses the loaded pages")
+                        below.extend(d for d in _subtree(c) if d.device_kv is not None)
+            if below and not drop_below:
+                raise TreeError(f"cannot abort load {plan.plan_id}: {below[0]} already uses the loaded pages")
+            busy = next((d for d in below if d.device_lock or d.host_lock or d.loading), None)
+            if busy is not None:
+                raise TreeError(f"cannot abort load {plan.plan_id}: {busy} uses the loaded pages and is in use")
         del self._plans[plan.plan_id]
         for n in segment:
             self._pin(n, -1, loading=True)
@@ -204,7 +223,13 @@ class TransferMixin(TreeCore):
                     self._free_device_state(n)
             if loaded_kv:
                 self._clear_device_kv(n)
-        self._cascade(last)
+        # Once the loaded pages are detached (a cascade must not free them: the caller does),
+        # deepest first: a node dropped whole is a leaf by then.
+        for d in reversed(below):
+            if d.alive:
+                self._drop_device(d)  # type: ignore[attr-defined]  (the eviction mixin's)
+        if last.alive:
+            self._cascade(last)
         return released
 
     # ---- backup -------------------------------------------------------------------------------

@@ -371,7 +371,8 @@ class HybridRadixTree(EvictionMixin, TransferMixin):
         self, path: Sequence[TreeNode], states: Mapping[int, int], tier: Tier, free_slots: list[int]
     ) -> int:
         """Give each ``{end page: slot}`` state to the path node ending there on ``tier``; a node
-        that already holds a state there keeps it and the offered slot goes to ``free_slots``.
+        that already holds a state there keeps it and the offered slot goes to ``free_slots``
+        (unless it is the node's own slot, passed back).
         Returns the number of states attached."""
         if not states:
             return 0
@@ -381,7 +382,8 @@ class HybridRadixTree(EvictionMixin, TransferMixin):
             node = by_end[p]
             held = node.device_state if tier is Tier.DEVICE else node.host_state
             if held is not None:
-                free_slots.append(slot)
+                if held != slot:  # the node's own slot passed back (like its own pages) stays
+                    free_slots.append(slot)
                 continue
             if tier is Tier.DEVICE:
                 self._set_device_state(node, slot)

@@ -188,6 +188,34 @@ async def test_controller_engine_with_storage_serves_from_storage() -> None:
     assert r.hit_tokens_by_tier == {"device": 0, "host": 0, "storage": 3 * BLOCK}
 
 
+async def test_a_branch_state_split_off_an_archived_node_reaches_storage_in_both_engines() -> None:
+    """B branches off A, whose node is already in storage: the branch point's state is new and
+    must be archived (it was not: the split node inherited 'archived'), so that C, after
+    fillers pushed A and B off the device and host, resumes from it in storage."""
+    from asynccache.trace.controller_replay import ControllerReplay
+
+    requests = [(0.0, [0, 1, 2, 3, 4, 5]), (1000.0, [0, 1, 2, 10, 11, 12])]
+    requests += [(2000.0 + 1000 * k, list(range(100 + 12 * k, 112 + 12 * k))) for k in range(6)]
+    requests.append((9000.0, [0, 1, 2, 20, 21, 22]))
+    trace = make_trace(requests)
+    config = make_config("branch/lru", device_pages=16, host_pages=16, storage_pages=100 * BIG)
+    want = {"device": 0, "host": 0, "storage": 3 * BLOCK}
+    assert replay_trace(trace, config).hit_tokens_by_tier == want
+    assert (await ControllerReplay(trace, config).arun()).hit_tokens_by_tier == want
+
+
+async def test_the_attention_only_reference_moves_no_state_bytes() -> None:
+    """Its states cost nothing (budgets leave them out): their copies are not reported either."""
+    from asynccache.trace.controller_replay import ControllerReplay
+
+    trace = _mixed_trace(5)
+    config = make_config("attention-only/lru/write_back", device_pages=24, host_pages=60)
+    for result in (replay_trace(trace, config), await ControllerReplay(trace, config).arun()):
+        moved = result.bytes_moved
+        assert moved["d2h_state"] == 0 and moved["d2h"] == moved["d2h_kv"] > 0
+        assert moved["h2d"] % make_spec().kv_page_bytes == 0 and moved["h2d"] > 0
+
+
 def test_a_storage_restore_reads_every_page_of_the_prefix_as_the_controller_does() -> None:
     """The sync engine's storage tier restores like the controller's: all pages of the stored
     prefix come from storage (and are counted), including those the tree holds on the device,

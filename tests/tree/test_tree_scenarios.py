@@ -143,6 +143,24 @@ def test_insert_accepts_the_trees_own_prefix_pages() -> None:
     assert r.num_duplicate_pages == 4
     assert tree.device_kv.num_free == tree.device_kv.num_items - 6
     tree.check_integrity()
+    # The node's own state slot passed back (as its pages are) stays the node's, not freed.
+    free_slots = tree.device_mamba.num_free
+    own_slot = tree.match_prefix(full).last_node.device_state
+    r = tree.insert(full, tree.match_prefix(full).device_kv_indices, states={6 * PAGE: own_slot})
+    assert r.num_freed_states == 0 and tree.device_mamba.num_free == free_slots
+    tree.check_integrity()
+
+
+def test_insert_refuses_a_page_given_twice() -> None:
+    tree, _ = make_tree()
+    tokens = seq(1, 4 * PAGE)
+    alloc = tree.alloc_device(4, 1)
+    assert alloc is not None
+    kv = alloc.kv_indices.clone()
+    kv[1] = kv[0]
+    with pytest.raises(ConfigError, match="twice"):
+        tree.insert(tokens, kv, states={4 * PAGE: int(alloc.state_slots[0])})
+    assert tree.stats().num_nodes == 0
 
 
 def test_host_only_state_triggers_load_back_even_when_kv_is_on_device() -> None:
@@ -583,6 +601,34 @@ def test_abort_load_and_backup_return_indices() -> None:
     tree.device_mamba.free(released2.state_slots)
     assert tree.match_prefix(s).state_tier is Tier.HOST
     tree.check_integrity()
+
+
+def test_abort_load_drops_what_was_inserted_below_it_unless_that_is_in_use() -> None:
+    """Device data inserted below a failed load (computed on top of the prefix) would be served
+    after pages the copy never filled: it leaves the device with the load; while a request
+    holds it, the abort is refused."""
+    tree, transfer = make_tree()
+    s = seq(1, 4 * PAGE)
+    transfer.backup(put(tree, s).backup_nodes)
+    tree.evict_device(num_kv_pages=4)
+    for in_use in (True, False):
+        m = tree.match_prefix(s)
+        kv, slot = tree.device_kv.alloc(4), int(tree.device_mamba.alloc(1)[0])
+        plan = tree.begin_load(m, kv, slot)
+        longer = s + seq(2, 2 * PAGE)
+        below = put(tree, longer).last_node
+        with pytest.raises(TreeError, match="already uses"):
+            tree.abort_load(plan)  # a plain abort (a cancel) refuses: the load completes instead
+        if in_use:
+            tree.lock(below)
+            with pytest.raises(TreeError, match="in use"):
+                tree.abort_load(plan, drop_below=True)
+            tree.unlock(below)
+        released = tree.abort_load(plan, drop_below=True)
+        tree.device_kv.free(released.kv_indices)
+        tree.device_mamba.free(released.state_slots)
+        assert tree.match_prefix(longer).num_device_tokens == 0 and tree.stats().num_active_plans == 0
+        tree.check_integrity()
 
 
 def test_abort_backup_takes_a_later_host_state_of_its_nodes_along() -> None:

@@ -1,0 +1,218 @@
+"""The controller and storage tier driven directly at their edges: archives racing host backups,
+storage that evicts, stale node lists, failed loads with data inserted below, tail loads whose
+lists do not fit, calls after close."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from asynccache.cache import HybridCache
+from asynccache.config import HybridCacheConfig
+from asynccache.errors import ConfigError, TransferError, TreeError
+from asynccache.policy import EveryPageAdmission
+from asynccache.spec import HybridSpec
+from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer
+
+PAGE = 4
+SPEC = HybridSpec.preset("tiny", page_size=PAGE)
+
+
+def config(**overrides: Any) -> HybridCacheConfig:
+    options: dict[str, Any] = {
+        "device_kv_pages": 64,
+        "device_state_slots": 16,
+        "host_kv_bytes": 128 * SPEC.kv_page_bytes,
+        "host_state_bytes": 16 * SPEC.state_bytes,
+    }
+    return HybridCacheConfig(**(options | overrides))
+
+
+def free_counts(cache: HybridCache) -> tuple[int, ...]:
+    pools = (cache.device_kv, cache.device_mamba, cache.host_kv, cache.host_mamba)
+    return tuple(p.num_free for p in pools if p is not None)
+
+
+def insert(cache: HybridCache, tokens: list[int], states: list[int] | None = None) -> Any:
+    positions = [len(tokens)] if states is None else states
+    alloc = cache.tree.alloc_device(len(tokens) // PAGE, len(positions))
+    assert alloc is not None
+    slots = {p: int(s) for p, s in zip(positions, alloc.state_slots, strict=True)}
+    return cache.tree.insert(tokens, alloc.kv_indices, states=slots)
+
+
+async def stored(backend: Any, keys: list[str]) -> Any:
+    return await backend.batch_exists_v2(
+        keys,
+        [
+            PoolTransfer(pool_name=PoolName.KV, hit_policy=PoolHitPolicy.ALL_PAGES),
+            PoolTransfer(pool_name=PoolName.MAMBA, hit_policy=PoolHitPolicy.TRAILING_PAGES),
+        ],
+    )
+
+
+async def backed_up(cache: HybridCache, nodes: Any) -> None:
+    op = cache.controller.write(nodes)
+    assert op is not None
+    cache.controller.start_writing()
+    await op
+
+
+async def test_a_state_that_reaches_the_host_during_an_archive_is_archived_too() -> None:
+    """An archive of a deeper node is awaiting storage when its ancestor gets a host state: the
+    ancestor is not marked archived by it (its state was not written) but archived itself."""
+    tokens = list(range(1, 8 * PAGE + 1))
+    sibling = tokens[:16] + [900 + i for i in range(16)]
+    cache = HybridCache(SPEC, config(storage_uri="memory://archive_race", max_backups_in_flight=1))
+    async with cache:
+        ctrl, tree = cache.controller, cache.tree
+        assert ctrl.tiering is not None
+        backend = ctrl.tiering.backend
+        gate = asyncio.Event()
+        real_set = backend.batch_set_v2
+
+        async def gated_set(transfers: Any) -> Any:
+            await gate.wait()
+            return await real_set(transfers)
+
+        backend.batch_set_v2 = gated_set  # type: ignore[method-assign]
+        insert(cache, tokens)
+        insert(cache, sibling)  # splits the first node at 16: M = [0, 4), D = [4, 8)
+        d = tree.match_prefix(tokens).last_node
+        m = d.parent
+        await backed_up(cache, [m, d])
+        await asyncio.sleep(0.01)  # D's archive (M's KV, D's KV and state) waits for storage
+        alloc = tree.alloc_device(4, 1)
+        assert alloc is not None
+        res = tree.insert(tokens[:16], alloc.kv_indices, states={16: int(alloc.state_slots[0])})
+        assert res.last_node is m
+        await backed_up(cache, res.backup_nodes)  # M's state reaches the host
+        gate.set()
+        await ctrl.wait_idle()
+        await ctrl.tiering.drain()
+        found = await stored(backend, list(tree.match_prefix(tokens[:16]).page_hashes))
+        assert m.archived and found.exists[PoolName.MAMBA][-1], "M is marked archived, so its state is stored"
+
+
+async def test_storage_that_evicts_keeps_every_stored_state_restorable() -> None:
+    """With a capacity the backend drops old objects: nothing is marked archived, and a backup
+    writes its whole path, so a stored state always has its KV."""
+    prefix = list(range(1, 4 * PAGE + 1))
+    longer = prefix + list(range(500, 500 + 4 * PAGE))
+    room = 12 * (SPEC.kv_page_bytes + 64) + 3 * (SPEC.state_bytes + 64) + 256
+    cfg = config(storage_uri="memory://evicting", storage_options={"capacity_bytes": room},
+                 host_kv_bytes=64 * SPEC.kv_page_bytes)  # fmt: skip
+    async with HybridCache(SPEC, cfg) as cache:
+        ctrl, tree = cache.controller, cache.tree
+        assert ctrl.tiering is not None
+
+        async def serve(tokens: list[int]) -> Any:
+            res = insert(cache, tokens)
+            await backed_up(cache, res.backup_nodes)
+            await ctrl.tiering.drain()  # type: ignore[union-attr]
+            return res.last_node
+
+        node = await serve(prefix)
+        assert not node.archived
+        for k in range(3):  # other traffic: the backend evicts the prefix's objects
+            await serve([10_000 * (k + 1) + i for i in range(4 * PAGE)])
+        await serve(longer)
+        keys = list(tree.match_prefix(longer).page_hashes)
+        assert (await stored(ctrl.tiering.backend, keys)).num_hit_pages == len(keys)
+        cache.flush_device()
+        tree.evict_host(num_kv_pages=64, num_states=16, archived_only=True)
+        assert tree.match_prefix(longer).num_tokens == len(longer)  # nothing trusted a stale flag
+
+
+async def test_a_backup_of_a_node_deleted_meanwhile_leaves_nothing_locked() -> None:
+    cache = HybridCache(SPEC, config(), admission=EveryPageAdmission())
+    before = free_counts(cache)
+    async with cache:
+        tokens = list(range(1, 4 * PAGE + 1))
+        nodes = insert(cache, tokens, states=[2 * PAGE, 4 * PAGE]).backup_nodes
+        cache.tree.release_states([nodes[-1]])  # the deeper node goes
+        with pytest.raises(TreeError, match="deleted"):
+            cache.controller.write(nodes)
+        assert nodes[0].device_lock == 0 and nodes[0].host_lock == 0
+        cache.flush_device()
+        cache.flush_host()
+        cache.tree.check_integrity()
+    assert free_counts(cache) == before
+
+
+async def test_a_failed_load_with_data_inserted_below_is_undone() -> None:
+    """Pages another request inserted below the loading nodes would be served after pages the
+    failed copy never filled: they leave the device too, and the plan ends."""
+    cache = HybridCache(SPEC, config())
+    before = free_counts(cache)
+    async with cache:
+        ctrl, tree = cache.controller, cache.tree
+        tokens = list(range(1, 4 * PAGE + 1))
+        await backed_up(cache, insert(cache, tokens).backup_nodes)
+        cache.flush_device()
+        real = ctrl.layer_copier
+
+        def failing(pair: Any, src: Any, dst: Any) -> Any:
+            copy = real(pair, src, dst)
+
+            def layer(index: int, count: int = 1) -> int:
+                time.sleep(0.003)
+                if index >= 1:
+                    raise TransferError("copy failed")
+                return copy(index, count)
+
+            return layer
+
+        ctrl.layer_copier = failing  # type: ignore[method-assign]
+        match = tree.match_prefix(tokens)
+        op = ctrl.load(match)
+        assert op is not None
+        ctrl.start_loading()  # the first layers on the loop, the rest on the worker thread
+        longer = tokens + list(range(700, 700 + 2 * PAGE))
+        alloc = tree.alloc_device(6, 1)
+        assert alloc is not None
+        tree.insert(longer, alloc.kv_indices, states={len(longer): int(alloc.state_slots[0])})
+        with pytest.raises(TransferError):
+            await op
+        await ctrl.wait_idle()
+        assert tree.stats().num_active_plans == 0 and match.last_node.loading == 0
+        again = tree.match_prefix(longer)
+        assert not again.pending_load and again.num_device_tokens == 0
+        cache.flush_device()
+        cache.flush_host()
+        tree.check_integrity()
+    assert free_counts(cache) == before
+
+
+class _Tail:
+    def __init__(self, host_kv: torch.Tensor, host_slot: torch.Tensor) -> None:
+        self.host_kv, self.host_slot = host_kv, host_slot
+
+    def release(self) -> None:
+        pass
+
+
+async def test_a_tail_load_whose_lists_do_not_fit_is_refused_before_queueing() -> None:
+    async with HybridCache(SPEC, config()) as cache:
+        host = cache.tree.alloc_host(2, 1)
+        device = cache.tree.alloc_device(3, 1)
+        assert host is not None and device is not None
+        tail = _Tail(host.kv_indices, host.state_slots)
+        with pytest.raises(ConfigError, match="device_pages holds 3"):
+            cache.controller.load_tail(tail, device.kv_indices, device.state_slots)
+        with pytest.raises(ConfigError, match="state_slots"):
+            cache.controller.load_tail(tail, device.kv_indices[:2], torch.empty(0, dtype=torch.int64))
+        assert cache.controller.statistics().load_queue == 0
+
+
+async def test_loads_and_backups_after_close_are_refused_and_queue_nothing() -> None:
+    cache = HybridCache(SPEC, config(write_policy="write_back"))
+    async with cache:
+        insert(cache, list(range(1, 4 * PAGE + 1)))
+    with pytest.raises(RuntimeError, match="async with"):
+        cache.flush_device()  # its write-back would queue a backup nothing issues
+    assert cache.tree.stats().num_active_plans == 0 and cache.controller.statistics().write_queue == 0
