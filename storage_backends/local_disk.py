@@ -131,6 +131,19 @@ def parse_file_uri(uri: str) -> str:
     return os.path.normpath(path)
 
 
+def _check_root(root: str) -> None:
+    """Refuse a root that cannot become a directory: it, or the nearest of its parents that
+    exists, is not a directory (a usage error, not a run whose every write fails)."""
+    path = root
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return
+        path = parent
+    if not os.path.isdir(path):
+        raise ConfigError(f"file:// root {root}: {path} is not a directory")
+
+
 class LocalDiskBackend(ObjectBackend):
     """Objects as files under ``root`` (see the module docstring). ``fsync`` (default on)
     makes a stored object durable before it becomes visible; other options: those of
@@ -164,6 +177,7 @@ class LocalDiskBackend(ObjectBackend):
         **options: Any,
     ) -> None:
         self.root = parse_file_uri(uri)
+        _check_root(self.root)
         self._compression = check_compression(compression)
         super().__init__(uri, **options)
         if compression != "none":
