@@ -132,16 +132,11 @@ def parse_file_uri(uri: str) -> str:
 
 
 def _check_root(root: str) -> None:
-    """Refuse a root that cannot become a directory: it, or the nearest of its parents that
-    exists, is not a directory (a usage error, not a run whose every write fails)."""
-    path = root
-    while not os.path.exists(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            return
-        path = parent
-    if not os.path.isdir(path):
-        raise ConfigError(f"file:// root {root}: {path} is not a directory")
+    """Refuse a root that exists and is not a directory (a usage error, not a run whose every
+    call misses). A file above the root is an obstacle that may go away: the setup at first use
+    fails, and the next call tries again."""
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise ConfigError(f"file:// root {root} is not a directory")
 
 
 class LocalDiskBackend(ObjectBackend):
