@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-gpu bench clean
+.PHONY: setup demo test test-gpu clean
 
 setup: $(STAMP)
 

@@ -42,29 +42,56 @@ def build_parser() -> argparse.ArgumentParser:
         p = bench_sub.add_parser(name, help=help_text, description=help_text)
         module = importlib.import_module(f"asynccache.bench.{name}")
         module.add_arguments(p)
-        p.set_defaults(_module=module)
+        outputs = [(flag, a.dest) for a in p._actions for flag in a.option_strings if flag in OUTPUT_OPTIONS]
+        p.set_defaults(_module=module, _outputs=outputs)
     return parser
+
+
+#: The options that name a file a bench writes (whatever their ``dest``), checked before the run.
+OUTPUT_OPTIONS = ("--json", "--plot")
 
 
 def _unwritable_output(args: argparse.Namespace) -> str | None:
     """Why an output path (``--json``, ``--plot``) cannot be written, checked before a run that
-    may take minutes; ``None`` when they can."""
-    for flag, path in (("--json", getattr(args, "json_path", None)), ("--plot", getattr(args, "plot", None))):
+    may take minutes; ``None`` when they can. A plot is a PNG: its path ends in ``.png``. A path
+    that does not exist yet is created and removed again (the only sure test of a folder that
+    the permission bits call writable, such as one of ``/proc``)."""
+    for flag, dest in getattr(args, "_outputs", ()):
+        path = getattr(args, dest, None)
         if not path:
             continue
+        path = os.fspath(path)
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
             return f"{flag} {path}: no such directory {folder}"
-        if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-            return f"{flag} {path}: not writable"
+        if os.path.isdir(path):
+            return f"{flag} {path}: is a directory"
+        if flag == "--plot" and not path.lower().endswith(".png"):
+            return f"{flag} {path}: a plot is a PNG, its path must end in .png"
+        existed = os.path.exists(path)
+        try:
+            with open(path, "ab"):
+                pass
+        except OSError as e:
+            return f"{flag} {path}: not writable ({e.strerror})"
+        if not existed:
+            os.unlink(path)
+    return None
+
+
+def _conflict(args: argparse.Namespace) -> str | None:
+    """Options that contradict each other: ``--from-json`` re-reports an earlier result without
+    measuring, so there is nothing to write with ``--json``."""
+    if getattr(args, "from_json", None) and getattr(args, "json_path", None):
+        return "--json: --from-json re-reports an earlier result and measures nothing to write"
     return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run a command. Bad input (:class:`ConfigError` and its kinds, an unwritable output) is one
-    line on stderr and exit status 2; another of the library's errors is one line and status 1."""
+    """Run a command. Bad input (:class:`ConfigError` and its kinds, an unwritable output, options
+    that contradict each other) is one line on stderr and exit status 2; another of the library's errors is one line and status 1."""
     args = build_parser().parse_args(argv)
-    if (why := _unwritable_output(args)) is not None:
+    if (why := _conflict(args) or _unwritable_output(args)) is not None:
         print(f"error: {why}", file=sys.stderr)
         return 2
     try:

@@ -136,6 +136,14 @@ def parse_file_uri(uri: str) -> str:
     return os.path.normpath(path)
 
 
+def _check_root(root: str) -> None:
+    """Refuse a root that exists and is not a directory (a usage error, not a run whose every
+    call misses). A file above the root is an obstacle that may go away: the setup at first use
+    fails, and the next call tries again."""
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise ConfigError(f"file:// root {root} is not a directory")
+
+
 class LocalDiskBackend(ObjectBackend):
     """Objects as files under ``root`` (see the module docstring). ``fsync`` (default on)
     makes a stored object durable before it becomes visible; other options: those of
@@ -169,6 +177,7 @@ class LocalDiskBackend(ObjectBackend):
         **options: Any,
     ) -> None:
         self.root = parse_file_uri(uri)
+        _check_root(self.root)
         self._compression = check_compression(compression)
         super().__init__(uri, **options)
         if compression != "none":

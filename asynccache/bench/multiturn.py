@@ -32,16 +32,17 @@ import numpy as np
 import torch
 import uvloop
 
-from asynccache.bench.options import positive_int
+from asynccache.bench.options import device_name, nonnegative_int, positive_int
 from asynccache.bench.progress import progress_bar
-from asynccache.bench.storage import parse_options
-from asynccache.cache import HybridCache
+from asynccache.bench.storage import OPTION_VALUES, parse_options
+from asynccache.cache import HybridCache, effective_storage_options
 from asynccache.config import HybridCacheConfig
 from asynccache.errors import ConfigError
 from asynccache.reference.model import HybridModel
 from asynccache.reference.scheduler import RequestResult, Scheduler, SchedulerConfig
 from asynccache.reference.workload import ProcessedPrefixes, make_conversations
 from asynccache.spec import HybridSpec, dtype_from_name
+from asynccache.storage import open_backend
 
 MODES = ("no-offload", "kv-offload", "kv+mamba-offload", "kv+mamba+storage")
 
@@ -55,7 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("--preset", default="small", help="model preset (small, tiny, hybrid-3b, …) or an HF config path")
     p.add_argument("--page-size", type=positive_int, default=1, help="tokens per KV page (default 1)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--device", type=device_name, default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N"
+    )
     p.add_argument("--dtype", default=None, help="model dtype (default: fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--device-kv-pages", type=positive_int, default=None, help="device KV pages (default: the requests in flight plus ~3 whole conversations)")
     p.add_argument(
@@ -63,17 +66,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host-kv-bytes", type=positive_int, default=None, help="host KV bytes (default: holds every client)")
     p.add_argument("--host-state-bytes", type=positive_int, default=None, help="host state bytes (default: 4 states per client per round)")
-    p.add_argument("--storage", default=None, help="storage URI for kv+mamba+storage (default: temp directory)")
+    p.add_argument(
+        "--storage", default=None, help="storage URI for kv+mamba+storage only (default: a temporary directory)"
+    )
     p.add_argument(
         "--storage-option",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="an option of the storage backend, repeatable (e.g. read_processes=0 to read with threads on CUDA)",
+        help="an option of the storage backend, repeatable (e.g. read_processes=0 to read with threads on CUDA); "
+        f"VALUE: {OPTION_VALUES}; kv+mamba+storage only",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--json", dest="json_path", default=None, help="write results as JSON to this path")
-    p.add_argument("--plot", default=None, help="write a PNG of hit rate and TTFT per round to this path")
+    p.add_argument("--plot", default=None, help="write a PNG of hit rate and TTFT per round to this path (ending in .png)")
 
 
 @dataclass(slots=True)
@@ -209,6 +215,20 @@ async def run_mode(
     return res
 
 
+async def _check_storage(
+    spec: HybridSpec, budgets: dict[str, int], uri: str, options: dict[str, Any], device: str
+) -> None:
+    """Open the storage mode's backend as the cache will and use it once, then close it: a bad
+    URI, or an option it refuses (at opening or at first use), is a usage error found before
+    any mode runs, not after the others."""
+    cfg = _mode_config("kv+mamba+storage", budgets, uri, options)
+    backend = open_backend(uri, namespace=spec.namespace_id, **effective_storage_options(cfg, device))
+    try:
+        await backend.batch_exists_v2([], [])
+    finally:
+        await backend.aclose()
+
+
 async def _warmup(model: HybridModel, spec: HybridSpec, args: argparse.Namespace) -> None:
     cfg = HybridCacheConfig(device_kv_pages=-(-(args.request_len + args.output_len) // spec.page_size) + 2,
                             device_state_slots=8)
@@ -272,23 +292,34 @@ def run(args: argparse.Namespace) -> int:
     if unknown or not modes:
         print(f"unknown modes {unknown}; known: {list(MODES)}" if modes else "--modes names no mode", file=sys.stderr)
         return 2
+    storage_mode = "kv+mamba+storage" in modes
+    if not storage_mode and (args.storage is not None or args.storage_option):
+        print("error: --storage and --storage-option apply to the kv+mamba+storage mode only, which --modes leaves out",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if args.preset.endswith(".json") or Path(args.preset).is_dir():
         spec = HybridSpec.from_hf_config(args.preset, page_size=args.page_size)
     else:
         spec = HybridSpec.preset(args.preset, page_size=args.page_size)
-    dtype = dtype_from_name(args.dtype) if args.dtype else (torch.bfloat16 if args.device != "cpu" else torch.float32)
-    model = HybridModel(spec, device=args.device, dtype=dtype, seed=args.seed)
     budgets = _default_budgets(args, spec)
-    print(
-        f"multiturn: {args.clients} clients × {args.rounds} rounds, question {args.request_len} tokens, "
-        f"answer {args.output_len} tokens, ≤{args.max_parallel} in flight; model {args.preset} on {args.device} "
-        f"({dtype}), page {spec.page_size}; budgets {budgets}"
-    )
     summaries: dict[str, dict[str, Any]] = {}
-    # Warm up (kernel compilation, allocator) outside the timed modes.
-    uvloop.run(_warmup(model, spec, args))
     with tempfile.TemporaryDirectory(prefix="asynccache-multiturn-") as tmp:
         storage_uri = args.storage or Path(tmp).as_uri()
+        if storage_mode:
+            try:
+                uvloop.run(_check_storage(spec, budgets, storage_uri, storage_options, args.device))
+            except ConfigError as e:  # a URI or an option the backend refuses
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+        dtype = dtype_from_name(args.dtype) if args.dtype else (torch.bfloat16 if args.device != "cpu" else torch.float32)
+        model = HybridModel(spec, device=args.device, dtype=dtype, seed=args.seed)
+        print(
+            f"multiturn: {args.clients} clients × {args.rounds} rounds, question {args.request_len} tokens, "
+            f"answer {args.output_len} tokens, ≤{args.max_parallel} in flight; model {args.preset} on {args.device} "
+            f"({dtype}), page {spec.page_size}; budgets {budgets}"
+        )
+        # Warm up (kernel compilation, allocator) outside the timed modes.
+        uvloop.run(_warmup(model, spec, args))
         for mode in modes:
             print(f"mode {mode}" + (f" (storage {storage_uri})" if mode == "kv+mamba+storage" else ""))
             try:

@@ -1,13 +1,15 @@
-"""Argument types shared by the benchmarks: counts that must be positive, lists of them, and
-positive numbers, refused by the parser (a usage error, exit status 2) rather than failing
-deep in a run."""
+"""Argument types shared by the benchmarks: counts that must be positive, lists of them,
+positive numbers and devices this machine has, refused by the parser (a usage error, exit
+status 2) rather than failing deep in a run."""
 
 from __future__ import annotations
 
 import argparse
 import math
 
-__all__ = ["nonnegative_int", "positive_float", "positive_int", "positive_int_list"]
+import torch
+
+__all__ = ["device_name", "nonnegative_int", "positive_float", "positive_int", "positive_int_list"]
 
 
 def _int_at_least(text: str, minimum: int) -> int:
@@ -44,3 +46,20 @@ def positive_float(text: str) -> float:
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
+
+
+def device_name(text: str) -> str:
+    """A torch device this machine has: ``cpu``, or ``cuda`` / ``cuda:N`` where CUDA is available
+    (returned as given; ``cpu:N`` as ``cpu``)."""
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a device: {text!r} (cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"{text}: no CUDA device available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise argparse.ArgumentTypeError(f"{text}: the benchmarks run on cpu or cuda")
+    return "cpu" if dev.type == "cpu" else text

@@ -26,23 +26,38 @@ from typing import Any
 
 import torch
 
-from asynccache.bench.options import positive_int
+from asynccache.bench.options import device_name, positive_float, positive_int
 from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
+from asynccache.errors import ConfigError
 from asynccache.spec import HybridSpec
 from kernels.api import COPY_METHOD_HELP
 from kernels.cudart import elapsed_ms
 
+#: Tokens per page of the bench's spec: the prefix is whole pages.
+PAGE_SIZE = 64
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="qwen3-next-80b", help="spec preset (default qwen3-next-80b)")
-    p.add_argument("--prefix-tokens", type=positive_int, default=32768, help="cached prefix length (default 32768)")
     p.add_argument(
-        "--compute-ratio", type=float, default=1.25, help="per-layer compute ÷ the slowest layer's load time"
+        "--prefix-tokens",
+        type=positive_int,
+        default=32768,
+        help=f"cached prefix length, a multiple of the page size, {PAGE_SIZE} (default 32768)",
+    )
+    p.add_argument(
+        "--compute-ratio",
+        type=positive_float,
+        default=1.25,
+        help="per-layer compute ÷ the slowest layer's load time, a finite number > 0 (default 1.25; "
+        "at least one GEMM per layer)",
     )
     p.add_argument("--repeats", type=positive_int, default=5, help="timed repetitions per variant (median reported)")
     p.add_argument("--max-ctas", type=positive_int, default=8, help="CTA cap of the copy kernels")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--device", type=device_name, default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N"
+    )
     p.add_argument("--copy-method", default="auto", help=COPY_METHOD_HELP)
     p.add_argument("--json", dest="json_path", default=None)
 
@@ -64,7 +79,7 @@ def _mark(device: torch.device) -> Any:
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
-    spec = HybridSpec.preset(args.preset, page_size=64)
+    spec = HybridSpec.preset(args.preset, page_size=PAGE_SIZE)
     num_pages = args.prefix_tokens // spec.page_size
     tokens = list(range(1, num_pages * spec.page_size + 1))
     cfg = HybridCacheConfig(
@@ -205,6 +220,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     import uvloop
 
+    if args.prefix_tokens % PAGE_SIZE:
+        raise ConfigError(f"--prefix-tokens ({args.prefix_tokens}) must be a multiple of the page size ({PAGE_SIZE})")
     res = uvloop.run(_run(args))
     print(
         f"overlap on {res['device']}: {res['spec']}, {res['prefix_tokens']}-token prefix, {res['num_layers']} layers, "

@@ -66,9 +66,10 @@ import numpy as np
 import torch
 import uvloop
 
+from asynccache.bench.options import device_name
 from asynccache.bench.prefix_report import plot, print_report
 from asynccache.bench.progress import progress_bar
-from asynccache.bench.storage import parse_options
+from asynccache.bench.storage import OPTION_VALUES, parse_options
 from asynccache.bench.transfer import time_median_s
 from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
@@ -89,23 +90,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5, help="repeats of cold and disk (default 5)")
     p.add_argument("--pairs", type=int, default=15, help="alternating device, host repeats (default 15)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--device", type=device_name, default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N"
+    )
     p.add_argument("--copy-method", default="auto", help=COPY_METHOD_HELP)
-    p.add_argument("--storage-dir", default=None, help="local directory for the disk tier (default: temp)")
+    p.add_argument(
+        "--storage-dir", default=None, help="local directory for the disk tier, made if missing (default: temp)"
+    )
     p.add_argument(
         "--storage-option",
         action="append",
         default=[],
         metavar="KEY=VALUE",
         help="an option of the local-disk backend, repeatable (e.g. direct_io=true, max_concurrency=16, "
-        "compression=zstd, read_processes=0: the reader threads instead of the processes the cache uses on CUDA)",
+        "compression=zstd, read_processes=0: the reader threads instead of the processes the cache uses on CUDA); "
+        f"VALUE: {OPTION_VALUES}",
     )
     p.add_argument("--json", dest="json_path", default=None)
     p.add_argument(
-        "--plot", default=None, help="write a PNG of TTFT per tier and of the device/host pairs to this path"
+        "--plot", default=None, help="write a PNG of TTFT per tier and of the device/host pairs to this path (ending in .png)"
     )
     p.add_argument(
-        "--from-json", default=None, help="re-print the table and re-plot a previous --json file instead of measuring"
+        "--from-json",
+        default=None,
+        help="re-print the table and re-plot a previous --json file instead of measuring (with --plot; --json is refused)",
     )
 
 
@@ -212,12 +220,12 @@ def _h2d_link_ms(num_bytes: int, device: str, repeats: int = 3) -> float | None:
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="asynccache-prefix-") as tmp:
-        return await _measure(args, Path(args.storage_dir or tmp))
+        return await _measure(args, Path(args.storage_dir).resolve() if args.storage_dir else Path(tmp))
 
 
 async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     spec = HybridSpec.preset(args.preset, page_size=args.page_size)
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     model = HybridModel(spec, device=args.device, dtype=dtype, seed=0)
     rng = np.random.default_rng(0)
     vocab = spec.vocab_size
@@ -257,7 +265,7 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         tick = progress_bar(3 + 4 * args.repeats + 2 * args.pairs, "requests")
 
         async def serve(prompt: list[int], key: str) -> None:
-            if args.device == "cuda":
+            if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
             r = await sched.generate(prompt, 1, salt=salt)
             times[key].append(r.ttft_s * 1e3)
@@ -463,6 +471,8 @@ def check_arguments(args: argparse.Namespace) -> str | None:
             f"--new-tokens ({args.new_tokens}) must be between 1 and --page-size ({args.page_size}): the state "
             "kept before a prompt's end is at its last page boundary, which must be the prefix's end"
         )
+    if args.storage_dir and os.path.exists(args.storage_dir) and not os.path.isdir(args.storage_dir):
+        return f"--storage-dir {args.storage_dir}: not a directory"
     return None
 
 
@@ -472,6 +482,9 @@ def run(args: argparse.Namespace) -> int:
             res = json.loads(Path(args.from_json).read_text())
         except (OSError, ValueError) as e:
             print(f"cannot read {args.from_json}: {e}", file=sys.stderr)
+            return 2
+        if not isinstance(res, dict):
+            print(f"error: {args.from_json} is not a result of this benchmark (not a JSON object)", file=sys.stderr)
             return 2
     else:
         if (why := check_arguments(args)) is not None:

@@ -21,10 +21,13 @@ cache unless ``--cold-reads`` (file:// only) drops both paths' objects from it f
 
     {"uri", "write_gbps", "read_gbps", "raw_write_gbps", "raw_read_gbps", "write_ratio",
      "read_ratio", "preset", "tp_size", "num_pages", "num_states", "bytes_per_round", "rounds",
-     "fsync", "cold_reads"}
+     "options", "usable_cores", "fsync", "cold_reads"}
 
-Everything the run writes is removed at the end (the temporary directory, or this run's
-namespace and raw objects under a given URI).
+(``options``: the backend's options besides the namespace; ``usable_cores``: the cores this
+process may run on.) Everything the run writes is removed at the end (the temporary directory,
+or this run's namespace and raw objects under a given URI); the run's namespace is its own, so
+``--option namespace=…`` is refused. A removal that fails is logged and does not hide the
+run's own error.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
+import math
 import os
 import shutil
 import statistics
@@ -46,7 +51,8 @@ from urllib.parse import urlsplit
 import torch
 import uvloop
 
-from asynccache.errors import AsyncCacheError, ConfigError
+from asynccache.bench.options import positive_int
+from asynccache.errors import AsyncCacheError, BackendError, ConfigError
 from asynccache.pools.base import ItemPool
 from asynccache.pools.host import HostKVPool, MambaPoolHost
 from asynccache.spec import HybridSpec
@@ -58,6 +64,9 @@ from storage_backends.object_store import ObjectStoreBackend
 __all__ = ["add_arguments", "run"]
 
 MiB = 1 << 20
+log = logging.getLogger(__name__)
+#: How ``--option`` / ``--storage-option`` read a VALUE (see :func:`parse_options`), for ``--help``.
+OPTION_VALUES = "an integer, a number (2.5), true/false, none (None) or text"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,7 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-states", type=int, default=2, help="Mamba states per round (default 2)")
     parser.add_argument("--batch-pages", type=int, default=64, help="pages per batch call (default 64)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds, medians reported (default 3)")
-    parser.add_argument("--max-concurrency", type=int, default=None, help="backend's objects in flight")
+    parser.add_argument(
+        "--max-concurrency", type=positive_int, default=None, help="backend's objects in flight (default: the backend's)"
+    )
     parser.add_argument("--no-fsync", action="store_true", help="file://: do not fsync (backend and raw)")
     parser.add_argument(
         "--cold-reads",
@@ -81,7 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a backend option (true/false, integer or text value), e.g. --option inline_bytes=0; repeatable",
+        help=f"a backend option, e.g. --option inline_bytes=0; repeatable. VALUE: {OPTION_VALUES}; not namespace "
+        "(the run writes under a namespace of its own)",
     )
     parser.add_argument("--json", dest="json_path", default=None, help="write results as JSON to this path")
 
@@ -224,32 +236,43 @@ async def _bounded(n: int, limit: int, one: Callable[[int], Awaitable[None]]) ->
 
 
 def parse_options(pairs: list[str]) -> dict[str, Any]:
-    """``["key=value", …]`` → options for :func:`open_backend` (integer values become ints,
-    ``true`` / ``false`` booleans)."""
+    """``["key=value", …]`` → options for :func:`open_backend`: integers become ints, other
+    finite numbers floats, ``true`` / ``false`` booleans, ``none`` ``None`` (any case), the rest
+    stays text."""
     options: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key.isidentifier():
             raise ConfigError(f"a backend option is KEY=VALUE, got {pair!r}")
-        if value.lower() in ("true", "false"):
-            options[key] = value.lower() == "true"
-            continue
-        try:
-            options[key] = int(value)
-        except ValueError:
-            options[key] = value
+        options[key] = _option_value(value)
     return options
 
 
-async def _bench(args: argparse.Namespace, uri: str) -> dict[str, Any]:
+def _option_value(text: str) -> Any:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    if text.lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        number = float(text)
+    except ValueError:
+        return text
+    return number if math.isfinite(number) else text
+
+
+async def _bench(args: argparse.Namespace, uri: str, user_options: dict[str, Any]) -> dict[str, Any]:
     spec = HybridSpec.preset(args.preset, tp_size=args.tp_size)
     run_id = uuid.uuid4().hex[:12]
     options: dict[str, Any] = {"namespace": f"{spec.namespace_id}|bench-{run_id}"}
-    if args.max_concurrency:
+    if args.max_concurrency is not None:
         options["max_concurrency"] = args.max_concurrency
     if args.no_fsync and urlsplit(uri).scheme == "file":
         options["fsync"] = False
-    options.update(parse_options(args.options))
+    options.update(user_options)
     n_pages, n_states = args.num_pages, args.num_states
     src_kv = HostKVPool(spec, num_pages=n_pages)
     src_state = MambaPoolHost(spec, num_slots=n_states)
@@ -265,14 +288,15 @@ async def _bench(args: argparse.Namespace, uri: str) -> dict[str, Any]:
 
     backend = open_backend(uri, **options)
     if not isinstance(backend, ObjectBackend):
-        raise AsyncCacheError(f"{uri}: the benchmark needs a built-in backend")
+        raise ConfigError(f"{uri}: the benchmark needs a built-in backend")
     raw: _Raw
     if isinstance(backend, LocalDiskBackend):
         raw = _RawFile(backend, run_id)
     elif isinstance(backend, ObjectStoreBackend):
         raw = _RawS3(backend, run_id)
     else:
-        raise AsyncCacheError(f"{uri}: no raw path to compare with (file:// and s3:// have one)")
+        await backend.aclose()
+        raise ConfigError(f"{uri}: no raw path to compare with (file:// and s3:// have one)")
 
     written: list[str] = []
 
@@ -292,7 +316,11 @@ async def _bench(args: argparse.Namespace, uri: str) -> dict[str, Any]:
             hi = min(n_pages, lo + args.batch_pages)
             results = await call(transfers(round_id, lo, hi, states=lo == 0))
             if not all(all(r) for r in results):
-                raise AsyncCacheError(f"backend {'write' if write else 'read'} failed: {backend.statistics()}")
+                failed = sum(not ok for r in results for ok in r)
+                raise BackendError(
+                    f"backend {'write' if write else 'read'} failed: {failed} of {sum(map(len, results))} objects "
+                    f"(the backend's log says why)"
+                )
 
     def raw_name(round_id: int, i: int) -> str:
         src, _, index = objects[i]
@@ -358,6 +386,9 @@ async def _bench(args: argparse.Namespace, uri: str) -> dict[str, Any]:
         try:
             await _cleanup_backend(backend, sorted(set(written)))
             await raw.cleanup()
+        except Exception as e:  # noqa: BLE001 (logged: it must not hide the run's own error)
+            first = str(e).splitlines()[0] if str(e) else ""
+            log.warning("%s: removing the run's objects failed: %s: %s", uri, type(e).__name__, first)
         finally:
             await backend.aclose()
 
@@ -390,6 +421,15 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_pages < 1:
         print("--batch-pages must be >= 1", file=sys.stderr)
         return 2
+    try:
+        user_options = parse_options(args.options)
+    except ConfigError as e:
+        print(f"error: --option: {e}", file=sys.stderr)
+        return 2
+    if "namespace" in user_options:
+        print("error: --option namespace: the run writes under a namespace of its own, which it removes at the end",
+              file=sys.stderr)  # fmt: skip
+        return 2
     tmp = None
     uri = args.uri
     if uri is None:
@@ -404,7 +444,7 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         # uvloop: obstore completes futures from its own threads; see docs/benchmarks.md.
-        report = uvloop.run(_bench(args, uri))
+        report = uvloop.run(_bench(args, uri, user_options))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

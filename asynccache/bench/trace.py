@@ -34,13 +34,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from asynccache.bench.options import positive_int
+from asynccache.bench.options import positive_float, positive_int
 from asynccache.errors import ConfigError
 from asynccache.spec import PRESETS, HybridSpec
 from asynccache.trace.bound import BoundResult, infinite_cache_bound
 from asynccache.trace.controller_replay import replay_trace_with_controller
+from asynccache.trace.flops import FlopModel
 from asynccache.trace.loader import MOONCAKE_BLOCK_SIZE, load_trace
-from asynccache.trace.policies import ATTENTION_ONLY, PolicyCombo, parse_combo
+from asynccache.trace.policies import (
+    ATTENTION_ONLY,
+    PolicyCombo,
+    make_admission,
+    make_eviction,
+    parse_combo,
+)
 from asynccache.trace.replay import ReplayConfig, replay_trace
 from asynccache.trace.report import format_markdown_table, format_table, plot_results
 from asynccache.trace.results import (
@@ -73,7 +80,10 @@ DEFAULT_DEVICE_BUDGET = "32GiB"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=None, help="Mooncake-format JSONL trace (timestamp, input_length, …, hash_ids)")
     p.add_argument(
-        "--from-json", default=None, help="re-print the table and re-plot a previous --json file instead of replaying"
+        "--from-json",
+        default=None,
+        help="re-print the table and re-plot a previous --json file instead of replaying (with --plot, --markdown; "
+        "--json is refused)",
     )
     p.add_argument("--spec", default="qwen3-next-80b", help=f"preset ({', '.join(PRESETS)}) or an HF config path")
     p.add_argument(
@@ -96,7 +106,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--limit", type=positive_int, default=None, help="replay only the first N requests")
     p.add_argument(
-        "--active-params", type=float, default=None, help="active parameters per token (default: estimated from the spec)"
+        "--active-params",
+        type=positive_float,
+        default=None,
+        help="active parameters per token, a finite number > 0 (default: estimated from the spec)",
     )
     p.add_argument(
         "--engine",
@@ -109,7 +122,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--jobs", type=positive_int, default=min(2, os.cpu_count() or 1), help="parallel replays (default: min(2, cores))"
     )
     p.add_argument("--json", dest="json_path", default=None, help="write results as JSON to this path")
-    p.add_argument("--plot", default=None, help="write a PNG comparing policies across budgets to this path")
+    p.add_argument(
+        "--plot", default=None, help="write a PNG comparing policies across budgets to this path (ending in .png)"
+    )
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
 
 
@@ -152,9 +167,17 @@ def _parse_list(text: str, what: str) -> list[int]:
 
 
 def _from_json(args: argparse.Namespace) -> int:
-    doc = json.loads(Path(args.from_json).read_text())
-    bound = float(doc["bound"])
-    results = [ReplayResult.from_json(r, bound=bound) for r in doc["results"]]
+    try:
+        doc = json.loads(Path(args.from_json).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read {args.from_json}: {e}") from None
+    try:
+        bound = float(doc["bound"])
+        results = [ReplayResult.from_json(r, bound=bound) for r in doc["results"]]
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ConfigError(f"{args.from_json} is not a result of this benchmark ({type(e).__name__}: {e})") from None
+    if args.plot and not results:
+        raise ConfigError(f"--plot: {args.from_json} holds no results, nothing to plot")
     print(format_markdown_table(results) if args.markdown else format_table(results, bound=bound))
     if args.plot:
         title = f"{doc.get('trace', '')} ({doc.get('num_requests', 0):,} requests), {doc.get('spec', '')}"
@@ -169,17 +192,18 @@ def run(args: argparse.Namespace) -> int:
     if not args.trace:
         raise ConfigError("--trace FILE is required (or --from-json PATH to re-report a previous run)")
     t0 = time.perf_counter()
-    trace = load_trace(args.trace, block_size=args.block_size, limit=args.limit)
     if args.page_size is None:
         args.page_size = args.block_size
     spec = load_spec(args.spec, page_size=args.page_size)
-    bound = infinite_cache_bound(trace, page_size=spec.page_size)
     combos = [parse_combo(c) for c in args.policies.split(",") if c.strip()]
     if not combos:
         raise ConfigError("--policies names no policy")
     device = parse_size(args.device_budget)
     hosts = _parse_list(args.budgets, "--budgets")
     storages = _parse_list(args.storage_budgets, "--storage-budgets")
+    _check_policies(combos, spec, TierBudget(device=device, host=hosts[0], storage=storages[0]), args.active_params)
+    trace = load_trace(args.trace, block_size=args.block_size, limit=args.limit)
+    bound = infinite_cache_bound(trace, page_size=spec.page_size)
     cells = [
         _Cell(
             trace_path=str(args.trace),
@@ -227,6 +251,14 @@ def run(args: argparse.Namespace) -> int:
         plot_results(results, args.plot, bound=bound.hit_rate, title=title)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _check_policies(combos: list[PolicyCombo], spec: HybridSpec, budget: TierBudget, active_params: float | None) -> None:
+    """Build every policy once, so that a name no replay can run is refused before any replay."""
+    flops = FlopModel.from_spec(spec, active_params=active_params)
+    for combo in combos:
+        make_admission(combo.admission, spec=spec, budget=budget, flops=flops)
+        make_eviction(combo.eviction, spec=spec, flops=flops)
 
 
 def _describe(cell: _Cell) -> str:

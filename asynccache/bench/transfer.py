@@ -331,9 +331,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated item sizes in bytes, or 'kv' / 'state' for the preset's items "
         "(default: 4 KiB…2 MiB plus kv and state on CUDA; a few on CPU)",
     )
-    parser.add_argument("--ctas", default="4,8,16,0", help="comma-separated CTA caps of the kernel; 0 = uncapped")
     parser.add_argument(
-        "--methods", default="triton,dma", help="copy methods to measure on CUDA: triton, dma (comma-separated)"
+        "--ctas", default="4,8,16,0", help="comma-separated CTA caps of the kernel; 0 = uncapped (checked on CPU too)"
+    )
+    parser.add_argument(
+        "--methods",
+        default="triton,dma",
+        help="copy methods to measure on CUDA: triton, dma (comma-separated; checked on CPU too, which measures torch)",
     )
     parser.add_argument("--total-mib", type=positive_float, default=None, help="bytes per copy (default 256 CUDA, 8 CPU)")
     parser.add_argument("--reps", type=positive_int, default=None, help="timed repetitions (median; default 5 CUDA, 3 CPU)")
@@ -373,6 +377,16 @@ def _sizes(text: str | None, spec: HybridSpec, cuda: bool) -> list[int]:
     return out
 
 
+def _caps(text: str) -> list[int]:
+    try:
+        caps = [int(tok) for tok in text.split(",") if tok.strip()]
+    except ValueError:
+        raise ConfigError(f"--ctas: {text!r} is not a comma-separated list of integers") from None
+    if not caps or min(caps) < 0:
+        raise ConfigError(f"--ctas: {text!r} must name CTA caps >= 0 (0 = uncapped)")
+    return caps
+
+
 def _methods(text: str) -> list[str]:
     out = [tok.strip().lower() for tok in text.split(",") if tok.strip()]
     bad = [m for m in out if m not in ("triton", "dma")]
@@ -401,8 +415,9 @@ def run(args: argparse.Namespace) -> int:
     cuda = device.type == "cuda"
     spec = HybridSpec.preset(args.preset)
     sizes = _sizes(args.sizes, spec, cuda)
-    caps = [int(c) for c in str(args.ctas).split(",")] if cuda else [0]
-    methods = _methods(args.methods) if cuda else ["torch"]
+    caps, methods = _caps(args.ctas), _methods(args.methods)  # checked on CPU too, where they do not apply
+    if not cuda:
+        caps, methods = [0], ["torch"]
     # (method, CTA cap) per measurement: the kernel at every cap, the DMA path once.
     runs = [("triton" if cuda else "torch", cap) for cap in caps if "triton" in methods or not cuda]
     runs += [("dma", 0)] if "dma" in methods else []

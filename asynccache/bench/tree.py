@@ -27,7 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from asynccache.bench.options import positive_int, positive_int_list
+from asynccache.bench.options import nonnegative_int, positive_int, positive_int_list
+from asynccache.errors import ConfigError
 from asynccache.policy import EndsAdmission, EveryPageAdmission
 from asynccache.pools import DeviceKVPool, DeviceMambaPool, HostKVPool, MambaPoolHost
 from asynccache.spec import HybridSpec
@@ -43,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sizes",
         type=positive_int_list,
         default=list(DEFAULT_SIZES),
-        help="prompt sizes in tokens, comma-separated (default 1k…128k)",
+        help="prompt sizes in tokens, comma-separated, each at least --page-size (default 1k…128k)",
     )
     parser.add_argument("--page-size", type=positive_int, default=64)
     parser.add_argument("--tree-pages", type=positive_int, default=100_000, help="pages held by the tree before measuring")
@@ -55,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="ends",
         help="admission of the requests filling the tree and of the probes (every-page: one node per page)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=nonnegative_int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="write the figures as JSON to this path")
 
 
@@ -111,8 +112,10 @@ def _median_us(samples: list[int]) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    rng = np.random.default_rng(args.seed)
     sizes = sorted(args.sizes)
+    if sizes[0] < args.page_size:
+        raise ConfigError(f"--sizes: {sizes[0]} is smaller than --page-size ({args.page_size}): no page to match")
+    rng = np.random.default_rng(args.seed)
     extra = sum(size // args.page_size + 1 for size in sizes) * (args.repeats + 2)
     tree = _build_tree(args, extra)
     t0 = time.perf_counter()
@@ -127,52 +130,53 @@ def run(args: argparse.Namespace) -> int:
     # The tree's objects are long-lived; keep the cyclic collector from walking them mid-timing.
     gc.collect()
     gc.freeze()
-
-    match_us: dict[str, float] = {}
-    insert_us: dict[str, float] = {}
-    rows = []
-    for size in sizes:
-        tokens = probes[size]
-        as_list = tokens.tolist()
-        m = tree.match_prefix(tokens)
-        assert m.num_tokens == size // args.page_size * args.page_size, (size, m.num_tokens)
-        match_ns, list_ns, insert_ns, reinsert_ns = [], [], [], []
-        for _ in range(args.repeats):
-            t = time.perf_counter_ns()
-            tree.match_prefix(tokens)
-            match_ns.append(time.perf_counter_ns() - t)
-        for _ in range(max(3, args.repeats // 5)):
-            t = time.perf_counter_ns()
-            tree.match_prefix(as_list)
-            list_ns.append(time.perf_counter_ns() - t)
-        n_pages = size // args.page_size
-        for _ in range(args.repeats):
-            fresh = rng.integers(0, 150_000, size, dtype=np.int64)
-            kv = tree.device_kv.alloc(n_pages)
-            slots = tree.device_mamba.alloc(2)
-            assert kv is not None and slots is not None
-            states = {n_pages * args.page_size: int(slots[0]), max(n_pages - 1, 1) * args.page_size: int(slots[1])}
-            t = time.perf_counter_ns()
-            tree.insert(fresh, kv, states=states)
-            insert_ns.append(time.perf_counter_ns() - t)
-            kv2 = tree.device_kv.alloc(n_pages)
-            assert kv2 is not None
-            t = time.perf_counter_ns()
-            tree.insert(fresh, kv2)
-            reinsert_ns.append(time.perf_counter_ns() - t)
-        match_us[str(size)] = round(_median_us(match_ns), 2)
-        insert_us[str(size)] = round(_median_us(insert_ns), 2)
-        rows.append(
-            (
-                size,
-                len(tree.path_to(m.last_node)),
-                match_us[str(size)],
-                _median_us(list_ns),
-                insert_us[str(size)],
-                _median_us(reinsert_ns),
+    try:
+        match_us: dict[str, float] = {}
+        insert_us: dict[str, float] = {}
+        rows = []
+        for size in sizes:
+            tokens = probes[size]
+            as_list = tokens.tolist()
+            m = tree.match_prefix(tokens)
+            assert m.num_tokens == size // args.page_size * args.page_size, (size, m.num_tokens)
+            match_ns, list_ns, insert_ns, reinsert_ns = [], [], [], []
+            for _ in range(args.repeats):
+                t = time.perf_counter_ns()
+                tree.match_prefix(tokens)
+                match_ns.append(time.perf_counter_ns() - t)
+            for _ in range(max(3, args.repeats // 5)):
+                t = time.perf_counter_ns()
+                tree.match_prefix(as_list)
+                list_ns.append(time.perf_counter_ns() - t)
+            n_pages = size // args.page_size
+            for _ in range(args.repeats):
+                fresh = rng.integers(0, 150_000, size, dtype=np.int64)
+                kv = tree.device_kv.alloc(n_pages)
+                slots = tree.device_mamba.alloc(2)
+                assert kv is not None and slots is not None
+                states = {n_pages * args.page_size: int(slots[0]), max(n_pages - 1, 1) * args.page_size: int(slots[1])}
+                t = time.perf_counter_ns()
+                tree.insert(fresh, kv, states=states)
+                insert_ns.append(time.perf_counter_ns() - t)
+                kv2 = tree.device_kv.alloc(n_pages)
+                assert kv2 is not None
+                t = time.perf_counter_ns()
+                tree.insert(fresh, kv2)
+                reinsert_ns.append(time.perf_counter_ns() - t)
+            match_us[str(size)] = round(_median_us(match_ns), 2)
+            insert_us[str(size)] = round(_median_us(insert_ns), 2)
+            rows.append(
+                (
+                    size,
+                    len(tree.path_to(m.last_node)),
+                    match_us[str(size)],
+                    _median_us(list_ns),
+                    insert_us[str(size)],
+                    _median_us(reinsert_ns),
+                )
             )
-        )
-    gc.unfreeze()
+    finally:
+        gc.unfreeze()
 
     print(f"{'tokens':>8} {'nodes':>6} {'match µs':>10} {'match(list) µs':>15} {'insert µs':>10} {'re-insert µs':>13}")
     for size, nodes, mu, lu, iu, ru in rows:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from asynccache.cli import main
 
@@ -44,6 +45,19 @@ def _one_line_error(capsys: pytest.CaptureFixture[str], *needles: str) -> None:
         ([*TINY_MULTITURN, "--modes", "kv+mamba+storage", "--storage-option", "read_processes=-1"],
          ("read_processes must be",)),
         (["bench", "overlap", "--preset", "tiny", "--device", "cpu", "--copy-method", "bogus"], ("copy_method",)),
+        (["bench", "tree", "--json", "/nonexistent/x.json"], ("--json", "no such directory")),
+        (["bench", "transfer", "--device", "cpu", "--json", "/"], ("--json", "is a directory")),
+        (["bench", "transfer", "--device", "cpu", "--json", "/proc/x.json"], ("--json", "not writable")),
+        ([*TINY_MULTITURN, "--plot", "p.txt"], ("--plot", ".png")),
+        (["bench", "prefix", "--from-json", "r.json", "--plot", "x.txt"], ("--plot", ".png")),
+        (["bench", "trace", "--from-json", "r.json", "--plot", "x.txt"], ("--plot", ".png")),
+        (["bench", "trace", "--from-json", "r.json", "--json", "y.json"], ("--json", "--from-json")),
+        (["bench", "overlap", "--preset", "tiny", "--device", "cpu", "--prefix-tokens", "127"], ("--prefix-tokens",)),
+        (["bench", "overlap", "--preset", "tiny", "--device", "cpu", "--prefix-tokens", "10"], ("--prefix-tokens",)),
+        (["bench", "tree", "--sizes", "10,1024"], ("--sizes", "--page-size")),
+        (["bench", "storage", "--uri", "memory://", "--num-pages", "1"], ("no raw path",)),
+        ([*TINY_MULTITURN, "--modes", "kv-offload", "--storage", "file:///tmp/x"], ("kv+mamba+storage",)),
+        ([*TINY_MULTITURN, "--modes", "no-offload", "--storage-option", "read_processes=0"], ("kv+mamba+storage",)),
     ],
 )
 def test_bad_input_is_one_line_and_status_2(
@@ -90,6 +104,47 @@ def test_counts_that_must_be_positive_are_usage_errors(argv: list[str], capsys: 
         main(argv)
     assert info.value.code == 2
     assert "must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "tree", "--seed", "-1"], "must be >= 0"),
+        ([*TINY_MULTITURN, "--seed", "-1"], "must be >= 0"),
+        (["bench", "overlap", "--compute-ratio", "nan"], "finite number > 0"),
+        (["bench", "overlap", "--compute-ratio", "inf"], "finite number > 0"),
+        (["bench", "overlap", "--compute-ratio", "-1"], "finite number > 0"),
+        (["bench", "overlap", "--device", "foo"], "not a device"),
+        (["bench", "storage", "--max-concurrency", "0"], "must be >= 1"),
+        (["bench", "trace", "--active-params", "-5"], "finite number > 0"),
+        (["bench", "trace", "--active-params", "nan"], "finite number > 0"),
+    ],
+)
+def test_values_out_of_range_are_usage_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+@pytest.mark.parametrize("bench", ["overlap", "multiturn", "prefix"])
+def test_cuda_without_cuda_is_a_usage_error(bench: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["bench", bench, "--preset", "tiny", "--device", "cuda"])
+    assert info.value.code == 2
+    assert "no CUDA device available" in capsys.readouterr().err
+
+
+def test_a_storage_the_backend_refuses_is_found_before_any_mode_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad --storage URI, or a file:// root that is a regular file, is refused before the
+    warm-up and the modes without storage run (and not taken for a run of misses)."""
+    a_file = Path(__file__).resolve().as_uri()
+    for storage, needle in (("bogus://x", "unknown storage scheme"), (a_file, "is not a directory")):
+        assert main([*TINY_MULTITURN, "--modes", "no-offload,kv+mamba+storage", "--storage", storage]) == 2
+        captured = capsys.readouterr()
+        assert "mode no-offload" not in captured.out
+        assert len(captured.err.splitlines()) == 1 and needle in captured.err
 
 
 def test_empty_modes_are_refused(capsys: pytest.CaptureFixture[str]) -> None:

@@ -189,3 +189,22 @@ async def test_a_load_admitted_without_room_for_the_own_pages_is_cancelled(setup
         # The prefix is still cached on the host and serves a request that fits.
         r = await sched.generate(prefix + [2], 2)
         assert r.cached_tokens == len(prefix)
+
+
+def test_storage_refused_by_the_backend_is_found_before_any_mode_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file:// root that is a regular file is a usage error found when the backend opens,
+    before the other modes run, not a storage mode of misses."""
+    a_file = tmp_path / "f"
+    a_file.write_text("")
+    args = bench_args(modes="kv-offload,kv+mamba+storage", storage=a_file.as_uri(), preset="tiny", page_size=1)
+    assert multiturn.run(args) == 2
+    captured = capsys.readouterr()
+    assert "is not a directory" in captured.err and "mode kv-offload" not in captured.out
+
+
+def test_storage_options_without_the_storage_mode_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    args = bench_args(modes="kv-offload", storage_option=["max_concurrency=2"], preset="tiny", page_size=1)
+    assert multiturn.run(args) == 2
+    assert "kv+mamba+storage mode only" in capsys.readouterr().err

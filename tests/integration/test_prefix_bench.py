@@ -211,3 +211,27 @@ def test_the_report_names_reader_processes_with_or_without_direct_reads(direct: 
            "storage_direct_io": False, "storage_options": {"read_processes": 8}}  # fmt: skip
     assert "in 8 reader processes" in _direct_note(res)
     assert "reader processes" not in _direct_note({**res, "storage_options": {"read_processes": 0}})
+
+
+def test_from_json_that_is_not_an_object_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for text in ("[1, 2]", '"a result"'):
+        path = tmp_path / "r.json"
+        path.write_text(text)
+        assert prefix.run(bench_args(from_json=str(path))) == 2
+        assert "not a JSON object" in capsys.readouterr().err
+
+
+def test_a_storage_dir_that_is_a_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a_file = tmp_path / "f"
+    a_file.write_text("")
+    assert prefix.run(bench_args(storage_dir=str(a_file))) == 2
+    assert "--storage-dir" in capsys.readouterr().err
+
+
+def test_a_relative_storage_dir_is_taken_from_the_working_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert prefix.run(bench_args(storage_dir="disk", pairs=1)) == 0
+    assert any(p.is_file() for p in (tmp_path / "disk").rglob("*"))
+    capsys.readouterr()

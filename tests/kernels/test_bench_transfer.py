@@ -65,3 +65,9 @@ def test_unknown_method_is_rejected() -> None:
 def test_unknown_named_size_is_rejected() -> None:
     with pytest.raises(ConfigError, match="huge"):
         transfer.run(_args("--device", "cpu", "--sizes", "huge", "--no-scenario"))
+
+
+@pytest.mark.parametrize(("option", "value"), [("--ctas", "abc"), ("--ctas", "4,-1"), ("--methods", "bogus")])
+def test_ctas_and_methods_are_checked_on_cpu_too(option: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=option):
+        transfer.run(_args("--device", "cpu", "--sizes", "4096", "--no-scenario", option, value))

@@ -66,3 +66,41 @@ def test_the_page_size_follows_the_block_size_by_default(tmp_path: Path, capsys:
     assert rc == 0
     assert json.loads(out_json.read_text())["page_size"] == 8
     assert "(page 8," in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("text", "plot", "needle"),
+    [
+        ("{not json", False, "cannot read"),
+        (None, False, "cannot read"),
+        ("[1, 2]", False, "is not a result of this benchmark"),
+        ('{"bound": "x", "results": []}', False, "is not a result of this benchmark"),
+        ('{"bound": 0.5, "results": [{}]}', False, "is not a result of this benchmark"),
+        ('{"bound": 0.5, "results": []}', True, "nothing to plot"),
+    ],
+)
+def test_from_json_that_cannot_be_re_reported_is_one_error_line(
+    tmp_path: Path, text: str | None, plot: bool, needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "r.json"
+    if text is not None:
+        path.write_text(text)
+    argv = ["bench", "trace", "--from-json", str(path)] + (["--plot", str(tmp_path / "r.png")] if plot else [])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.splitlines()) == 1 and needle in err
+    assert not (tmp_path / "r.png").exists()
+
+
+@pytest.mark.parametrize("policy", ["foo/lru", "ends/foo", "block-grid:0/lru"])
+def test_a_policy_no_replay_can_run_is_refused_before_any_replay(
+    tmp_path: Path, policy: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = _write_trace(tmp_path / "t.jsonl")
+    argv = ["bench", "trace", "--trace", str(trace), "--spec", "tiny", "--block-size", "8", "--device-budget", "64KiB",
+            "--budgets", "64KiB", "--storage-budgets", "0", "--policies", f"ends/lru,{policy}", "--jobs", "1",
+            "--engine", "sync"]  # fmt: skip
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "[1/2]" not in captured.err and "replays" not in captured.out
+    assert captured.err.startswith("error: ") and len(captured.err.splitlines()) == 1
