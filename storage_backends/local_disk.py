@@ -6,8 +6,7 @@ Layout under the root directory::
     /path/{namespace-digest}/{pool}/{key[:2]}/{key}.*.tmp    a write in progress
 
 I/O runs on a bounded pool of threads (``max_concurrency``; a batch is spread over at most that
-many jobs, each taking the next unit of work as it finishes one; a probe's lookups are spread
-over them too; reads and probes go before
+many jobs, each taking the next unit of work as it finishes one; reads and probes go before
 writes and deletes, and a write job gives its thread up between objects while a read waits, see
 ``storage_backends.workers``) with ``preadv``/``pwritev``
 straight between the file and the host slot — no intermediate buffer, for page_first and
@@ -112,10 +111,6 @@ STALE_TMP_S = 600.0
 #: Payloads larger than this are read as ranges of this size, several at once (a multiple of
 #: the checksum block).
 READ_RANGE_BYTES = 4 << 20
-#: A probe's names are looked up (``stat``) in pieces of at least this many, one piece per
-#: worker at once: a 513-page prefix took ~12 ms of lookups, in one thread a window, before its
-#: restore could start.
-STAT_PIECE = 32
 
 
 def parse_file_uri(uri: str) -> str:
@@ -269,14 +264,7 @@ class LocalDiskBackend(ObjectBackend):
         await self._workers.aclose()
 
     async def _object_sizes(self, names: Sequence[str]) -> list[int | None]:
-        names = list(names)
-        step = max(STAT_PIECE, -(-len(names) // self.max_concurrency))
-        pieces = [names[i : i + step] for i in range(0, len(names), step)] or [names]
-        results = await asyncio.gather(*(self._workers.run(stat_sizes, p) for p in pieces), return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-        return [size for sizes in results for size in sizes]  # type: ignore[union-attr]
+        return await self._workers.run(stat_sizes, list(names))
 
     async def _read_object(self, item: BatchItem) -> bool:
         return _settled((await self._read_many([item]))[0])

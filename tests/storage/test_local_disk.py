@@ -429,22 +429,6 @@ async def test_exists_on_slow_metadata_stops_at_its_timeout(tmp_path: Path, monk
     await backend.aclose()
 
 
-async def test_a_probe_spreads_its_lookups_over_the_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    backend, _, _ = await open_disk(tmp_path, max_concurrency=2)
-    keys = make_keys(2 * local_disk.STAT_PIECE, seed="spread")
-    barrier = threading.Barrier(2, timeout=5)
-    real = local_disk.stat_sizes
-
-    def stat_sizes(stop: threading.Event, names: list[str]) -> list[int | None]:
-        barrier.wait()  # both pieces at once, or this times out
-        return real(stop, names)
-
-    monkeypatch.setattr(local_disk, "stat_sizes", stat_sizes)
-    res = await backend.batch_exists_v2(keys, [kv_transfer([])])
-    assert res.num_hit_pages == 0 and backend.statistics().num_failures == 0
-    await backend.aclose()
-
-
 async def test_closing_during_a_call_makes_its_unread_items_misses(tmp_path: Path) -> None:
     writer, _, _ = await open_disk(tmp_path)
     keys = make_keys(8, seed="closing")
