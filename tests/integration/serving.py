@@ -80,3 +80,9 @@ def slow_backend(cache: HybridCache, method: str, seconds: float, during: Callab
 
     setattr(tier.backend, method, slow)
     return calls
+
+
+def free_counts(cache: HybridCache) -> tuple[int, ...]:
+    """Free indices of the device and host pools (a leak shows as a smaller count)."""
+    pools = (cache.device_kv, cache.device_mamba, cache.host_kv, cache.host_mamba)
+    return tuple(p.num_free for p in pools if p is not None)

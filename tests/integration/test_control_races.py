@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from serving import slow_backend, store_only
+from serving import free_counts, slow_backend, store_only
 
 from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
@@ -37,11 +37,6 @@ def config(**overrides: Any) -> HybridCacheConfig:
     }
     cfg.update(overrides)
     return HybridCacheConfig(**cfg)
-
-
-def free_counts(cache: HybridCache) -> tuple[int, ...]:
-    pools = [cache.device_kv, cache.device_mamba, cache.host_kv, cache.host_mamba]
-    return tuple(p.num_free for p in pools if p is not None)
 
 
 def insert(cache: HybridCache, tokens: list[int]) -> Any:

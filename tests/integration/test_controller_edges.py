@@ -5,11 +5,13 @@ lists do not fit, calls after close."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any
 
 import pytest
 import torch
+from serving import free_counts, serving_config
 
 from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
@@ -23,18 +25,7 @@ SPEC = HybridSpec.preset("tiny", page_size=PAGE)
 
 
 def config(**overrides: Any) -> HybridCacheConfig:
-    options: dict[str, Any] = {
-        "device_kv_pages": 64,
-        "device_state_slots": 16,
-        "host_kv_bytes": 128 * SPEC.kv_page_bytes,
-        "host_state_bytes": 16 * SPEC.state_bytes,
-    }
-    return HybridCacheConfig(**(options | overrides))
-
-
-def free_counts(cache: HybridCache) -> tuple[int, ...]:
-    pools = (cache.device_kv, cache.device_mamba, cache.host_kv, cache.host_mamba)
-    return tuple(p.num_free for p in pools if p is not None)
+    return dataclasses.replace(serving_config(SPEC), **overrides)
 
 
 def insert(cache: HybridCache, tokens: list[int], states: list[int] | None = None) -> Any:
@@ -105,7 +96,7 @@ async def test_storage_that_evicts_keeps_every_stored_state_restorable() -> None
     longer = prefix + list(range(500, 500 + 4 * PAGE))
     room = 12 * (SPEC.kv_page_bytes + 64) + 3 * (SPEC.state_bytes + 64) + 256
     cfg = config(storage_uri="memory://evicting", storage_options={"capacity_bytes": room},
-                 host_kv_bytes=64 * SPEC.kv_page_bytes)  # fmt: skip
+                 host_kv_bytes=64 * SPEC.kv_page_bytes, host_state_bytes=16 * SPEC.state_bytes)  # fmt: skip
     async with HybridCache(SPEC, cfg) as cache:
         ctrl, tree = cache.controller, cache.tree
         assert ctrl.tiering is not None
