@@ -21,7 +21,7 @@ import torch
 
 from asynccache.config import HybridCacheConfig
 from asynccache.controller import HybridCacheController
-from asynccache.errors import SharedMemoryError
+from asynccache.errors import ConfigError, SharedMemoryError
 from asynccache.pools import DeviceKVPool, DeviceMambaPool, HostKVPool, MambaPoolHost
 from asynccache.spec import HybridSpec
 from asynccache.storage import StorageBackend, open_backend
@@ -130,13 +130,21 @@ class HybridCache:
     def _host_pools(self, shared: bool, *, materialize: bool) -> tuple[HostKVPool | None, MambaPoolHost | None]:
         config = self.config
 
-        def pool(cls: type[HostKVPool | MambaPoolHost], size: int) -> Any:
+        def pool(cls: type[HostKVPool | MambaPoolHost], size: int, unit: int, what: str) -> Any:
+            if size <= 0:
+                return None
+            if 0 < unit and size < unit:  # a pool of no items would still count as a tier
+                raise ConfigError(f"{what} ({size}) does not hold one item ({unit} bytes)")
             return cls(
                 self.spec, size_bytes=size, layout=config.host_layout, pin=config.pin_host_memory,
                 materialize=materialize, shared=shared,
-            ) if size > 0 else None  # fmt: skip
+            )  # fmt: skip
 
-        return pool(HostKVPool, config.host_kv_bytes), pool(MambaPoolHost, config.host_state_bytes)
+        spec = self.spec
+        return (
+            pool(HostKVPool, config.host_kv_bytes, spec.kv_page_bytes, "host_kv_bytes"),
+            pool(MambaPoolHost, config.host_state_bytes, spec.state_bytes, "host_state_bytes"),
+        )
 
     @classmethod
     def build(cls, spec: HybridSpec, config: HybridCacheConfig, **kwargs: Any) -> HybridCache:

@@ -8,6 +8,8 @@ The storage tier is opened from ``storage_uri`` (``file:///…``, ``s3://…``, 
 
 from __future__ import annotations
 
+import math
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -33,6 +35,16 @@ class PrefetchPolicy(str, Enum):
     TIMEOUT = "timeout"
 
 
+def _as_int(value: object) -> int | None:
+    """``value`` as an int if it is an integer (Python or NumPy; not a bool), else ``None``."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HybridCacheConfig:
     device_kv_pages: int
@@ -52,20 +64,32 @@ class HybridCacheConfig:
     pin_host_memory: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.device_kv_pages < 0 or self.device_state_slots < 0:
-            raise ConfigError("device pool sizes must be >= 0")
-        if self.host_kv_bytes < 0 or self.host_state_bytes < 0:
-            raise ConfigError("host pool sizes must be >= 0")
-        if self.max_ctas is not None and self.max_ctas < 1:
-            raise ConfigError(f"max_ctas must be >= 1 or None, got {self.max_ctas}")
-        if self.max_backups_in_flight < 1:
-            raise ConfigError("max_backups_in_flight must be >= 1")
+        # Counts and sizes are ints (not bools, not floats: a float reached the allocators as a
+        # bare TypeError, and a fractional backup limit made the semaphore never block).
+        for name, minimum in (
+            ("device_kv_pages", 0),
+            ("device_state_slots", 0),
+            ("host_kv_bytes", 0),
+            ("host_state_bytes", 0),
+            ("max_backups_in_flight", 1),
+        ):
+            value = _as_int(getattr(self, name))
+            if value is None or value < minimum:
+                raise ConfigError(f"{name} must be an int >= {minimum}, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, value)
+        if self.max_ctas is not None:
+            ctas = _as_int(self.max_ctas)
+            if ctas is None or ctas < 1:
+                raise ConfigError(f"max_ctas must be an int >= 1 or None, got {self.max_ctas!r}")
+            object.__setattr__(self, "max_ctas", ctas)
         from kernels.api import COPY_METHOD_NAMES
 
         if self.copy_method not in COPY_METHOD_NAMES:
             raise ConfigError(f"unknown copy_method {self.copy_method!r}; known: {list(COPY_METHOD_NAMES)}")
-        if self.prefetch_timeout_base_s < 0 or self.prefetch_timeout_per_1k_tokens_s < 0:
-            raise ConfigError("prefetch timeouts must be >= 0")
+        for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_tokens_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ConfigError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
         if not isinstance(self.storage_options, Mapping) or not all(
             isinstance(k, str) and k.isidentifier() for k in self.storage_options
         ):
@@ -74,7 +98,11 @@ class HybridCacheConfig:
             raise ConfigError("storage_options: the namespace is the spec's (namespace_id), not an option")
         object.__setattr__(self, "storage_options", MappingProxyType(dict(self.storage_options)))
         object.__setattr__(self, "host_layout", PoolLayout.parse(self.host_layout))
-        object.__setattr__(self, "prefetch_policy", PrefetchPolicy(self.prefetch_policy))
+        try:
+            object.__setattr__(self, "prefetch_policy", PrefetchPolicy(self.prefetch_policy))
+        except ValueError:
+            known = [p.value for p in PrefetchPolicy]
+            raise ConfigError(f"unknown prefetch_policy {self.prefetch_policy!r}; known: {known}") from None
 
     @property
     def has_host_tier(self) -> bool:

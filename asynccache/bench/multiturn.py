@@ -12,7 +12,8 @@ N clients × R rounds (``asynccache.reference.workload``), run round by round wi
 =====================  ==================================================================
 
 Reports per mode: hit rate (cached ÷ prompt tokens), the workload's ideal hit rate, TTFT
-mean/p50/p99 overall and per round, throughput; a table, a PNG plot (``--plot``) and ``--json``.
+mean/p50/p99 overall and its mean per round, throughput; a table, a PNG plot (``--plot``) and
+``--json``.
 """
 
 from __future__ import annotations

@@ -76,7 +76,6 @@ class ItemPool:
             raise ConfigError(f"{name}: not a device: {device!r} ({e})") from None
         if materialize and self.device.type == "cuda" and not _cuda_device_present(self.device):
             raise ConfigError(f"{name}: device {self.device} is not available here")
-        self.allocator = IndexAllocator(num_items, name=name)
         self.buffer: torch.Tensor | None = None
         self.pinned = False
         #: the shared memory the buffer lives in (``shared=True``: other processes map it)
@@ -90,6 +89,9 @@ class ItemPool:
                 self.buffer = flat.view(self.num_layers, num_items, item_bytes)
             else:
                 self.buffer = flat.view(num_items, self.num_layers, item_bytes)
+        # After the memory (whose size is checked against what the machine has): the free
+        # list of a pool too large would itself exhaust memory first.
+        self.allocator = IndexAllocator(num_items, name=name)
 
     # ---- geometry ----------------------------------------------------------------------
     @property

@@ -74,7 +74,8 @@ def _init_value(name: str, p: torch.Tensor, gen: torch.Generator, num_layers: in
 
 @torch.no_grad()
 def load_tensors_(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Copy ``tensors`` into ``model``'s parameters; names and shapes must match exactly."""
+    """Copy ``tensors`` into ``model``'s parameters (cast to its dtype); names and shapes must
+    match exactly, and the tensors be floating point."""
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(tensors))
     unexpected = sorted(set(tensors) - set(params))
@@ -84,6 +85,8 @@ def load_tensors_(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None
         t = tensors[name]
         if tuple(t.shape) != tuple(p.shape):
             raise ConfigError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, the model wants {tuple(p.shape)}")
+        if not t.is_floating_point():  # floats are cast to the model's dtype; integers are not weights
+            raise ConfigError(f"checkpoint tensor {name!r} is {t.dtype}, not a floating-point weight")
         p.copy_(t)
 
 

@@ -32,7 +32,7 @@ def make_conversations(
     *, num_clients: int, num_rounds: int, request_len: int, vocab_size: int, seed: int
 ) -> list[Conversation]:
     rng = np.random.default_rng(seed)
-    # Token 0 is never drawn so that no two clients share even a first token by construction.
+    # Token 0 is never drawn (ids start at 1); clients may share tokens by chance, as real ones do.
     return [
         Conversation(
             client_id=c,

@@ -320,6 +320,14 @@ def test_safetensors_rejects_another_shape(tmp_path: Path) -> None:
         HybridModel.from_safetensors(deeper, path)
     with pytest.raises(ConfigError, match="cannot read"):
         HybridModel.from_safetensors(SPEC, tmp_path / "absent.safetensors")
+    # Integer tensors are not weights (floats of another width are cast).
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    tensors["lm_head.weight"] = tensors["lm_head.weight"].to(torch.int32)
+    save_file(tensors, str(tmp_path / "ints.safetensors"))
+    with pytest.raises(ConfigError, match="lm_head.weight.*int32"):
+        HybridModel.from_safetensors(SPEC, tmp_path / "ints.safetensors")
 
 
 def _tiny_config() -> dict[str, object]:

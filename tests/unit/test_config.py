@@ -1,0 +1,67 @@
+"""HybridCacheConfig and the host pools it sizes: values that make no sense are refused, by name,
+as ConfigError; a pool too large for the machine is a CapacityError before anything big is built."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from asynccache.cache import HybridCache
+from asynccache.config import HybridCacheConfig
+from asynccache.errors import CapacityError, ConfigError
+from asynccache.pools import base as pool_base
+from asynccache.pools.host import HostKVPool
+from asynccache.spec import HybridSpec
+
+SPEC = HybridSpec.preset("tiny", page_size=4)
+BASE = {"device_kv_pages": 8, "device_state_slots": 4}
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"device_kv_pages": 2.5}, "device_kv_pages"),
+        ({"device_state_slots": True}, "device_state_slots"),
+        ({"host_kv_bytes": float("nan")}, "host_kv_bytes"),
+        ({"host_state_bytes": 1e6}, "host_state_bytes"),
+        ({"host_kv_bytes": -1}, "host_kv_bytes"),
+        ({"max_backups_in_flight": 2.5}, "max_backups_in_flight"),  # a semaphore of 2.5 never blocks
+        ({"max_ctas": 2.5}, "max_ctas"),
+        ({"max_ctas": True}, "max_ctas"),
+        ({"prefetch_timeout_base_s": float("nan")}, "prefetch_timeout_base_s"),  # NaN: never wait
+        ({"prefetch_timeout_per_1k_tokens_s": float("inf")}, "prefetch_timeout_per_1k_tokens_s"),
+        ({"prefetch_policy": "bogus"}, "prefetch_policy"),
+    ],
+)
+def test_values_that_make_no_sense_are_refused_by_name(change: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        HybridCacheConfig(**(BASE | change))
+
+
+def test_numpy_integers_are_taken_as_ints() -> None:
+    cfg = HybridCacheConfig(device_kv_pages=np.int64(8), device_state_slots=np.int32(4), max_ctas=np.int64(16))
+    assert (cfg.device_kv_pages, cfg.device_state_slots, cfg.max_ctas) == (8, 4, 16)
+    assert all(type(v) is int for v in (cfg.device_kv_pages, cfg.device_state_slots, cfg.max_ctas))
+
+
+def test_a_host_budget_of_less_than_one_item_is_refused() -> None:
+    """A pool of no pages would still count as a host tier (and let host states be built)."""
+    too_small = HybridCacheConfig(**BASE, host_kv_bytes=SPEC.kv_page_bytes - 1, host_state_bytes=4 * SPEC.state_bytes)
+    with pytest.raises(ConfigError, match="host_kv_bytes"):
+        HybridCache(SPEC, too_small)
+    no_state = HybridCacheConfig(**BASE, host_kv_bytes=4 * SPEC.kv_page_bytes, host_state_bytes=SPEC.state_bytes - 1)
+    with pytest.raises(ConfigError, match="host_state_bytes"):
+        HybridCache(SPEC, no_state)
+
+
+def test_a_pool_too_large_for_the_machine_fails_before_its_free_list_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCCACHE_HOST_LIMIT_BYTES", str(1 << 20))
+
+    def no_free_list(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the free list was built before the size was checked")
+
+    monkeypatch.setattr(pool_base, "IndexAllocator", no_free_list)
+    with pytest.raises(CapacityError, match="available"):
+        HostKVPool(SPEC, num_pages=(64 << 20) // SPEC.kv_page_bytes, pin=False)
