@@ -331,7 +331,7 @@ class S3Harness(Harness):
         )
 
     def _open(self, namespace: str, options: dict[str, Any]) -> ObjectBackend:
-        options = {"timeout_s": 10.0, "max_retries": 1} | options
+        options = {"timeout_s": 20.0, "max_retries": 1} | options  # room for a loaded CI machine
         return ObjectStoreBackend(self.server.uri(self.prefix), namespace=namespace, **options)
 
     async def raw_get(self, backend: ObjectBackend, name: str) -> bytes | None:
