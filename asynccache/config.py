@@ -8,14 +8,13 @@ The storage tier is opened from ``storage_uri`` (``file:///…``, ``s3://…``, 
 
 from __future__ import annotations
 
-import math
-import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
 from typing import Any
 
+from asynccache.checks import as_int, check_int, check_seconds
 from asynccache.errors import ConfigError
 from asynccache.pools.base import PoolLayout
 
@@ -35,14 +34,10 @@ class PrefetchPolicy(str, Enum):
     TIMEOUT = "timeout"
 
 
-def _as_int(value: object) -> int | None:
-    """``value`` as an int if it is an integer (Python or NumPy; not a bool), else ``None``."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        return None
+def _check_count(name: str, value: object, minimum: int) -> int:
+    """An integer of at least ``minimum`` (NumPy integers taken as ints), else a ConfigError."""
+    n = as_int(value)
+    return check_int(name, value if n is None else n, minimum=minimum)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,23 +68,15 @@ class HybridCacheConfig:
             ("host_state_bytes", 0),
             ("max_backups_in_flight", 1),
         ):
-            value = _as_int(getattr(self, name))
-            if value is None or value < minimum:
-                raise ConfigError(f"{name} must be an int >= {minimum}, got {getattr(self, name)!r}")
-            object.__setattr__(self, name, value)
+            object.__setattr__(self, name, _check_count(name, getattr(self, name), minimum))
         if self.max_ctas is not None:
-            ctas = _as_int(self.max_ctas)
-            if ctas is None or ctas < 1:
-                raise ConfigError(f"max_ctas must be an int >= 1 or None, got {self.max_ctas!r}")
-            object.__setattr__(self, "max_ctas", ctas)
+            object.__setattr__(self, "max_ctas", _check_count("max_ctas", self.max_ctas, 1))
         from kernels.api import COPY_METHOD_NAMES
 
         if self.copy_method not in COPY_METHOD_NAMES:
             raise ConfigError(f"unknown copy_method {self.copy_method!r}; known: {list(COPY_METHOD_NAMES)}")
         for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_tokens_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                raise ConfigError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+            check_seconds(name, getattr(self, name), zero=True)
         if not isinstance(self.storage_options, Mapping) or not all(
             isinstance(k, str) and k.isidentifier() for k in self.storage_options
         ):

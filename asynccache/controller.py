@@ -523,9 +523,7 @@ class HybridCacheController:
         """Queue a device → host backup of ``nodes``; ``None`` when the host has no room."""
         self._require_started()  # a backup queued after close would never be issued
         loop = asyncio.get_running_loop()
-        dead = next((n for n in nodes if not n.alive), None)
-        if dead is not None:  # before any lock: a node deleted meanwhile must not leave others locked
-            raise TreeError(f"cannot back up {dead}: it was deleted from the tree")
+        self.tree.check_alive(nodes)
         num_pages, num_states = self.tree.backup_pages_needed(nodes)
         # Pin the nodes on both tiers while making room: host eviction must neither delete them
         # nor drop the host copies of their ancestors (host copies stay contiguous).

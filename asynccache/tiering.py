@@ -120,6 +120,9 @@ class StorageTier:
         self.backend = backend
         self._tg = tg
         self._sem = asyncio.Semaphore(controller.config.max_backups_in_flight)
+        #: the backend drops objects for room (it reports a capacity): archive flags could not stay true
+        stats = getattr(backend, "statistics", None)
+        self._storage_evicts = stats is not None and getattr(stats(), "capacity_bytes", None) is not None
         self._in_flight: set[asyncio.Task[None]] = set()
         self.counts: Counter[str] = Counter()
         #: Cost model for choosing how much of a stored prefix to restore (``None``: all of it).
@@ -170,7 +173,7 @@ class StorageTier:
             self.tree.lock_host(node)
             try:
                 # Storage that evicts may have dropped what a flag says is there: the whole path.
-                evicts = self._storage_evicts()
+                evicts = self._storage_evicts
                 todo = path if evicts else [n for n in path if not n.archived]
                 kv = PoolTransfer(
                     pool_name=PoolName.KV,
@@ -203,11 +206,6 @@ class StorageTier:
                 self.counts["backup_ok"] += 1
             else:
                 self.counts["backup_failed"] += 1
-
-    def _storage_evicts(self) -> bool:
-        """Whether the backend drops objects for room (it reports a capacity)."""
-        stats = getattr(self.backend, "statistics", None)
-        return stats is not None and getattr(stats(), "capacity_bytes", None) is not None
 
     # ---- prefetch ----------------------------------------------------------------------
     async def prefetch(self, tokens: Any, match: Any, *, salt: str = "", allow_tail: bool = False) -> PrefetchResult:

@@ -34,11 +34,12 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Self, TypeVar
 
 import numpy as np
 import torch
 
+from asynccache.checks import check_int, check_seconds
 from asynccache.errors import BackendError, ConfigError, ObjectFormatError
 from asynccache.pools.base import ItemPool
 from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer, PoolTransferResult, longest_hit
@@ -85,20 +86,6 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # no affinity API on this OS
         return os.cpu_count() or 1
-
-
-def check_int(name: str, value: Any, *, minimum: int) -> int:
-    """``value`` if it is an ``int`` (not a ``bool``) of at least ``minimum``, else a ConfigError."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
-def check_seconds(name: str, value: Any) -> float:
-    """``value`` as seconds if it is a finite positive number, else a ConfigError."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise ConfigError(f"{name} must be a finite positive number of seconds, got {value!r}")
-    return float(value)
 
 
 def check_common_options(

@@ -35,7 +35,7 @@ import uvloop
 
 from asynccache.bench.options import device_name, nonnegative_int, positive_int
 from asynccache.bench.progress import progress_bar
-from asynccache.bench.storage import OPTION_VALUES, parse_options
+from asynccache.bench.storage import add_option_argument, parse_options
 from asynccache.cache import HybridCache, effective_storage_options
 from asynccache.config import HybridCacheConfig
 from asynccache.errors import ConfigError
@@ -70,13 +70,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--storage", default=None, help="storage URI for kv+mamba+storage only (default: a temporary directory)"
     )
-    p.add_argument(
+    add_option_argument(
+        p,
         "--storage-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="an option of the storage backend, repeatable (e.g. read_processes=0 to read with threads on CUDA); "
-        f"VALUE: {OPTION_VALUES}; kv+mamba+storage only",
+        "an option of the storage backend, repeatable (e.g. read_processes=0 to read with threads on CUDA); "
+        "kv+mamba+storage only",
     )
     p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--json", dest="json_path", default=None, help="write results as JSON to this path")

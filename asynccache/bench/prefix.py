@@ -69,7 +69,7 @@ import uvloop
 from asynccache.bench.options import device_name
 from asynccache.bench.prefix_report import plot, print_report
 from asynccache.bench.progress import progress_bar
-from asynccache.bench.storage import OPTION_VALUES, parse_options
+from asynccache.bench.storage import add_option_argument, parse_options
 from asynccache.bench.transfer import time_median_s
 from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
@@ -97,14 +97,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--storage-dir", default=None, help="local directory for the disk tier, made if missing (default: temp)"
     )
-    p.add_argument(
+    add_option_argument(
+        p,
         "--storage-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="an option of the local-disk backend, repeatable (e.g. direct_io=true, max_concurrency=16, "
-        "compression=zstd, read_processes=0: the reader threads instead of the processes the cache uses on CUDA); "
-        f"VALUE: {OPTION_VALUES}",
+        "an option of the local-disk backend, repeatable (e.g. direct_io=true, max_concurrency=16, "
+        "compression=zstd, read_processes=0: the reader threads instead of the processes the cache uses on CUDA)",
     )
     p.add_argument("--json", dest="json_path", default=None)
     p.add_argument(

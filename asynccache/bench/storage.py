@@ -86,14 +86,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="file://: drop the objects of both paths from the page cache before each read pass",
     )
-    parser.add_argument(
+    add_option_argument(
+        parser,
         "--option",
+        "a backend option, repeatable, e.g. --option inline_bytes=0; not namespace (the run writes under a "
+        "namespace of its own)",
         dest="options",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help=f"a backend option, e.g. --option inline_bytes=0; repeatable. VALUE: {OPTION_VALUES}; not namespace "
-        "(the run writes under a namespace of its own)",
     )
     parser.add_argument("--json", dest="json_path", default=None, help="write results as JSON to this path")
 
@@ -233,6 +231,13 @@ async def _bounded(n: int, limit: int, one: Callable[[int], Awaitable[None]]) ->
     async with asyncio.TaskGroup() as tg:
         for i in range(n):
             tg.create_task(guarded(i))
+
+
+def add_option_argument(parser: argparse.ArgumentParser, flag: str, what: str, **kwargs: Any) -> None:
+    """A repeatable ``flag KEY=VALUE`` of backend options (read by :func:`parse_options`); the
+    help is ``what`` and how a VALUE reads."""
+    parser.add_argument(flag, action="append", default=[], metavar="KEY=VALUE", help=f"{what}. VALUE: {OPTION_VALUES}",
+                        **kwargs)  # fmt: skip
 
 
 def parse_options(pairs: list[str]) -> dict[str, Any]:

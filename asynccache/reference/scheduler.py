@@ -40,7 +40,8 @@ from typing import Any
 import torch
 
 from asynccache.cache import HybridCache
-from asynccache.errors import CapacityError, ConfigError, SchedulerError
+from asynccache.checks import check_int
+from asynccache.errors import CapacityError, SchedulerError
 from asynccache.layer_counter import LayerTransferCounter
 from asynccache.reference.model import ForwardBatch, HybridModel, SequenceInput
 from asynccache.tree import Tier
@@ -59,9 +60,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_running", "chunk_size", "max_batch_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"SchedulerConfig.{name} must be an int >= 1, got {value!r}")
+            check_int(f"SchedulerConfig.{name}", getattr(self, name), minimum=1)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -28,6 +28,7 @@ from asynccache.tree.hashing import TOKEN_BYTES, seed_hash
 from asynccache.tree.lru import HostLRUList, LRUList
 from asynccache.tree.node import Resource, Tier, TreeNode
 from asynccache.tree.results import TreeStats
+from kernels.api import all_distinct
 
 if TYPE_CHECKING:
     from asynccache.tree.results import BackupPlan, LoadPlan
@@ -425,12 +426,11 @@ class TreeCore:
             raise ConfigError(f"{what} must hold one index per full page ({num_pages}), got shape {tuple(t.shape)}")
         if t.dtype not in (torch.int64, torch.int32):
             raise ConfigError(f"{what} must be an integer tensor, got {t.dtype}")
-        if t.numel() > 1 and int(torch.unique(t).numel()) != t.numel():
-            raise ConfigError(f"{what}: the same page index is given twice")
         # A private copy: the caller may reuse its tensor (e.g. a row of its page table).
-        if t.dtype is torch.int64 and t.device.type == "cpu":
-            return t.clone()
-        return t.to("cpu", torch.int64)
+        t = t.clone() if t.dtype is torch.int64 and t.device.type == "cpu" else t.to("cpu", torch.int64)
+        if not all_distinct(t.numpy()):
+            raise ConfigError(f"{what}: the same page index is given twice")
+        return t
 
     def _check_states(self, states: Mapping[int, int] | None, num_pages: int, what: str) -> dict[int, int]:
         """``{token position: slot}`` → ``{page position: slot}``, validated."""
@@ -454,6 +454,12 @@ class TreeCore:
     def _check_alive(self, node: TreeNode) -> None:
         if not node.alive and node.parent is not None:
             raise TreeError(f"{node} was deleted from the tree")
+
+    def check_alive(self, nodes: Iterable[TreeNode]) -> None:
+        """Raise :class:`TreeError` if a node was deleted: before locking several, so that a
+        stale list leaves none of them locked."""
+        for node in nodes:
+            self._check_alive(node)
 
     def lock(self, node: TreeNode) -> None:
         """Pin ``node`` and its ancestors on the device: their device data is never evicted and

@@ -40,9 +40,7 @@ class SyncTransfer:
         tree = self.tree
         if tree.host_kv is None:
             return None
-        dead = next((n for n in nodes if not n.alive), None)
-        if dead is not None:  # before any lock: a node deleted meanwhile must not leave others locked
-            raise TreeError(f"cannot back up {dead}: it was deleted from the tree")
+        tree.check_alive(nodes)
         num_kv, num_states = tree.backup_pages_needed(nodes)
         # Pin the nodes on the host while making room: host eviction must neither delete them
         # nor drop the host copies of their ancestors (contiguity).

@@ -1,0 +1,38 @@
+"""Checks of numeric options shared by the configuration, the kernels' launchers and the
+storage backends: integers (not bools) and finite seconds, refused by name as ConfigError."""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+from asynccache.errors import ConfigError
+
+__all__ = ["as_int", "check_int", "check_seconds"]
+
+
+def as_int(value: object) -> int | None:
+    """``value`` as an int if it is an integer (Python or NumPy; not a bool), else ``None``."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def check_int(name: str, value: Any, *, minimum: int) -> int:
+    """``value`` if it is an ``int`` (not a ``bool``) of at least ``minimum``, else a ConfigError."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def check_seconds(name: str, value: Any, *, zero: bool = False) -> float:
+    """``value`` as seconds if it is a finite positive number (or zero, with ``zero``), else a
+    ConfigError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf or (value == 0 and not zero):
+        bound = ">= 0" if zero else "> 0"
+        raise ConfigError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
+    return float(value)
