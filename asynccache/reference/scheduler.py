@@ -33,87 +33,20 @@ import contextlib
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import torch
 
 from asynccache.cache import HybridCache
-from asynccache.checks import check_int
 from asynccache.errors import CapacityError, SchedulerError
 from asynccache.layer_counter import LayerTransferCounter
 from asynccache.reference.model import ForwardBatch, HybridModel, SequenceInput
+from asynccache.reference.requests import Phase, Request, RequestResult, SchedulerConfig
 from asynccache.tree import Tier
 
 __all__ = ["Scheduler", "RequestResult", "SchedulerConfig"]
 
 _ids = itertools.count()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SchedulerConfig:
-    max_running: int = 8
-    chunk_size: int = 512  # prefill tokens per request per step
-    max_batch_tokens: int = 4096
-    use_cache: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("max_running", "chunk_size", "max_batch_tokens"):
-            check_int(f"SchedulerConfig.{name}", getattr(self, name), minimum=1)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RequestResult:
-    request_id: int
-    prompt_tokens: int
-    cached_tokens: int
-    cached_by_tier: dict[str, int]
-    output_ids: list[int]
-    ttft_s: float
-    latency_s: float
-    first_logits: torch.Tensor
-
-
-class _Phase(str, Enum):
-    WAITING = "waiting"
-    PREFILL = "prefill"
-    DECODE = "decode"
-    DONE = "done"
-
-
-@dataclass(slots=True, eq=False)
-class _Request:
-    request_id: int
-    prompt: list[int]
-    max_new_tokens: int
-    salt: str
-    future: asyncio.Future[RequestResult]
-    submitted: float
-    phase: _Phase = _Phase.WAITING
-    num_computed: int = 0
-    num_cached: int = 0
-    cached_by_tier: dict[str, int] = field(default_factory=dict)
-    locked_node: Any = None
-    kv_pages: torch.Tensor | None = None  # device pages for positions [0, capacity)
-    own_pages: torch.Tensor | None = None  # the part of kv_pages this request allocated
-    state_slot: int = -1
-    seed_slot: int | None = None  # cached boundary state to copy into state_slot
-    snapshots: dict[int, int] = field(default_factory=dict)
-    tail: Any = None  # a TailRestore still to apply
-    load_op: Any = None  # the CacheOperation bringing the request's prefix (and state) to the device
-    num_restored: int = 0  # tokens a tail restore brought (not computed)
-    output: list[int] = field(default_factory=list)
-    first_token_at: float | None = None
-    first_logits: torch.Tensor | None = None
-    cancelled: bool = False
-    #: tokens its storage lookup brought (None: not looked up yet; one lookup per request, so a
-    #: request that waits for room does not repeat it every step)
-    storage_tokens: int | None = None
-
-    @property
-    def total_len(self) -> int:
-        return len(self.prompt) + self.max_new_tokens
 
 
 def _path_device_pages(node: Any) -> torch.Tensor:
@@ -158,8 +91,8 @@ class Scheduler:
         self.cache = cache
         self.spec = cache.spec
         self.config = config or SchedulerConfig()
-        self._waiting: list[_Request] = []
-        self._running: list[_Request] = []
+        self._waiting: list[Request] = []
+        self._running: list[Request] = []
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._tg: asyncio.TaskGroup | None = None
@@ -205,7 +138,7 @@ class Scheduler:
         if self._closed:
             raise SchedulerError("the scheduler is closed")
         fut: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
-        req = _Request(
+        req = Request(
             request_id=next(_ids),
             prompt=[int(t) for t in prompt],
             max_new_tokens=max_new_tokens,
@@ -221,8 +154,8 @@ class Scheduler:
     async def generate(self, prompt: Sequence[int], max_new_tokens: int, *, salt: str = "") -> RequestResult:
         return await self.submit(prompt, max_new_tokens, salt=salt)
 
-    def _on_future_done(self, fut: asyncio.Future[RequestResult], req: _Request) -> None:
-        if fut.cancelled() and req.phase is not _Phase.DONE:
+    def _on_future_done(self, fut: asyncio.Future[RequestResult], req: Request) -> None:
+        if fut.cancelled() and req.phase is not Phase.DONE:
             req.cancelled = True
             self._wakeup.set()
 
@@ -279,12 +212,12 @@ class Scheduler:
                 r.first_token_at = now
                 r.first_logits = logits[i].detach().float().cpu()
             r.output.append(int(next_ids[i]))
-            r.phase = _Phase.DECODE
+            r.phase = Phase.DECODE
             if len(r.output) >= r.max_new_tokens:
                 self._finish(r)
         ctrl.start_writing()
 
-    def _seed_working_slots(self, reqs: list[_Request]) -> list[tuple[int, int]]:
+    def _seed_working_slots(self, reqs: list[Request]) -> list[tuple[int, int]]:
         """Copy each request's cached boundary state into its working slot, all layers in one
         copy, before the forward; returns the ``(source slot, working slot)`` seeds of requests
         whose node slot this step's load of another request brings, which the forward seeds
@@ -314,7 +247,7 @@ class Scheduler:
             self._waiting.pop(0)
             self._running.append(req)
 
-    async def _try_admit(self, req: _Request) -> bool:
+    async def _try_admit(self, req: Request) -> bool:
         tree, ctrl = self.cache.tree, self.cache.controller
         key = req.prompt[:-1]
         match = tree.match_prefix(key, salt=req.salt) if self.config.use_cache else None
@@ -346,7 +279,7 @@ class Scheduler:
         finally:
             tree.unlock_host(match.last_node)
 
-    def _allocate(self, req: _Request, match: Any, num_cached: int, tail: Any, by_tier: dict[str, int]) -> bool:
+    def _allocate(self, req: Request, match: Any, num_cached: int, tail: Any, by_tier: dict[str, int]) -> bool:
         """Allocate a matched request's slots and pages and queue its load (``match`` locked on
         the device by the caller; the lock is the request's once admitted); False, with
         everything undone, when there is no room."""
@@ -409,10 +342,10 @@ class Scheduler:
         req.num_cached = req.num_computed = num_cached
         req.cached_by_tier = by_tier
         req.tail = tail
-        req.phase = _Phase.PREFILL
+        req.phase = Phase.PREFILL
         return True
 
-    def _snapshot_positions(self, req: _Request, num_cached: int, tail: Any = None) -> list[int]:
+    def _snapshot_positions(self, req: Request, num_cached: int, tail: Any = None) -> list[int]:
         """Page-aligned positions the admission policy keeps, past the cached prefix (and not
         inside a tail restore: only its end, whose state the restore brings)."""
         computed_len = req.total_len - 1  # the last sampled token is never computed
@@ -435,7 +368,7 @@ class Scheduler:
             if r.tail.fetch.done():
                 self._apply_tail(r)
 
-    def _apply_tail(self, req: _Request) -> None:
+    def _apply_tail(self, req: Request) -> None:
         tail, req.tail = req.tail, None
         if not tail.ok:  # a failed or corrupt read: compute the tail instead
             tail.release()
@@ -465,9 +398,9 @@ class Scheduler:
         return t.tolist()
 
     # ---- batching ----------------------------------------------------------------------
-    def _build_batch(self) -> tuple[list[SequenceInput], list[_Request]]:
+    def _build_batch(self) -> tuple[list[SequenceInput], list[Request]]:
         seqs: list[SequenceInput] = []
-        reqs: list[_Request] = []
+        reqs: list[Request] = []
         budget = self.config.max_batch_tokens
         for r in self._running:
             stop = len(r.prompt)
@@ -475,7 +408,7 @@ class Scheduler:
                 if r.num_computed >= r.tail.begin_tokens:
                     continue  # waiting for its tail restore
                 stop = r.tail.begin_tokens
-            if r.phase is _Phase.DECODE:
+            if r.phase is Phase.DECODE:
                 ids = torch.tensor([r.output[-1]], dtype=torch.int64)
             else:
                 n = min(stop - r.num_computed, self.config.chunk_size, max(budget, 1))
@@ -500,7 +433,7 @@ class Scheduler:
         return seqs, reqs
 
     # ---- completion --------------------------------------------------------------------
-    def _finish(self, req: _Request) -> None:
+    def _finish(self, req: Request) -> None:
         tree, page = self.cache.tree, self.spec.page_size
         tokens = req.prompt + req.output[:-1]
         full = len(tokens) // page
@@ -525,7 +458,7 @@ class Scheduler:
             req.locked_node = None
         if result is not None and result.backup_nodes:
             self.cache.controller.write(result.backup_nodes)
-        req.phase = _Phase.DONE
+        req.phase = Phase.DONE
         self._running.remove(req)
         now = time.perf_counter()
         assert req.first_token_at is not None and req.first_logits is not None
@@ -546,14 +479,14 @@ class Scheduler:
     def _reap_cancelled(self) -> None:
         self._cancel_all([r for r in self._waiting + self._running if r.cancelled])
 
-    def _cancel_all(self, reqs: list[_Request]) -> None:
+    def _cancel_all(self, reqs: list[Request]) -> None:
         """Cancel ``reqs``, the running ones newest first: a queued load may build on an older
         request's (a shared prefix), and the older one cannot be cancelled while it does."""
         running = [r for r in reversed(self._running) if r in reqs]
         for req in [r for r in reqs if r not in running] + running:
             self._cancel(req)
 
-    def _cancel(self, req: _Request) -> None:
+    def _cancel(self, req: Request) -> None:
         """Free everything a request holds (between steps: no forward is using it). Its load,
         if still queued, is cancelled; one that cannot be (issued, or built on by another)
         copies into the request's working slot, so the slots are freed once it has completed."""
@@ -579,6 +512,6 @@ class Scheduler:
         if req.tail is not None:
             req.tail.release()
             req.tail = None
-        req.phase = _Phase.DONE
+        req.phase = Phase.DONE
         if not req.future.done():
             req.future.cancel()

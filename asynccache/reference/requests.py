@@ -1,0 +1,86 @@
+"""What the reference scheduler is configured with, tracks per request and returns.
+
+- :class:`SchedulerConfig`: batch and chunk limits, and whether the cache is used at all;
+- :class:`RequestResult`: what a served request reports (prompt and cached tokens per tier,
+  output, TTFT, latency, the first token's logits);
+- :class:`Phase` and :class:`Request`: a request's place in the scheduler's loop and everything
+  the loop holds for it (its pages, working slot, snapshots, pending load or tail restore).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+from asynccache.checks import check_int
+
+__all__ = ["Phase", "Request", "RequestResult", "SchedulerConfig"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerConfig:
+    max_running: int = 8
+    chunk_size: int = 512  # prefill tokens per request per step
+    max_batch_tokens: int = 4096
+    use_cache: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "chunk_size", "max_batch_tokens"):
+            check_int(f"SchedulerConfig.{name}", getattr(self, name), minimum=1)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestResult:
+    request_id: int
+    prompt_tokens: int
+    cached_tokens: int
+    cached_by_tier: dict[str, int]
+    output_ids: list[int]
+    ttft_s: float
+    latency_s: float
+    first_logits: torch.Tensor
+
+
+class Phase(str, Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    DONE = "done"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: int
+    prompt: list[int]
+    max_new_tokens: int
+    salt: str
+    future: asyncio.Future[RequestResult]
+    submitted: float
+    phase: Phase = Phase.WAITING
+    num_computed: int = 0
+    num_cached: int = 0
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
+    locked_node: Any = None
+    kv_pages: torch.Tensor | None = None  # device pages for positions [0, capacity)
+    own_pages: torch.Tensor | None = None  # the part of kv_pages this request allocated
+    state_slot: int = -1
+    seed_slot: int | None = None  # cached boundary state to copy into state_slot
+    snapshots: dict[int, int] = field(default_factory=dict)
+    tail: Any = None  # a TailRestore still to apply
+    load_op: Any = None  # the CacheOperation bringing the request's prefix (and state) to the device
+    num_restored: int = 0  # tokens a tail restore brought (not computed)
+    output: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    first_logits: torch.Tensor | None = None
+    cancelled: bool = False
+    #: tokens its storage lookup brought (None: not looked up yet; one lookup per request, so a
+    #: request that waits for room does not repeat it every step)
+    storage_tokens: int | None = None
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt) + self.max_new_tokens
