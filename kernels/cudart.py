@@ -29,7 +29,7 @@ prototype changed with CUDA 13.0, which dropped the ``failIdx`` out-parameter::
 
 so the binding is chosen by the runtime's own version. ``cudaMemcpyAttributes`` is
 ``{int srcAccessOrder; {int type; int id} srcLocHint, dstLocHint; unsigned flags}`` (24 bytes) in
-both. The batch API rejects the legacy default stream; ``kernels.dma_copy`` routes such copies
+both. The batch API rejects the legacy default stream; ``kernels.dma_engines`` routes such copies
 through a side stream.
 
 A failed runtime call also sets the runtime's sticky-until-read "last error", which torch checks

@@ -13,14 +13,14 @@ from hypothesis import strategies as st
 
 from asynccache.errors import TransferError
 from asynccache.pools.base import ItemPool, PoolLayout
-from kernels import copy_items, dma_copy
+from kernels import copy_items, dma_plan
 from kernels.api import COPY_METHODS, select_method
-from kernels.dma_copy import (
+from kernels.dma_copy import launch_dma
+from kernels.dma_plan import (
     STRIDED_MIN_GAIN,
     CopySegments,
     _plan_small,
     _runs_may_pay,
-    launch_dma,
     plan_segments,
     plan_strided_runs,
     progression_rows,
@@ -316,7 +316,7 @@ def test_small_copies_are_planned_as_the_vector_planner_plans_them(data: st.Data
     strides = (item, src_ls, src_is, dst_ls, dst_is)
     small = _plan_small(*strides, si.tolist(), di.tolist(), range(lb, le))
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(dma_copy, "_SMALL_PLAN", -1)  # every copy through the vector ops
+        m.setattr(dma_plan, "_SMALL_PLAN", -1)  # every copy through the vector ops
         vector = plan_segments(
             item_bytes=item, src_layer_stride_bytes=src_ls, src_item_stride_bytes=src_is,
             dst_layer_stride_bytes=dst_ls, dst_item_stride_bytes=dst_is,
