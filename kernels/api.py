@@ -31,6 +31,7 @@ __all__ = [
     "PoolBufferLike",
     "PoolPair",
     "check_device_buffers",
+    "check_layer_range",
     "check_overlap",
     "copy_direction",
     "copy_items",
@@ -129,6 +130,15 @@ def validate_pools(src: PoolBufferLike, dst: PoolBufferLike) -> None:
         need = (pool.num_layers - 1) * pool.layer_stride_bytes + (pool.num_items - 1) * pool.item_stride_bytes
         if pool.num_layers and pool.num_items and need + pool.item_bytes > buf.numel():
             raise TransferError(f"{name} strides address past the end of its buffer")
+
+
+def check_layer_range(layer: int, count: int, num_layers: int) -> None:
+    """A layer copier's ``(layer, count)``: ints (a float would be truncated by a kernel)
+    naming layers inside ``0..num_layers - 1``, else :class:`TransferError`."""
+    if as_int(layer) is None or as_int(count) is None:
+        raise TransferError(f"layer and count must be ints, got {layer!r}, {count!r}")
+    if not (0 <= layer and count >= 1 and layer + count <= num_layers):
+        raise TransferError(f"layers [{layer}, {layer + count}) outside 0..{num_layers - 1}")
 
 
 def validate_indices(
@@ -398,26 +408,20 @@ class PoolPair:
         if self.method == "cpu" and src.buffer is not None:
             check_overlap(src, dst, src_indices, dst_indices)  # the rule of the CUDA paths, here too
 
-        def check_range(layer: int, count: int) -> None:
-            if as_int(layer) is None or as_int(count) is None:
-                raise TransferError(f"layer and count must be ints, got {layer!r}, {count!r}")
-            if not (0 <= layer and count >= 1 and layer + count <= num_layers):
-                raise TransferError(f"layers [{layer}, {layer + count}) outside 0..{num_layers - 1}")
-
         if self.method == "triton":
             from kernels.triton_copy import launch_copy
 
             max_ctas, stream = self.max_ctas, self.stream
 
             def copy_triton(layer: int, count: int = 1) -> int:
-                check_range(layer, count)
+                check_layer_range(layer, count, num_layers)
                 launch_copy(src, dst, src_indices, dst_indices, layer, layer + count, max_ctas=max_ctas, stream=stream)
                 return layer_bytes * count
 
             return copy_triton
 
         def copy_cpu(layer: int, count: int = 1) -> int:
-            check_range(layer, count)
+            check_layer_range(layer, count, num_layers)
             if layer_bytes and src.buffer is not None:
                 _copy_torch(src, dst, src_indices, dst_indices, layer, layer + count)
             return layer_bytes * count

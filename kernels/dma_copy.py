@@ -31,6 +31,7 @@ from kernels.api import (
     DMA_ENGINES,
     PoolBufferLike,
     check_device_buffers,
+    check_layer_range,
     check_overlap,
     current_device,
     validate_copy,
@@ -130,8 +131,7 @@ def dma_layer_copier(
     issuers: dict[int, Callable[[int], DmaLaunch | None]] = {}
 
     def issue(layer: int, count: int = 1) -> DmaLaunch | None:
-        if not (0 <= layer and count >= 1 and layer + count <= num_layers):
-            raise TransferError(f"layers [{layer}, {layer + count}) outside 0..{num_layers - 1}")
+        check_layer_range(layer, count, num_layers)
         issuer = issuers.get(count)
         if issuer is None:
             issuer = issuers[count] = _range_issuer(src, dst, src_indices, dst_indices, count, stream, engine, checked)

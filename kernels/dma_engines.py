@@ -248,19 +248,23 @@ def _issue(
             issue_on.wait_stream(caller)
         handle = issue_on.cuda_stream
         src_base, dst_base = src.buffer.data_ptr() + shift[0], dst.buffer.data_ptr() + shift[1]
-        if chosen == "batch":
-            segments = prepared.segments
-            assert segments is not None
-            calls = _issue_batch(
-                rt, segments.src_offsets + src_base, segments.dst_offsets + dst_base, segments.sizes, handle
-            )
-        elif chosen == "2d":
-            calls = _issue_2d(rt, src, dst, src_indices, dst_indices, layer_begin, num_layers, handle)
-        else:
-            rt.memcpy_rows(prepared.run_rows, src_base, dst_base, handle)
-            calls = len(prepared.run_rows)
-        if issue_on is not caller:
-            caller.wait_stream(issue_on)
+        try:
+            if chosen == "batch":
+                segments = prepared.segments
+                assert segments is not None
+                calls = _issue_batch(
+                    rt, segments.src_offsets + src_base, segments.dst_offsets + dst_base, segments.sizes, handle
+                )
+            elif chosen == "2d":
+                calls = _issue_2d(rt, src, dst, src_indices, dst_indices, layer_begin, num_layers, handle)
+            else:
+                rt.memcpy_rows(prepared.run_rows, src_base, dst_base, handle)
+                calls = len(prepared.run_rows)
+        finally:
+            # Copies queued on the side stream before a failing call still run: the caller's
+            # stream waits for them too, so nothing frees or reuses their buffers early.
+            if issue_on is not caller:
+                caller.wait_stream(issue_on)
     return DmaLaunch(
         direction=prepared.direction,
         engine=chosen,

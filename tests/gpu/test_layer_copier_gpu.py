@@ -101,3 +101,18 @@ def test_copiers_of_one_pool_pair_copy_layer_ranges_exactly(method: str) -> None
     pageable = HostKVPool(spec, num_pages=4, layout="page_first", pin=False)
     with pytest.raises(TransferError, match="pageable"):
         PoolPair(pageable, cached, stream=stream, method="dma")
+
+
+@pytest.mark.parametrize("method", ["dma", "dma:batch", "triton"])
+@pytest.mark.parametrize("layers", [(0.5, 1), (0, 1.5), (True, 1)])
+def test_a_layer_copier_refuses_a_non_integer_layer_range(method: str, layers: tuple[object, object]) -> None:
+    """Every method checks the range alike: a float is refused before any copy is issued (the
+    copy engines' planner would otherwise plan offsets from it)."""
+    _, host, cached, _ = _pools("page_first")
+    assert cached.buffer is not None
+    before = cached.buffer.clone()
+    copy = layer_copier(host, cached, torch.tensor([0]), torch.tensor([1]), method=method)
+    with pytest.raises(TransferError, match="must be ints"):
+        copy(*layers)  # type: ignore[arg-type]
+    torch.cuda.synchronize()
+    assert torch.equal(cached.buffer, before)
