@@ -15,7 +15,6 @@ import logging
 import sys
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit
 
 import torch
 
@@ -24,7 +23,7 @@ from asynccache.controller import HybridCacheController
 from asynccache.errors import ConfigError, SharedMemoryError
 from asynccache.pools import DeviceKVPool, DeviceMambaPool, HostKVPool, MambaPoolHost
 from asynccache.spec import HybridSpec
-from asynccache.storage import StorageBackend, open_backend
+from asynccache.storage import StorageBackend, open_backend, storage_scheme
 
 __all__ = ["HybridCache", "effective_storage_options"]
 
@@ -50,7 +49,7 @@ def effective_storage_options(
     if (
         "read_processes" not in options
         and config.storage_uri is not None
-        and urlsplit(config.storage_uri).scheme == "file"
+        and storage_scheme(config.storage_uri) == "file"
         and torch.device(device).type == "cuda"
         and materialize
         and config.has_host_tier
@@ -104,6 +103,20 @@ class HybridCache:
             log.warning("host pools in shared memory unavailable (%s): the storage tier reads with threads", e)
             self.storage_options = {**self.storage_options, "read_processes": 0}
             self.host_kv, self.host_mamba = self._host_pools(False, materialize=materialize)
+        if backend is not None or config.storage_uri is not None:
+            # The storage tier is fed from the host tier and loads into it: without host pages
+            # (or, for a model with recurrent layers, host state slots) it would be opened and
+            # never used.
+            missing = [
+                name
+                for name, pool, item_bytes in (
+                    ("host_kv_bytes", self.host_kv, spec.kv_page_bytes),
+                    ("host_state_bytes", self.host_mamba, spec.state_bytes),
+                )
+                if item_bytes > 0 and pool is None
+            ]
+            if missing:
+                raise ConfigError(f"a storage tier needs a host tier to feed it: set {' and '.join(missing)}")
         if backend is None and config.storage_uri is not None:
             backend = open_backend(config.storage_uri, namespace=spec.namespace_id, **self.storage_options)
         self.tree = HybridRadixTree(

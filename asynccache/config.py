@@ -84,6 +84,10 @@ class HybridCacheConfig:
         if "namespace" in self.storage_options:
             raise ConfigError("storage_options: the namespace is the spec's (namespace_id), not an option")
         object.__setattr__(self, "storage_options", MappingProxyType(dict(self.storage_options)))
+        if self.storage_uri is not None:
+            from asynccache.storage import storage_scheme
+
+            storage_scheme(self.storage_uri)  # a URI that does not parse is refused here, redacted
         object.__setattr__(self, "host_layout", PoolLayout.parse(self.host_layout))
         try:
             object.__setattr__(self, "prefetch_policy", PrefetchPolicy(self.prefetch_policy))

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 import torch
 
@@ -44,6 +44,8 @@ __all__ = [
     "open_backend",
     "known_schemes",
     "longest_hit",
+    "redact_uri",
+    "storage_scheme",
 ]
 
 
@@ -177,21 +179,44 @@ def register_backend(scheme: str, factory: str | BackendFactory, *, replace: boo
     _REGISTRY[scheme] = factory
 
 
+def redact_uri(uri: str) -> str:
+    """``uri`` for an error message: without user info and query values, where credentials may
+    be (``s3://KEY:SECRET@bucket/…``, ``?secret_access_key=…``)."""
+    try:
+        parts = urlsplit(uri)
+    except (ValueError, TypeError, AttributeError):
+        return "(not shown: it does not parse)"
+    keys = [k for k, _ in parse_qsl(parts.query, keep_blank_values=True)]
+    query = "&".join(f"{k}=…" for k in keys)
+    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}" + (f"?{query}" if query else "")
+
+
+def storage_scheme(uri: object) -> str:
+    """The scheme of a storage URI, or :class:`ConfigError` naming what is wrong with it (the
+    URI redacted: it may carry credentials)."""
+    if not isinstance(uri, str):
+        raise ConfigError(f"a storage URI is a string, got {type(uri).__name__}")
+    try:
+        scheme = urlsplit(uri).scheme
+    except ValueError as e:
+        raise ConfigError(f"malformed storage URI {redact_uri(uri)}: {e}") from None
+    if not scheme:
+        raise ConfigError(f"storage URI {redact_uri(uri)} has no scheme; known schemes: {known_schemes()}")
+    return scheme
+
+
 def known_schemes() -> list[str]:
     return sorted(_REGISTRY)
 
 
 def open_backend(uri: str, **options: Any) -> StorageBackend:
     """Open the backend for ``uri``; options go to the backend's factory (namespace, limits…)."""
-    try:
-        scheme = urlsplit(uri).scheme
-    except (ValueError, TypeError, AttributeError) as e:
-        raise ConfigError(f"malformed storage URI {uri!r}: {e}") from None
-    if not scheme:
-        raise ConfigError(f"storage URI {uri!r} has no scheme; known schemes: {known_schemes()}")
+    scheme = storage_scheme(uri)
     factory = _REGISTRY.get(scheme)
     if factory is None:
-        raise ConfigError(f"unknown storage scheme {scheme!r} in {uri!r}; known schemes: {known_schemes()}")
+        raise ConfigError(
+            f"unknown storage scheme {scheme!r} in {redact_uri(uri)}; known schemes: {known_schemes()}"
+        )
     if isinstance(factory, str):
         module_name, _, attr = factory.partition(":")
         factory = getattr(importlib.import_module(module_name), attr)
@@ -199,7 +224,7 @@ def open_backend(uri: str, **options: Any) -> StorageBackend:
         return factory(uri, **options)
     except TypeError as e:
         if "unexpected keyword argument" in str(e):
-            raise ConfigError(f"storage {uri!r}: an option the backend does not take ({e})") from None
+            raise ConfigError(f"storage {redact_uri(uri)}: an option the backend does not take ({e})") from None
         if "required keyword-only argument" in str(e):
-            raise ConfigError(f"storage {uri!r}: an option the backend needs is missing ({e})") from None
+            raise ConfigError(f"storage {redact_uri(uri)}: an option the backend needs is missing ({e})") from None
         raise

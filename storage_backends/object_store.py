@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 from asynccache.errors import BackendError, ConfigError, ObjectFormatError
-from asynccache.storage import PoolName
+from asynccache.storage import PoolName, redact_uri
 from storage_backends.base import (
     BatchItem,
     ObjectBackend,
@@ -74,17 +74,6 @@ _QUERY_KEYS = ("endpoint_url", "region")
 WORKER_PIECE_BYTES = 4 << 20
 
 
-def _shown(uri: str) -> str:
-    """The URI without its query values (for error messages: a refused URI may hold secrets)."""
-    try:
-        parts = urlsplit(uri)
-    except ValueError:
-        return "(not shown: it does not parse)"
-    keys = [k for k, _ in parse_qsl(parts.query, keep_blank_values=True)]
-    query = "&".join(f"{k}=…" for k in keys)
-    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}" + (f"?{query}" if query else "")
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class S3Location:
     bucket: str
@@ -99,31 +88,31 @@ def parse_s3_uri(uri: str) -> S3Location:
         parts = urlsplit(uri)
         query = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
     except ValueError as e:
-        raise ConfigError(f"malformed s3 URI {_shown(uri)}: {e}") from None
+        raise ConfigError(f"malformed s3 URI {redact_uri(uri)}: {e}") from None
     if parts.scheme != "s3":
-        raise ConfigError(f"not an s3 URI: {_shown(uri)}")
+        raise ConfigError(f"not an s3 URI: {redact_uri(uri)}")
     if "@" in parts.netloc or ":" in parts.netloc:
         raise ConfigError(
-            f"s3 URI {_shown(uri)} carries credentials or a port in its host part; the host part is the "
+            f"s3 URI {redact_uri(uri)} carries credentials or a port in its host part; the host part is the "
             "bucket, credentials come from the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)"
         )
     if _BUCKET_RE.fullmatch(parts.netloc) is None:
-        raise ConfigError(f"s3 URI {_shown(uri)}: invalid or missing bucket name {parts.netloc!r}")
+        raise ConfigError(f"s3 URI {redact_uri(uri)}: invalid or missing bucket name {parts.netloc!r}")
     if parts.fragment:
-        raise ConfigError(f"s3 URI {_shown(uri)} must not have a fragment")
+        raise ConfigError(f"s3 URI {redact_uri(uri)} must not have a fragment")
     prefix = parts.path.strip("/")
     for segment in prefix.split("/") if prefix else ():
         if _SEGMENT_RE.fullmatch(segment) is None or segment in (".", ".."):
-            raise ConfigError(f"s3 URI {_shown(uri)}: invalid prefix segment {segment!r} (use [A-Za-z0-9._-])")
+            raise ConfigError(f"s3 URI {redact_uri(uri)}: invalid prefix segment {segment!r} (use [A-Za-z0-9._-])")
     seen: dict[str, str] = {}
     for key, value in query:
         if key not in _QUERY_KEYS:
             raise ConfigError(
-                f"s3 URI {_shown(uri)}: unknown parameter {key!r} (known: {list(_QUERY_KEYS)}); "
+                f"s3 URI {redact_uri(uri)}: unknown parameter {key!r} (known: {list(_QUERY_KEYS)}); "
                 "credentials come from the environment, never from the URI"
             )
         if key in seen:
-            raise ConfigError(f"s3 URI {_shown(uri)}: parameter {key!r} given twice")
+            raise ConfigError(f"s3 URI {redact_uri(uri)}: parameter {key!r} given twice")
         seen[key] = value
     endpoint = seen.get("endpoint_url")
     if endpoint is not None:
@@ -131,12 +120,12 @@ def parse_s3_uri(uri: str) -> S3Location:
             ep = urlsplit(endpoint)
             ep.port  # noqa: B018 (parses the port: a bad one raises ValueError)
         except ValueError as e:
-            raise ConfigError(f"s3 URI {_shown(uri)}: endpoint_url is malformed or has an invalid port ({e})") from e
+            raise ConfigError(f"s3 URI {redact_uri(uri)}: endpoint_url is malformed or has an invalid port ({e})") from e
         if ep.scheme not in ("http", "https") or not ep.hostname or "@" in ep.netloc or ep.query or ep.fragment:
-            raise ConfigError(f"s3 URI {_shown(uri)}: endpoint_url must be http(s)://host[:port] without credentials")
+            raise ConfigError(f"s3 URI {redact_uri(uri)}: endpoint_url must be http(s)://host[:port] without credentials")
     region = seen.get("region")
     if region is not None and _REGION_RE.fullmatch(region) is None:
-        raise ConfigError(f"s3 URI {_shown(uri)}: invalid region")
+        raise ConfigError(f"s3 URI {redact_uri(uri)}: invalid region")
     return S3Location(bucket=parts.netloc, prefix=prefix, endpoint_url=endpoint, region=region)
 
 

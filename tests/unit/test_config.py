@@ -65,3 +65,32 @@ def test_a_pool_too_large_for_the_machine_fails_before_its_free_list_is_built(mo
     monkeypatch.setattr(pool_base, "IndexAllocator", no_free_list)
     with pytest.raises(CapacityError, match="available"):
         HostKVPool(SPEC, num_pages=(64 << 20) // SPEC.kv_page_bytes, pin=False)
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "s3://AKIAEXAMPLE:wJalrSECRETKEY@[my-bucket/prefix",  # does not parse
+        "s3a://AKIAEXAMPLE:wJalrSECRETKEY@my-bucket/prefix",  # an unknown scheme (Hadoop's spelling)
+        "s3a://my-bucket/prefix?secret_access_key=wJalrSECRETKEY",
+    ],
+)
+def test_a_bad_storage_uri_is_a_config_error_that_does_not_show_its_secret(uri: str) -> None:
+    from asynccache.storage import open_backend
+
+    config = {**BASE, "host_kv_bytes": 64 * SPEC.kv_page_bytes, "host_state_bytes": 4 * SPEC.state_bytes}
+    with pytest.raises(ConfigError) as refused:
+        HybridCache(SPEC, HybridCacheConfig(**config, storage_uri=uri))
+    assert "SECRET" not in str(refused.value)
+    with pytest.raises(ConfigError) as refused:
+        open_backend(uri, namespace="n")
+    assert "SECRET" not in str(refused.value)
+
+
+@pytest.mark.parametrize("host", [{"host_kv_bytes": 0}, {"host_state_bytes": 0}])
+def test_a_storage_tier_without_a_host_tier_for_kv_and_states_is_refused(host: dict[str, int]) -> None:
+    """The storage tier writes from and reads into host pools: without one of them it would be
+    opened and never used."""
+    sizes = {"host_kv_bytes": 64 * SPEC.kv_page_bytes, "host_state_bytes": 4 * SPEC.state_bytes} | host
+    with pytest.raises(ConfigError, match=f"needs a host tier to feed it: set {next(iter(host))}$"):
+        HybridCache(SPEC, HybridCacheConfig(**BASE, **sizes, storage_uri="memory://x"))
