@@ -4,9 +4,17 @@
 - ``file:///path`` — :mod:`storage_backends.local_disk` (preadv/pwritev straight into host slots)
 - ``s3://bucket/prefix?endpoint_url=…&region=…`` — :mod:`storage_backends.object_store` (obstore)
 
-Shared parts: :mod:`storage_backends.object_format` (object header, names, key validation) and
-:mod:`storage_backends.base` (the V2 protocol implemented once over five primitives, statistics,
-capacity and eviction, the worker pool).
+Shared parts:
+
+- :mod:`storage_backends.object_format` — the object codec; the format's parts in
+  :mod:`~storage_backends.object_names` (names, key validation, geometry),
+  :mod:`~storage_backends.object_header`, :mod:`~storage_backends.payload_checksum` and
+  :mod:`~storage_backends.payload_pieces`.
+- :mod:`storage_backends.base` — the V2 protocol implemented once over five primitives
+  (:mod:`~storage_backends.backend_core`, :mod:`~storage_backends.exists_search`,
+  :mod:`~storage_backends.batch_io`), with statistics and failure warnings
+  (:mod:`~storage_backends.reporting`), capacity and eviction (:mod:`~storage_backends.capacity`)
+  and the worker pool (:mod:`~storage_backends.workers`).
 """
 
 from storage_backends.base import BackendStatistics, ObjectBackend

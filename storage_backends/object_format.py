@@ -1,39 +1,28 @@
-"""The storage object format and object names, shared by every built-in backend.
+"""The storage object format, shared by every built-in backend: the codec of one namespace.
 
 Primitives:
 
-- :func:`validate_key` / :func:`validate_pool_name` — strict checks of what may become part of an
-  object name (lowercase hex keys, ``[a-z0-9_]`` pool names): nothing a caller passes can climb
-  out of the backend's directory or prefix.
-- :func:`namespace_digest` / :func:`object_relpath` — the key space
-  ``{namespace-digest}/{pool}/{key[:2]}/{key}``: one space per namespace (model, page size,
-  dtypes, TP shard) and per pool; a Mamba state lives under the hash of the last page it covers
-  in the ``mamba`` space, a KV page under its own hash in the ``kv`` space.
-- :class:`ObjectGeometry` — what one object of a pool holds (pool, dtype, layers × item bytes).
 - :class:`ObjectCodec` — header encoding and verification for one namespace, whole-object
   encode / decode-into-slot for backends that move objects as one buffer, and the object as
   header + slot views (``encode_parts``) for backends that can send a list of buffers.
-- :func:`slot_buffers` — the contiguous runs of one host slot in payload order.
 
-An object is a header followed by the payload (little-endian)::
+The parts of the format live in their own modules and are re-exported here:
 
-    0       4     6     8            16           24      28                  44     46   48
-    ┌───────┬─────┬─────┬────────────┬────────────┬───────┬───────────────────┬──────┬────┐
-    │"ACSO" │ ver │ hlen│ payload len│ payload sum│ h.crc │ namespace digest  │ dlen │pad │
-    └───────┴─────┴─────┴────────────┴────────────┴───────┴───────────────────┴──────┴────┘
-    48: descriptor "pool;page_first;dtype;LxB;key" (ASCII, dlen bytes), zeros up to hlen
-    hlen (a multiple of 64; 4096 on the local disk): payload in page_first order — layer 0's
-    item, layer 1's item, …
+- :mod:`storage_backends.object_names` — key and pool-name validation, the key space
+  ``{namespace-digest}/{pool}/{key[:2]}/{key}`` (:func:`object_relpath`), :class:`ObjectGeometry`.
+- :mod:`storage_backends.object_header` — the header's byte layout, :class:`ObjectHeader`.
+- :mod:`storage_backends.payload_checksum` — :class:`PayloadChecksum` (``blocksum64``).
+- :mod:`storage_backends.payload_pieces` — :func:`slot_buffers`, :func:`payload_range`,
+  :func:`iter_chunks`, :func:`check_stop` and :func:`run_steps` (piecewise work that stops).
 
-A compressed object (``ObjectCodec(compression="zstd")``, see ``storage_backends.compression``)
-appends ``;zstd:F`` to the descriptor (F: the frame size), follows the descriptor with the frame
-table (one uint32 per frame, covered by the header CRC) and stores the frames instead of the
-payload; ``payload len`` and ``payload sum`` still describe the decoded payload, so the checksum
-covers the bytes a reader gets.
+An object is a header followed by the payload in page_first order (layer 0's item, layer 1's
+item, …). A compressed object (``ObjectCodec(compression="zstd")``, see
+``storage_backends.compression``) appends ``;zstd:F`` to the descriptor (F: the frame size),
+follows the descriptor with the frame table (one uint32 per frame, covered by the header CRC)
+and stores the frames instead of the payload; ``payload len`` and ``payload sum`` still
+describe the decoded payload, so the checksum covers the bytes a reader gets.
 
-``payload sum`` is the :class:`PayloadChecksum` of the payload, ``h.crc`` the CRC-32 of the
-header with that field zeroed. Given the namespace, pool and key every header byte except the
-payload sum is known in advance,
+Given the namespace, pool and key every header byte except the payload sum is known in advance,
 so a reader knows the exact object size before it reads, and any difference — truncation, a
 flipped byte, another model's or another key's object, another format version — is an
 :class:`~asynccache.errors.ObjectFormatError`, which backends turn into a miss.
@@ -41,337 +30,75 @@ flipped byte, another model's or another key's object, another format version �
 
 from __future__ import annotations
 
-import hashlib
-import re
 import struct
 import threading
-import time
 import zlib
-from collections.abc import Generator, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Generator, Sequence
 
 import numpy as np
 
-from asynccache.errors import BackendError, ConfigError, ObjectFormatError
+from asynccache.errors import ConfigError, ObjectFormatError
 from storage_backends.compression import FrameTable, check_compression, element_bytes
-
-if TYPE_CHECKING:  # not at run time: a reader process imports this module without torch
-    from asynccache.pools.base import ItemPool
-
-T = TypeVar("T")
+from storage_backends.object_header import (
+    FIXED_HEADER,
+    FORMAT_VERSION,
+    HEADER_ALIGN,
+    HEADER_CRC_OFFSET,
+    MAGIC,
+    PAYLOAD_LAYOUT,
+    ObjectHeader,
+)
+from storage_backends.object_names import (
+    ObjectGeometry,
+    namespace_digest,
+    object_relpath,
+    short_repr,
+    validate_key,
+    validate_pool_name,
+)
+from storage_backends.payload_checksum import (
+    CHECKSUM_BLOCK_BYTES,
+    PayloadChecksum,
+    add_checksums,
+    payload_checksum,
+)
+from storage_backends.payload_pieces import (
+    IO_CHUNK_BYTES,
+    StopRequested,
+    check_stop,
+    iter_chunks,
+    payload_range,
+    run_steps,
+    slot_buffers,
+)
 
 __all__ = [
+    "CHECKSUM_BLOCK_BYTES",
     "FORMAT_VERSION",
+    "IO_CHUNK_BYTES",
     "MAGIC",
     "PAYLOAD_LAYOUT",
-    "IO_CHUNK_BYTES",
-    "validate_key",
-    "validate_pool_name",
-    "namespace_digest",
-    "object_relpath",
+    "ObjectCodec",
     "ObjectGeometry",
     "ObjectHeader",
-    "ObjectCodec",
-    "slot_buffers",
-    "iter_chunks",
-    "StopRequested",
-    "check_stop",
     "PayloadChecksum",
-    "payload_checksum",
+    "StopRequested",
     "add_checksums",
+    "check_stop",
+    "iter_chunks",
+    "namespace_digest",
+    "object_relpath",
+    "payload_checksum",
     "payload_range",
-    "CHECKSUM_BLOCK_BYTES",
     "run_steps",
+    "slot_buffers",
+    "validate_key",
+    "validate_pool_name",
 ]
 
-MAGIC = b"ACSO"
-FORMAT_VERSION = 1
-#: The payload is always in page_first order (layer-major within one index), whatever the
-#: layout of the host pool it came from, so objects are layout independent.
-PAYLOAD_LAYOUT = "page_first"
-#: Copies, checksums and file I/O work on pieces of at most this size: a piece is checksummed
-#: right after (or before) it is read (written), while it is still in the core's L2 cache —
-#: checksumming a whole 1.5 MiB page after reading it costs a second trip to DRAM and halved
-#: page-cache read speed on the development machines. Also the granularity at which a
-#: cancelled worker stops touching host memory.
-IO_CHUNK_BYTES = 256 << 10
 
-_FIXED = struct.Struct("<4sHHQQI16sH2x")
-_HEADER_ALIGN = 64
-_HCRC_OFFSET = 24
-_BLOCK_BYTES = 4096
-_MASK64 = (1 << 64) - 1
-#: Block weights 2b+1 for the first 256 MiB of a payload (longer payloads compute the rest).
-_WEIGHTS = np.arange(1, 2 * 65536, 2, dtype=np.uint64)
-_WEIGHTS.flags.writeable = False
-_KEY_RE = re.compile(r"[0-9a-f]{8,128}")
-_POOL_RE = re.compile(r"[a-z0-9_]{1,32}")
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def validate_key(key: object) -> str:
-    """A storage key: 8–128 lowercase hex characters (a chained page hash). Anything else —
-    separators, dots, upper case, NUL — is misuse and raises :class:`ConfigError`."""
-    if not isinstance(key, str) or _KEY_RE.fullmatch(key) is None:
-        raise ConfigError(f"invalid storage key {_short(key)}: expected 8-128 lowercase hex characters")
-    return key
-
-
-def validate_pool_name(name: object) -> str:
-    value = getattr(name, "value", name)
-    if not isinstance(value, str) or _POOL_RE.fullmatch(value) is None:
-        raise ConfigError(f"invalid pool name {_short(name)}: expected 1-32 characters of [a-z0-9_]")
-    return value
-
-
-def namespace_digest(namespace: str) -> bytes:
-    """16-byte digest of a namespace string (``HybridSpec.namespace_id``)."""
-    if not isinstance(namespace, str) or not namespace:
-        raise ConfigError("a storage backend needs a non-empty namespace (the spec's namespace_id)")
-    return hashlib.blake2b(namespace.encode(), digest_size=16).digest()
-
-
-def object_relpath(ns_digest_hex: str, pool_name: str, key: str) -> str:
-    """``{namespace-digest}/{pool}/{key[:2]}/{key}`` — validated, '/'-separated."""
-    pool = validate_pool_name(pool_name)
-    k = validate_key(key)
-    return f"{ns_digest_hex}/{pool}/{k[:2]}/{k}"
-
-
-def _pool_dtype(pool: ItemPool) -> str:
-    from asynccache.pools.views import KVViews, StateViews
-
-    spec = getattr(pool, "spec", None)
-    if spec is not None and isinstance(pool, KVViews):
-        return str(spec.kv_dtype).removeprefix("torch.")
-    if spec is not None and isinstance(pool, StateViews):
-        return "+".join(f"{c.name}:{str(c.dtype).removeprefix('torch.')}" for c in spec.state_components)
-    return "uint8"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ObjectGeometry:
-    """What one object of a pool holds: ``num_layers`` items of ``item_bytes`` bytes."""
-
-    pool_name: str
-    dtype: str
-    num_layers: int
-    item_bytes: int
-
-    @property
-    def payload_bytes(self) -> int:
-        return self.num_layers * self.item_bytes
-
-    @classmethod
-    def of_pool(cls, pool_name: object, pool: ItemPool) -> ObjectGeometry:
-        from asynccache.pools import base as pools
-
-        name = validate_pool_name(pool_name)
-        if not isinstance(pool, pools.ItemPool):
-            raise ConfigError(f"pool {name}: expected an ItemPool, got {type(pool).__name__}")
-        if not pool.materialized:
-            raise ConfigError(f"pool {name}: {pool.name} is in accounting mode; storage needs its bytes")
-        if pool.device.type != "cpu":
-            raise ConfigError(f"pool {name}: storage reads and writes host pools, {pool.name} is on {pool.device}")
-        return cls(pool_name=name, dtype=_pool_dtype(pool), num_layers=pool.num_layers, item_bytes=pool.item_bytes)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ObjectHeader:
-    """A decoded header (see the module docstring for the byte layout)."""
-
-    version: int
-    header_bytes: int
-    payload_bytes: int
-    payload_sum: int
-    namespace_digest: bytes
-    pool_name: str
-    layout: str
-    dtype: str
-    num_layers: int
-    item_bytes: int
-    key: str
-    #: ``"none"``, or ``"zstd:F"`` for an object stored as frames of F payload bytes
-    compression: str = "none"
-
-    @classmethod
-    def decode(cls, buf: bytes | bytearray | memoryview) -> ObjectHeader:
-        """Parse and check a header's structure (magic, version, header CRC); raises
-        :class:`ObjectFormatError`. ``buf`` holds at least the whole header."""
-        view = memoryview(buf)
-        if len(view) < _FIXED.size:
-            raise ObjectFormatError(f"truncated header: {len(view)} bytes")
-        magic, version, hlen, plen, psum, hcrc, digest, dlen = _FIXED.unpack_from(view)
-        if magic != MAGIC:
-            raise ObjectFormatError("not an asynccache storage object (bad magic)")
-        if version != FORMAT_VERSION:
-            raise ObjectFormatError(f"object format version {version}, this reader knows {FORMAT_VERSION}")
-        if hlen < _FIXED.size + dlen or hlen % _HEADER_ALIGN:
-            raise ObjectFormatError(f"inconsistent header length {hlen}")
-        if len(view) < hlen:
-            raise ObjectFormatError(f"header of {hlen} bytes, only {len(view)} available")
-        check = zlib.crc32(view[:_HCRC_OFFSET])
-        check = zlib.crc32(b"\0\0\0\0", check)
-        check = zlib.crc32(view[_HCRC_OFFSET + 4 : hlen], check)
-        if check != hcrc:
-            raise ObjectFormatError("header checksum mismatch")
-        try:
-            fields = bytes(view[_FIXED.size : _FIXED.size + dlen]).decode("ascii").split(";")
-            pool, layout, dtype, shape, key = fields[:5]
-            compression = fields[5] if len(fields) == 6 else "none"
-            if len(fields) > 6:
-                raise ValueError(f"{len(fields)} fields")
-            layers, item = (int(x) for x in shape.split("x"))
-        except ValueError as e:
-            raise ObjectFormatError(f"undecodable header descriptor: {e}") from e
-        return cls(
-            version=version,
-            header_bytes=hlen,
-            payload_bytes=plen,
-            payload_sum=psum,
-            namespace_digest=digest,
-            pool_name=pool,
-            layout=layout,
-            dtype=dtype,
-            num_layers=layers,
-            item_bytes=item,
-            key=key,
-            compression=compression,
-        )
-
-
-class PayloadChecksum:
-    """``blocksum64`` of a payload, fed piece by piece (``update``) in payload order.
-
-    The payload is cut into 4 KiB blocks (the last one zero-padded); ``S_b`` is the sum of block
-    ``b``'s little-endian 64-bit words and the checksum is ``Σ (2b+1)·S_b``, all mod 2⁶⁴. It
-    catches any single-bit flip (the weights are odd), truncation, zeroed or foreign ranges and
-    misplaced blocks; being linear it misses changes that cancel exactly inside one block (two
-    opposite flips of one bit position), which storage faults do not produce in practice. It
-    runs at memory speed in numpy (~30–40 GB/s per core, vs ~4.5 GB/s for zlib's CRC-32 on the
-    development machines), which keeps page-cache reads within reach of the raw path."""
-
-    __slots__ = ("_value", "_num_blocks", "_pending", "_num_pending")
-
-    def __init__(self, *, first_block: int = 0) -> None:
-        """``first_block``: the block index of the first byte fed (a range of the payload that
-        starts on a block boundary). The checksum is linear: the digests of consecutive ranges
-        add up (mod 2⁶⁴) to the digest of the whole."""
-        self._value = 0
-        self._num_blocks = first_block
-        self._pending = np.zeros(_BLOCK_BYTES, dtype=np.uint8)
-        self._num_pending = 0
-
-    def update(self, piece: np.ndarray | memoryview | bytes | bytearray) -> None:
-        data = piece if isinstance(piece, np.ndarray) else np.frombuffer(piece, dtype=np.uint8)
-        if not self._num_pending and not data.nbytes % _BLOCK_BYTES:
-            if data.nbytes:
-                self._add_blocks(data)
-            return
-        if self._num_pending:
-            take = min(_BLOCK_BYTES - self._num_pending, data.nbytes)
-            self._pending[self._num_pending : self._num_pending + take] = data[:take]
-            self._num_pending += take
-            data = data[take:]
-            if self._num_pending < _BLOCK_BYTES:
-                return
-            self._add_blocks(self._pending)
-            self._num_pending = 0
-        full = data.nbytes // _BLOCK_BYTES * _BLOCK_BYTES
-        if full:
-            self._add_blocks(data[:full])
-        if full < data.nbytes:
-            self._num_pending = data.nbytes - full
-            self._pending[: self._num_pending] = data[full:]
-
-    def _add_blocks(self, data: np.ndarray) -> None:
-        n = data.nbytes // _BLOCK_BYTES
-        sums = np.add.reduce(data.view(np.uint64).reshape(n, _BLOCK_BYTES // 8), axis=1)
-        b0 = self._num_blocks
-        if b0 + n <= len(_WEIGHTS):
-            weights = _WEIGHTS[b0 : b0 + n]
-        else:
-            weights = np.arange(2 * b0 + 1, 2 * (b0 + n), 2, dtype=np.uint64)
-        self._value = (self._value + int(np.dot(sums, weights))) & _MASK64
-        self._num_blocks += n
-
-    def digest(self) -> int:
-        """The checksum of everything fed so far (feeding may go on)."""
-        if not self._num_pending:
-            return self._value
-        last = self._pending.copy()
-        last[self._num_pending :] = 0
-        sums = int(last.view(np.uint64).sum(dtype=np.uint64))
-        return (self._value + (2 * self._num_blocks + 1) * sums) & _MASK64
-
-
-def add_checksums(partials: Iterable[int]) -> int:
-    """The payload's checksum from the partial checksums of block-aligned ranges that cover it
-    once each (``PayloadChecksum(first_block=…)``; the checksum is linear)."""
-    return sum(partials) & _MASK64
-
-
-def payload_checksum(buffers: Sequence[np.ndarray | memoryview | bytes | bytearray]) -> int:
-    check = PayloadChecksum()
-    for buf in buffers:
-        check.update(buf)
-    return check.digest()
-
-
-class StopRequested(BackendError):
-    """Raised inside a worker job whose caller was cancelled (never reaches callers)."""
-
-
-CHECKSUM_BLOCK_BYTES = _BLOCK_BYTES
-
-
-def payload_range(buffers: Sequence[np.ndarray], start: int, end: int) -> list[np.ndarray]:
-    """Views of payload bytes ``[start, end)`` of ``buffers`` (their concatenation), in order."""
-    out: list[np.ndarray] = []
-    base = 0
-    for buf in buffers:
-        lo, hi = max(start, base), min(end, base + buf.nbytes)
-        if lo < hi:
-            out.append(buf[lo - base : hi - base])
-        base += buf.nbytes
-        if base >= end:
-            break
-    return out
-
-
-def slot_buffers(pool: ItemPool, index: int) -> list[np.ndarray]:
-    """The bytes of slot ``index`` as contiguous 1-D uint8 arrays in payload (page_first) order:
-    one array for a page_first pool, one per layer for a layer_first pool. They alias the pool."""
-    item = pool.index_bytes(index).numpy()  # [num_layers, item_bytes]
-    if item.flags.c_contiguous:
-        return [item.reshape(-1)]
-    return list(item)
-
-
-def iter_chunks(buffers: Sequence[np.ndarray], chunk_bytes: int | None = None) -> Iterator[np.ndarray]:
-    """Split buffers into pieces of at most ``chunk_bytes`` (default ``IO_CHUNK_BYTES``; views, in order)."""
-    chunk_bytes = IO_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-    for buf in buffers:
-        for start in range(0, buf.nbytes, chunk_bytes):
-            yield buf[start : start + chunk_bytes]
-
-
-def _header_bytes(descriptor_bytes: int, align: int = _HEADER_ALIGN) -> int:
-    return -(-(_FIXED.size + descriptor_bytes) // align) * align
-
-
-def check_stop(stop: threading.Event | None, deadline: float | None = None) -> None:
-    """Between pieces of a job: stop when its caller was cancelled (``stop`` set) or its
-    deadline (``time.monotonic()``) passed."""
-    if stop is not None and stop.is_set():
-        raise StopRequested("stopped: the caller was cancelled")
-    if deadline is not None and time.monotonic() > deadline:
-        raise TimeoutError("timed out")
+def _header_bytes(descriptor_bytes: int, align: int = HEADER_ALIGN) -> int:
+    return -(-(FIXED_HEADER.size + descriptor_bytes) // align) * align
 
 
 class ObjectCodec:
@@ -386,14 +113,14 @@ class ObjectCodec:
         self,
         namespace: str,
         *,
-        header_align: int = _HEADER_ALIGN,
+        header_align: int = HEADER_ALIGN,
         compression: str = "none",
         frame_bytes: int = 4 << 20,
     ) -> None:
-        if not isinstance(header_align, int) or header_align <= 0 or header_align % _HEADER_ALIGN:
-            raise ConfigError(f"header_align must be a positive multiple of {_HEADER_ALIGN}, got {header_align!r}")
-        if not isinstance(frame_bytes, int) or frame_bytes <= 0 or frame_bytes % _BLOCK_BYTES:
-            raise ConfigError(f"frame_bytes must be a positive multiple of {_BLOCK_BYTES}, got {frame_bytes!r}")
+        if not isinstance(header_align, int) or header_align <= 0 or header_align % HEADER_ALIGN:
+            raise ConfigError(f"header_align must be a positive multiple of {HEADER_ALIGN}, got {header_align!r}")
+        if not isinstance(frame_bytes, int) or frame_bytes <= 0 or frame_bytes % CHECKSUM_BLOCK_BYTES:
+            raise ConfigError(f"frame_bytes must be a positive multiple of {CHECKSUM_BLOCK_BYTES}, got {frame_bytes!r}")
         self.digest = namespace_digest(namespace)
         self.digest_hex = self.digest.hex()
         self.header_align = header_align
@@ -453,14 +180,14 @@ class ObjectCodec:
         table = self.frame_table(geometry)
         hlen = self._header_bytes(len(desc), table)
         out = bytearray(hlen)
-        _FIXED.pack_into(
+        FIXED_HEADER.pack_into(
             out, 0, MAGIC, FORMAT_VERSION, hlen, geometry.payload_bytes, payload_sum, 0, self.digest, len(desc)
         )
-        out[_FIXED.size : _FIXED.size + len(desc)] = desc
+        out[FIXED_HEADER.size : FIXED_HEADER.size + len(desc)] = desc
         if table is not None and top_lengths:
-            start = _FIXED.size + len(desc)
+            start = FIXED_HEADER.size + len(desc)
             out[start : start + table.table_bytes] = table.encode(top_lengths)
-        struct.pack_into("<I", out, _HCRC_OFFSET, zlib.crc32(out))
+        struct.pack_into("<I", out, HEADER_CRC_OFFSET, zlib.crc32(out))
         return out
 
     def verify_frames(
@@ -474,7 +201,7 @@ class ObjectCodec:
         view = memoryview(buf)
         expected = self.encode_header(geometry, key, 0)
         hlen = len(expected)
-        start = _FIXED.size + len(self._descriptor(geometry, key))
+        start = FIXED_HEADER.size + len(self._descriptor(geometry, key))
         if not (
             len(view) >= hlen
             and view[:16] == expected[:16]
@@ -503,7 +230,7 @@ class ObjectCodec:
         if header.namespace_digest != self.digest:
             raise ObjectFormatError("object of a foreign namespace (another model, dtype or TP shard)")
         if header.key != key:
-            raise ObjectFormatError(f"object of key {_short(header.key)} stored under {_short(key)}")
+            raise ObjectFormatError(f"object of key {short_repr(header.key)} stored under {short_repr(key)}")
         got = (header.pool_name, header.layout, header.dtype, header.num_layers, header.item_bytes)
         want = (geometry.pool_name, PAYLOAD_LAYOUT, geometry.dtype, geometry.num_layers, geometry.item_bytes)
         if got != want or header.payload_bytes != geometry.payload_bytes:
@@ -602,13 +329,13 @@ class ObjectCodec:
         checksum (the partial checksums of a payload's ranges add up to its checksum, mod 2⁶⁴).
         Each piece is checksummed where it landed, as in :meth:`decode_into`."""
         self._whole_objects_only()
-        if payload_offset % _BLOCK_BYTES:
-            raise ValueError(f"a payload range starts on a {_BLOCK_BYTES}-byte block, not at {payload_offset}")
+        if payload_offset % CHECKSUM_BLOCK_BYTES:
+            raise ValueError(f"a payload range starts on a {CHECKSUM_BLOCK_BYTES}-byte block, not at {payload_offset}")
         src = np.frombuffer(memoryview(data), dtype=np.uint8)
         dest = payload_range(buffers, payload_offset, payload_offset + src.nbytes)
         if sum(d.nbytes for d in dest) != src.nbytes:
             raise ObjectFormatError("object longer than its payload")
-        check = PayloadChecksum(first_block=payload_offset // _BLOCK_BYTES)
+        check = PayloadChecksum(first_block=payload_offset // CHECKSUM_BLOCK_BYTES)
         run_steps(_copy_checked_steps(src, dest, check, piece_bytes), stop)
         return check.digest()
 
@@ -649,15 +376,3 @@ def _copy_checked_steps(
         check.update(piece)
         off += piece.nbytes
 
-
-def run_steps(steps: Generator[None, None, T], stop: threading.Event | None = None) -> T:
-    """Run a stepwise codec operation to its end and return its result, checking ``stop``
-    before each step. A step handles one piece of at most ``IO_CHUNK_BYTES`` (~50 µs of copy
-    and checksum): an event loop can run one step per callback instead, so that the work never
-    holds the loop for longer than that (dropping the generator abandons the operation)."""
-    while True:
-        check_stop(stop)
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]

@@ -386,7 +386,7 @@ class ObjectStoreBackend(ObjectBackend):
 
 
 async def _on_loop(steps: Generator[None, None, T]) -> T:
-    """Run a stepwise codec operation (see :func:`~storage_backends.object_format.run_steps`)
+    """Run a stepwise codec operation (see :func:`~storage_backends.payload_pieces.run_steps`)
     in the calling task, handing the event loop back between steps. Cancelling the task stops
     it at once: nothing touches the slot after the task has left this function."""
     while True:

@@ -116,9 +116,9 @@ def test_a_slot_changed_before_its_parts_are_sent_makes_an_invalid_object() -> N
 
 
 def test_stepwise_codec_runs_one_piece_per_step_and_stops_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    from storage_backends import object_format
+    from storage_backends import payload_pieces
 
-    monkeypatch.setattr(object_format, "IO_CHUNK_BYTES", 256)
+    monkeypatch.setattr(payload_pieces, "IO_CHUNK_BYTES", 256)
     codec, key = ObjectCodec(NAMESPACE), make_keys(1)[0]
     src, _ = make_pools(2, seed=6)
     geo = ObjectGeometry.of_pool(PoolName.KV, src)

@@ -1,0 +1,206 @@
+"""Batch reads and writes of a storage backend: ``batch_get_v2`` and ``batch_set_v2``.
+
+Primitives:
+
+- :class:`BatchIOMixin` — ``batch_get_v2`` (objects into host slots; a hit per item) and
+  ``batch_set_v2`` (host slots into objects, put-if-absent; success per item), with the
+  bookkeeping around the item I/O: the batch's plan (each transfer's keys paired with its host
+  slots, checked before any I/O), room reserved against the capacity and eviction victims
+  removed before a write, counters, invalid objects removed after a read, failures reported
+  once per call.
+- ``_read_many`` / ``_write_many`` — the item primitives over a whole batch: by default one
+  task per item, ``max_concurrency`` at a time, each within ``timeout_s``, writes behind reads
+  and probes; a backend whose items are cheap overrides them to move several items per job.
+
+A call returns only once no worker touches any of its slots: the item primitives never touch
+a slot after they return or raise, also when cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from asynccache.errors import BackendError, ConfigError, ObjectFormatError
+from asynccache.storage import PoolTransfer
+from storage_backends.backend_core import BackendCore, BatchItem, Outcome
+from storage_backends.reporting import BatchReport
+
+__all__ = ["BatchIOMixin"]
+
+
+@dataclass(slots=True)
+class _Plan:
+    items: list[BatchItem] = field(default_factory=list)
+
+
+class BatchIOMixin(BackendCore):
+    """``batch_get_v2`` and ``batch_set_v2`` of :class:`~storage_backends.base.ObjectBackend`."""
+
+    def _plan(self, transfer: PoolTransfer, *, distinct_slots: bool) -> _Plan:
+        pool, geometry = self._geometry(transfer.pool_name)
+        indices = transfer.host_indices
+        if indices.dtype != torch.int64 or indices.device.type != "cpu" or indices.dim() != 1:
+            raise ConfigError("host_indices must be a 1-D int64 CPU tensor")
+        if len(transfer.keys) != indices.numel():
+            raise ConfigError(f"{len(transfer.keys)} keys but {indices.numel()} host indices")
+        idx = indices.tolist()
+        if idx and not (0 <= min(idx) and max(idx) < pool.num_items):
+            raise ConfigError(f"host index outside pool {geometry.pool_name!r} of {pool.num_items} items")
+        if distinct_slots and len(set(idx)) != len(idx):
+            raise ConfigError("a batch reads two objects into one host slot")
+        plan = _Plan()
+        for key, index in zip(transfer.keys, idx, strict=True):
+            plan.items.append(BatchItem(self.object_name(geometry.pool_name, key), key, geometry, pool, index))
+        return plan
+
+    async def batch_get_v2(self, transfers: Sequence[PoolTransfer]) -> list[list[bool]]:
+        """Read ``keys[i]`` into ``host_indices[i]`` of each transfer's pool; success per item.
+        On ``False`` the slot's bytes are unspecified; the call returns only once no worker
+        touches any of its slots."""
+        plans = [self._plan(t, distinct_slots=True) for t in transfers]
+        items = [item for plan in plans for item in plan.items]
+        if len({(id(item.pool), item.index) for item in items}) != len(items):
+            raise ConfigError("a batch reads two objects into one host slot")
+        if not await self._ensure_ready("batch_get_v2", len(items)):
+            return _split([False] * len(items), plans)
+        report = BatchReport(self, "batch_get_v2", len(items))
+        with self._busy(items):
+            outcomes = await self._read_many(items)
+        done: list[bool] = []
+        invalid: list[str] = []
+        for item, outcome in zip(items, outcomes, strict=True):
+            done.append(outcome is True)
+            if outcome is True:
+                self._counts["num_hits"] += 1
+                self._counts["bytes_read"] += item.geometry.payload_bytes
+                if self._capacity is not None:
+                    self._capacity.touch(item.name)
+                continue
+            self._counts["num_misses"] += 1
+            if isinstance(outcome, ObjectFormatError):
+                self._counts["num_corrupt"] += 1
+                report.corrupt(item.name, outcome)
+                invalid.append(item.name)
+            elif isinstance(outcome, BaseException):
+                self._count_failure(outcome)
+                report.fail(item.name, outcome)
+            elif self._capacity is not None:
+                self._capacity.discard(item.name)
+        if invalid:
+            await self._remove(invalid, report)
+        report.emit()
+        return _split(done, plans)
+
+    async def batch_set_v2(self, transfers: Sequence[PoolTransfer]) -> list[list[bool]]:
+        """Write ``host_indices[i]`` under ``keys[i]`` (put-if-absent; an existing object counts
+        as success); success per item. Slots are only read."""
+        plans = [self._plan(t, distinct_slots=False) for t in transfers]
+        items = [item for plan in plans for item in plan.items]
+        if not await self._ensure_ready("batch_set_v2", len(items)):
+            return _split([False] * len(items), plans)
+        report = BatchReport(self, "batch_set_v2", len(items))
+        sizes = [self.codec.object_bytes(item.geometry, item.key) for item in items]
+        done = [False] * len(items)
+        with self._busy(items):  # before reserving: no item of the batch is a victim
+            reserved, victims = self._reserve(items, sizes, report)
+            accepted = list(reserved)
+            try:
+                if victims:
+                    await self._remove(victims, report)
+                outcomes = await self._write_many([items[i] for i in accepted])
+            except BaseException:
+                # Cut short (cancelled): some writes may have landed. Count them all as stored,
+                # so the index never undercounts the disk; one that did not land is dropped
+                # from it by a later read's miss or by its eviction.
+                for i in accepted:
+                    size = self._stored_size(items[i].name, sizes[i])
+                    if self._capacity is not None:
+                        self._capacity.commit(items[i].name, size, reserved[i])
+                raise
+        for i, outcome in zip(accepted, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                if self._capacity is not None:
+                    self._capacity.release(reserved[i])
+                self._count_failure(outcome)
+                report.fail(items[i].name, outcome)
+                continue
+            done[i] = True
+            size = self._stored_size(items[i].name, sizes[i])
+            if self._capacity is not None:
+                self._capacity.commit(items[i].name, size, reserved[i])
+            if outcome:
+                self._counts["num_writes"] += 1
+                self._counts["bytes_written"] += items[i].geometry.payload_bytes
+            else:
+                self._counts["num_write_skips"] += 1
+        report.emit()
+        return _split(done, plans)
+
+    def _reserve(
+        self, items: Sequence[BatchItem], sizes: Sequence[int], report: BatchReport
+    ) -> tuple[dict[int, int], list[str]]:
+        """The items that may be written (in order) with the bytes reserved for each (nothing
+        for an object the index already holds: the put finds it), and the victims to delete
+        (already out of the index)."""
+        if self._capacity is None:
+            return dict.fromkeys(range(len(items)), 0), []
+        reserved: dict[int, int] = {}
+        victims: list[str] = []
+        for i, size in enumerate(sizes):
+            if self._capacity.holds(items[i].name):
+                reserved[i] = 0
+                continue
+            room = self._capacity.reserve(size)
+            if room is None:
+                self._counts["num_rejected"] += 1
+                report.fail(items[i].name, f"no room: {size} bytes, capacity {self._capacity.capacity_bytes}")
+                continue
+            reserved[i] = size
+            victims.extend(room)
+        self._counts["num_evictions"] += len(victims)
+        return reserved, victims
+
+    def _stored_size(self, name: str, largest: int) -> int:
+        """The size of the object under ``name`` after a write of this batch stored it or found
+        it (the capacity's count; called once for every such write); ``largest``: the size
+        reserved for it. Backends whose objects vary in size (compressed ones) report it."""
+        return largest
+
+    # ---- item I/O: one task per item by default; backends may do better -----------------
+    async def _read_many(self, items: Sequence[BatchItem]) -> list[Outcome]:
+        """``_read_object`` of each item, ``max_concurrency`` at a time, each within
+        ``timeout_s``: True (loaded), False (absent) or the error."""
+        return await self._per_item(self._read_object, items)
+
+    async def _write_many(self, items: Sequence[BatchItem]) -> list[Outcome]:
+        """``_write_object`` of each item like :meth:`_read_many`, as background work (reads
+        and probes waiting for a slot go first): True (stored), False (already present) or the
+        error."""
+        return await self._per_item(self._write_object, items, background=True)
+
+    async def _per_item(
+        self, fn: Callable[..., Awaitable[bool]], items: Sequence[BatchItem], *, background: bool = False
+    ) -> list[Outcome]:
+        async def one(item: BatchItem) -> Outcome:
+            async with self._limit(background=background):
+                try:
+                    async with asyncio.timeout(self.timeout_s):
+                        return await fn(item)
+                except (BackendError, OSError, TimeoutError) as e:
+                    return e
+
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(one(item)) for item in items]
+        return [t.result() for t in tasks]
+
+
+def _split(flat: list[bool], plans: list[_Plan]) -> list[list[bool]]:
+    out, pos = [], 0
+    for plan in plans:
+        out.append(flat[pos : pos + len(plan.items)])
+        pos += len(plan.items)
+    return out
