@@ -159,9 +159,9 @@ async def test_load_restores_exact_bytes_and_merges_to_one_launch_per_layer() ->
 def budget_s(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> float:
     """``LOAD_ENQUEUE_BUDGET_S``: none (a worker thread takes every layer after the first) or
     generous (the loop thread enqueues them all)."""
-    import asynccache.controller as controller_module
+    import asynccache.copy_issue as copy_issue_module
 
-    monkeypatch.setattr(controller_module, "LOAD_ENQUEUE_BUDGET_S", request.param)
+    monkeypatch.setattr(copy_issue_module, "LOAD_ENQUEUE_BUDGET_S", request.param)
     return float(request.param)
 
 

@@ -3,7 +3,7 @@ event, and such a group rides with a much larger step of another pool before it.
 
 from __future__ import annotations
 
-from asynccache.controller import LOAD_GROUP_MAX_BYTES, LOAD_RIDE_RATIO, _group_layers
+from asynccache.load_steps import LOAD_GROUP_MAX_BYTES, LOAD_RIDE_RATIO, group_layers
 from asynccache.storage import PoolName
 
 
@@ -13,7 +13,7 @@ def _steps(layer_ids: list[int], attention: list[int], state_bytes: int, kv_byte
         PoolName.KV: ({lid: i for i, lid in enumerate(attention)}, kv_bytes),
         PoolName.MAMBA: ({lid: i for i, lid in enumerate(mamba)}, state_bytes),
     }
-    steps = _group_layers(layer_ids, pools)
+    steps = group_layers(layer_ids, pools)
     return [(lids, [(name.value, first, count) for name, first, count in copies]) for lids, copies in steps]
 
 
@@ -55,4 +55,4 @@ def test_only_consecutive_local_layers_of_one_pool_group() -> None:
     assert steps == [([0, 1, 3], [("mamba", 0, 3)]), ([4], [("kv", 0, 1)])]
     # A layer with copies in both pools is a step of its own.
     pools = {PoolName.KV: ({0: 0, 1: 1}, 1), PoolName.MAMBA: ({1: 0, 2: 1}, 1)}
-    assert [lids for lids, _ in _group_layers([0, 1, 2], pools)] == [[0], [1], [2]]
+    assert [lids for lids, _ in group_layers([0, 1, 2], pools)] == [[0], [1], [2]]

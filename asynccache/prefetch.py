@@ -1,0 +1,119 @@
+"""Storage prefetches as the controller runs them, and the loads of their split restores.
+
+A request whose prompt runs past its match asks the storage tier (``asynccache.tiering``) for
+the pages it misses. The controller runs each such lookup as a task in its ``TaskGroup`` with
+the match's node pinned (the lookup takes a while, during which other requests evict), and the
+request waits for it no longer than the prefetch policy's deadline: the fetch is never
+cancelled, its data still lands on host for later requests. A split restore's tail
+(:class:`~asynccache.tiering.TailRestore`) that lands in time is loaded onto the request's own
+device pages and state slots with the step's other loads.
+
+- :class:`Prefetcher` — one per controller: ``start`` a prefetch, the ``tasks`` in flight,
+  ``wait`` for one within the deadline (a split restore nobody takes is released when it
+  arrives), ``tail_load_op``: a landed tail as a load operation.
+
+Call from the event-loop thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from asynccache.config import HybridCacheConfig
+from asynccache.errors import ConfigError
+from asynccache.ops import CacheOperation, OpKind
+from asynccache.stats import StatsRecorder
+from asynccache.storage import PoolName, PoolTransfer
+
+if TYPE_CHECKING:
+    from asynccache.tree import HybridRadixTree
+
+__all__ = ["Prefetcher"]
+
+
+def _release_late_tail(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is None:
+        tail = getattr(task.result(), "tail", None)
+        if tail is not None:
+            tail.release()
+
+
+class Prefetcher:
+    """Runs the controller's storage prefetches (see ``HybridCacheController.prefetch``)."""
+
+    def __init__(self, tree: HybridRadixTree, config: HybridCacheConfig, stats: StatsRecorder) -> None:
+        self.tree = tree
+        self.config = config
+        self._stats = stats
+        #: storage lookups in flight (each holds its match's node locked until it ends)
+        self.tasks: set[asyncio.Task[Any]] = set()
+
+    def start(
+        self, tg: asyncio.TaskGroup, tiering: Any, tokens: Sequence[int], match: Any, *, salt: str, allow_tail: bool
+    ) -> asyncio.Task[Any]:
+        """``tiering.prefetch`` of what ``tokens`` miss past ``match``, as a task of ``tg``."""
+        # The match's node must outlive the fetch: the task starts later, and storage lookups
+        # take a while, during which other requests evict.
+        node = match.last_node
+        self.tree.lock(node)
+        self.tree.lock_host(node)
+
+        def unlock(_: asyncio.Task[Any]) -> None:
+            self.tree.unlock(node)
+            self.tree.unlock_host(node)
+
+        task = tg.create_task(
+            tiering.prefetch(tokens, match, salt=salt, allow_tail=allow_tail), name="asynccache-prefetch"
+        )
+        task.add_done_callback(unlock)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    async def wait(self, task: asyncio.Task[Any], num_tokens: int) -> Any | None:
+        """The prefetch's result if it finished within the policy's deadline, else None."""
+        timeout = self.config.prefetch_timeout_s(num_tokens)
+        try:
+            if timeout == 0.0 and not task.done():
+                await asyncio.sleep(0)
+            done, _ = await asyncio.wait({task}, timeout=timeout)
+        except asyncio.CancelledError:
+            # The waiter is gone (its request was cancelled): nobody takes a split restore.
+            task.add_done_callback(_release_late_tail)
+            raise
+        if task not in done:
+            self._stats.count("prefetch_deadline_passed")
+            # Nobody takes a split restore that arrives after the deadline: release it then.
+            task.add_done_callback(_release_late_tail)
+            return None
+        return task.result()
+
+    def tail_load_op(self, tail: Any, device_pages: torch.Tensor, state_slots: torch.Tensor) -> CacheOperation:
+        """The load of a landed tail restore (see ``HybridCacheController.load_tail``): no tree
+        plan, and the tail is released once the operation is done. :class:`ConfigError` for page
+        or slot lists that do not fit the tail."""
+        for what, t, n in (("device_pages", device_pages, tail.host_kv.numel()), ("state_slots", state_slots, None)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int64:
+                raise ConfigError(f"load_tail: {what} must be a 1-D int64 tensor")
+            if (n is not None and t.numel() != n) or (n is None and t.numel() < 1):
+                raise ConfigError(f"load_tail: {what} holds {t.numel()} indices, the tail needs {n or 'at least 1'}")
+        loop = asyncio.get_running_loop()
+        op = CacheOperation(
+            OpKind.LOAD,
+            (
+                PoolTransfer(pool_name=PoolName.KV, host_indices=tail.host_kv, device_indices=device_pages),
+                PoolTransfer(
+                    pool_name=PoolName.MAMBA,
+                    host_indices=tail.host_slot.repeat(state_slots.numel()),
+                    device_indices=state_slots,
+                ),
+            ),
+            plan=None,
+            loop=loop,
+        )
+        op.future.add_done_callback(lambda _: tail.release())
+        return op

@@ -1,0 +1,210 @@
+"""The controller's operations as the tree sees them: made from its plans, then finished,
+failed or cancelled.
+
+A load or a backup takes memory on the tier it copies to: the nodes are pinned while the tree
+allocates it (evicting that tier), the tree begins its plan on the allocation, and a
+:class:`CacheOperation` carries the plan's index lists to the controller's queue. Once the copy
+has completed the tree finishes the plan (its nodes unlocked; a backup is archived to the
+storage tier); an operation whose copy failed or never happens is undone: the tree aborts its
+plan and what it allocated is freed.
+
+- :class:`TreeOps` — one per controller: ``load_op`` (host → device, a tree match),
+  ``write_op`` (device → host backup of nodes); ``complete`` (a copy finished or failed),
+  ``cancel_queued``; ``abort`` and ``free``. Loads of storage tail restores
+  (``asynccache.prefetch``) have no tree plan: they are completed and undone here too, leaving
+  the tree and the caller's pages alone.
+
+Synchronous: call from the event-loop thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from asynccache.errors import TransferError, TreeError
+from asynccache.ops import CacheOperation, OpKind, OpState
+from asynccache.pools.base import ItemPool
+from asynccache.stats import StatsRecorder
+from asynccache.storage import PoolName, PoolTransfer
+
+if TYPE_CHECKING:
+    from asynccache.tree import HybridRadixTree
+
+__all__ = ["TreeOps"]
+
+log = logging.getLogger("asynccache.controller")  # what befalls the controller's operations
+
+
+def _slot_tensor(slot: int | None) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64) if slot is None else torch.tensor([slot], dtype=torch.int64)
+
+
+class TreeOps:
+    """Makes the controller's operations from the tree's plans (allocating through the tree),
+    completes them, and undoes them (freeing what they allocated). Queues and issues nothing:
+    the controller does."""
+
+    def __init__(
+        self,
+        tree: HybridRadixTree,
+        pools: dict[PoolName, tuple[ItemPool, ItemPool | None]],
+        stats: StatsRecorder,
+    ) -> None:
+        self.tree = tree
+        self.pools = pools  # the controller's (device, host) pools, by name
+        self._stats = stats
+
+    def load_op(
+        self, match: Any, *, priority: int, state_to: Sequence[int], loop: asyncio.AbstractEventLoop
+    ) -> CacheOperation | None:
+        """The load of a match that needs one (see ``HybridCacheController.load``); ``None``
+        when the device has no room."""
+        # Pin the match while allocating: eviction must not take the prefix we are loading.
+        self.tree.lock(match.last_node)
+        self.tree.lock_host(match.last_node)
+        alloc = None
+        try:
+            alloc = self.tree.alloc_device(match.num_load_kv_pages, match.num_load_states)
+            if alloc is None:
+                self._stats.count("load_no_room")
+                return None
+            plan = self.tree.begin_load(match, alloc.kv_indices, alloc.state_slot)
+        except BaseException:
+            if alloc is not None:
+                self.free(alloc.kv_indices, alloc.state_slots, device=True)
+            raise
+        finally:
+            self.tree.unlock(match.last_node)
+            self.tree.unlock_host(match.last_node)
+        host_state, node_state = _slot_tensor(plan.host_state_slot), _slot_tensor(plan.device_state_slot)
+        deferred: tuple[PoolTransfer, ...] = ()
+        if state_to:
+            # The forward reads the callers' slots: they get the state layer by layer; the node's
+            # own slot (read from the next step on) gets it after the step's layers, in one copy.
+            deferred = (PoolTransfer(pool_name=PoolName.MAMBA, host_indices=host_state, device_indices=node_state),)
+            host_state = torch.tensor([plan.host_state_slot] * len(state_to), dtype=torch.int64)
+            node_state = torch.tensor([int(s) for s in state_to], dtype=torch.int64)
+        return CacheOperation(
+            OpKind.LOAD,
+            (
+                PoolTransfer(
+                    pool_name=PoolName.KV, host_indices=plan.host_kv_indices, device_indices=plan.device_kv_indices
+                ),
+                PoolTransfer(pool_name=PoolName.MAMBA, host_indices=host_state, device_indices=node_state),
+            ),
+            plan=plan,
+            priority=priority,
+            loop=loop,
+            deferred=deferred,
+        )
+
+    def write_op(
+        self, nodes: Sequence[Any], *, priority: int, loop: asyncio.AbstractEventLoop
+    ) -> CacheOperation | None:
+        """The device → host backup of ``nodes``; ``None`` when the host has no room."""
+        self.tree.check_alive(nodes)
+        num_pages, num_states = self.tree.backup_pages_needed(nodes)
+        # Pin the nodes on both tiers while making room: host eviction must neither delete them
+        # nor drop the host copies of their ancestors (host copies stay contiguous).
+        for node in nodes:
+            self.tree.lock(node)
+            self.tree.lock_host(node)
+        alloc = None
+        try:
+            alloc = self.tree.alloc_host(num_pages, num_states)
+            if alloc is None:
+                self._stats.count("write_no_room")
+                return None
+            plan = self.tree.begin_backup(nodes, alloc.kv_indices, alloc.state_slots)
+        except BaseException:
+            if alloc is not None:
+                self.free(alloc.kv_indices, alloc.state_slots, device=False)
+            raise
+        finally:
+            for node in nodes:
+                self.tree.unlock(node)
+                self.tree.unlock_host(node)
+        return CacheOperation(
+            OpKind.WRITE,
+            (
+                PoolTransfer(
+                    pool_name=PoolName.KV, host_indices=plan.host_kv_indices, device_indices=plan.device_kv_indices
+                ),
+                PoolTransfer(
+                    pool_name=PoolName.MAMBA, host_indices=plan.host_state_slots, device_indices=plan.device_state_slots
+                ),
+            ),
+            plan=plan,
+            priority=priority,
+            loop=loop,
+        )
+
+    def complete(self, op: CacheOperation, error: BaseException | None, *, tiering: Any) -> None:
+        """``op``'s copy has completed (``error`` None: the tree finishes its plan, a backup is
+        handed to ``tiering`` for archiving) or failed (the plan is undone); its waiter hears."""
+        if error is None:
+            if op.kind is OpKind.LOAD:
+                if op.plan is not None:  # None: a tail restore (see load_tail), not a tree load
+                    self.tree.finish_load(op.plan)
+            else:
+                self.tree.finish_backup(op.plan)
+                if tiering is not None:
+                    tiering.on_host_write(op.plan)
+            op.state = OpState.DONE
+            if op.issued_at is not None:
+                self._stats.latency(op.kind.value, time.perf_counter() - op.issued_at)
+            if not op.future.done():
+                op.future.set_result(None)
+            return
+        try:
+            self.abort(op, failed=True)
+        except TreeError as e:  # never leave the op unresolved: its waiter must hear of it
+            log.error("could not undo the failed %r: %s", op, e)
+        op.state = OpState.FAILED
+        self._stats.count(f"{op.kind.value}_failed")
+        if not op.future.done():
+            op.future.set_exception(TransferError(f"{op!r} failed: {error}"))
+            op.future.exception()  # mark retrieved: a failed op nobody awaits is not an error
+
+    def cancel_queued(self, op: CacheOperation) -> None:
+        """Undo a queued ``op`` and cancel its future (nothing for an op no longer queued).
+        Raises :class:`TreeError` (op untouched) when a later queued op builds on it."""
+        if op.state is not OpState.QUEUED:
+            return
+        self.abort(op)
+        op.state = OpState.CANCELLED
+        self._stats.count(f"{op.kind.value}_cancelled")
+        op.future.cancel()
+
+    def free(self, kv: torch.Tensor, slots: torch.Tensor, *, device: bool) -> None:
+        """Return KV pages and state slots to the device pools (``device``) or the host pools."""
+        tier = 0 if device else 1
+        kv_pool, state_pool = self.pools[PoolName.KV][tier], self.pools[PoolName.MAMBA][tier]
+        if kv.numel():
+            assert kv_pool is not None
+            kv_pool.free(kv)
+        if slots.numel():
+            assert state_pool is not None
+            state_pool.free(slots)
+
+    def abort(self, op: CacheOperation, *, failed: bool = False) -> None:
+        """Undo a plan whose copy will never (or did not fully) happen; free what it allocated.
+        ``failed``: the copy failed, so device data inserted below a load goes too (a queued
+        load that data builds on is not cancelled: it completes instead).
+
+        Only called when no copy into the plan's destination is in flight (before issue, or
+        after a failed copy's stream position has completed)."""
+        if op.kind is OpKind.LOAD:
+            if op.plan is None:  # a tail restore: its pages and slots are the caller's
+                return
+            released = self.tree.abort_load(op.plan, drop_below=failed)
+            self.free(released.kv_indices, released.state_slots, device=True)
+        else:
+            released = self.tree.abort_backup(op.plan)
+            self.free(released.kv_indices, released.state_slots, device=False)
