@@ -41,7 +41,7 @@ import torch
 from asynccache.completion import CompletionQueue, drop_done
 from asynccache.config import HybridCacheConfig
 from asynccache.copy_issue import LoadIssuer, WriteIssuer
-from asynccache.errors import TreeError
+from asynccache.errors import ClosedError, ConfigError, TreeError
 from asynccache.layer_counter import LayerTransferCounter
 from asynccache.ops import CacheOperation, OpKind, OpState
 from asynccache.pools.base import ItemPool
@@ -127,6 +127,9 @@ class HybridCacheController:
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def __aenter__(self) -> HybridCacheController:
+        if self._closing is not None or self._tg is not None:
+            # A second TaskGroup would orphan the first; a closed backend would serve nothing.
+            raise ClosedError("the controller is " + ("closed" if self._closing is not None else "entered already"))
         self._tg = asyncio.TaskGroup()
         await self._tg.__aenter__()
         if self._cuda:
@@ -137,8 +140,8 @@ class HybridCacheController:
         if self.backend is not None:
             from asynccache.tiering import StorageTier
 
-            self.tiering = StorageTier(self, self.backend, self._tg)
             try:  # registering may start the backend's reader processes: a failed entry stops them
+                self.tiering = StorageTier(self, self.backend, self._tg)
                 await self.tiering.register()
             except BaseException:
                 await self.aclose()
@@ -154,9 +157,14 @@ class HybridCacheController:
         if self._closing is not None:
             await asyncio.shield(self._closing)
             return
-        if self._tg is None:
-            return
         self._closing = asyncio.get_running_loop().create_future()
+        if self._tg is None:  # never entered: the backend it was given is still closed
+            try:
+                if self.backend is not None:
+                    await self.backend.aclose()
+            finally:
+                self._closing.set_result(None)
+            return
         try:
             # Newest first: a queued operation may hang below an older one in the tree. One
             # that others build on cannot be cancelled: it is issued and completes instead.
@@ -179,13 +187,17 @@ class HybridCacheController:
             try:
                 await tg.__aexit__(None, None, None)
             finally:
-                if self.backend is not None:
-                    await self.backend.aclose()
-                self._closing.set_result(None)
+                try:
+                    if self.backend is not None:
+                        await self.backend.aclose()
+                finally:  # concurrent and later calls must not wait for ever
+                    self._closing.set_result(None)
 
     def _require_started(self) -> asyncio.TaskGroup:
         if self._tg is None:
-            raise RuntimeError("use the controller as `async with HybridCacheController(...)`")
+            if self._closing is not None:
+                raise ClosedError("the controller is closed")
+            raise ClosedError("use the controller as `async with HybridCacheController(...)`")
         return self._tg
 
     # ---- loads (host → device) ---------------------------------------------------------
@@ -204,7 +216,7 @@ class HybridCacheController:
         self._require_started()  # a load queued after close would never be issued
         loop = asyncio.get_running_loop()
         if state_to and (not match.needs_load or match.state_tier is not Tier.HOST):
-            raise ValueError("state_to needs a match whose boundary state is loaded from the host")
+            raise ConfigError("state_to needs a match whose boundary state is loaded from the host")
         if not match.needs_load:
             op = CacheOperation(OpKind.LOAD, (), plan=None, priority=priority, loop=loop)
             op.state = OpState.DONE
@@ -242,7 +254,12 @@ class HybridCacheController:
         self._stats.queue_depth("load", len(ops))
         # enqueue enqueues the first layers before it returns the coroutine the task runs.
         coro = self._loads.enqueue(ops, merged, deferred, layer_ids, counter, self.layer_copier)
-        task = tg.create_task(coro, name="asynccache-load")
+        try:
+            task = tg.create_task(coro, name="asynccache-load")
+        except RuntimeError:
+            # The group is shutting down (a background task failed), yet the ops are issued and
+            # their first layers enqueued: they must still complete and give their pages back.
+            task = asyncio.get_running_loop().create_task(coro, name="asynccache-load")
         self._loaders.add(task)
         task.add_done_callback(self._loaders.discard)
         return counter

@@ -151,12 +151,16 @@ class LoadIssuer:
             after.extend((name, copier(name, m), 0, self.pools[name][0].num_layers) for name, m in deferred.items())
 
         def issue_step(copies: list[_StepCopy]) -> None:
-            for name, copy, li, count in copies:
-                total = issued[name]
-                total[0] += copy(li, count)
-                total[1] += 1
-            if handle is not None:
-                last[0] = record_on(handle)
+            try:
+                for name, copy, li, count in copies:
+                    total = issued[name]
+                    total[0] += copy(li, count)
+                    total[1] += 1
+            finally:
+                # Also after a failing copy: the step's earlier copies are enqueued, and nothing
+                # may be freed before they ran (completion waits for this event).
+                if handle is not None:
+                    last[0] = record_on(handle)
 
         def on_device() -> contextlib.AbstractContextManager[Any]:
             """The load's device made current for the runtime calls, unless it already is."""

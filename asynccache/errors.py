@@ -13,6 +13,7 @@ Hierarchy::
     ├── AllocationError      misuse of an allocator (double free, foreign index)
     ├── TransferError        a copy was rejected before launch or failed
     ├── SchedulerError       the reference scheduler's loop stopped, or it is closed
+    ├── ClosedError          the cache is not running: never entered, closed, or shutting down
     └── BackendError         a storage backend failed (I/O, network, timeout)
         └── ObjectFormatError  a stored object is truncated, corrupted or foreign
 
@@ -63,6 +64,12 @@ class AllocationError(AsyncCacheError):
 
 class TransferError(AsyncCacheError):
     """A copy was rejected before launch (bad dtype, layout, index) or failed."""
+
+
+class ClosedError(AsyncCacheError, RuntimeError):
+    """The cache (its controller) takes no operations: it was never entered (``async with``),
+    it was closed, or its background work failed and it is shutting down. A ``RuntimeError``
+    too, as it was before it had a type of its own."""
 
 
 class SchedulerError(AsyncCacheError, RuntimeError):

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from asynccache.config import HybridCacheConfig
-from asynccache.errors import ConfigError
+from asynccache.errors import ClosedError, ConfigError
 from asynccache.ops import CacheOperation, OpKind
 from asynccache.stats import StatsRecorder
 from asynccache.storage import PoolName, PoolTransfer
@@ -66,9 +66,13 @@ class Prefetcher:
             self.tree.unlock(node)
             self.tree.unlock_host(node)
 
-        task = tg.create_task(
-            tiering.prefetch(tokens, match, salt=salt, allow_tail=allow_tail), name="asynccache-prefetch"
-        )
+        coro = tiering.prefetch(tokens, match, salt=salt, allow_tail=allow_tail)
+        try:
+            task = tg.create_task(coro, name="asynccache-prefetch")
+        except RuntimeError as e:  # the group is shutting down: a background task failed
+            coro.close()
+            unlock(None)  # type: ignore[arg-type]
+            raise ClosedError(f"the controller is shutting down: {e}") from e
         task.add_done_callback(unlock)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -100,7 +104,9 @@ class Prefetcher:
             if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int64:
                 raise ConfigError(f"load_tail: {what} must be a 1-D int64 tensor")
             if (n is not None and t.numel() != n) or (n is None and t.numel() < 1):
-                raise ConfigError(f"load_tail: {what} holds {t.numel()} indices, the tail needs {n or 'at least 1'}")
+                raise ConfigError(
+                    f"load_tail: {what} holds {t.numel()} indices, the tail needs {'at least 1' if n is None else n}"
+                )
         loop = asyncio.get_running_loop()
         op = CacheOperation(
             OpKind.LOAD,

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from asynccache.errors import AllocationError
+from asynccache.errors import AllocationError, ConfigError
 
 __all__ = ["IndexAllocator"]
 
@@ -23,7 +23,7 @@ class IndexAllocator:
 
     def __init__(self, size: int, *, name: str = "pool") -> None:
         if size < 0:
-            raise ValueError(f"{name}: allocator size must be >= 0, got {size}")
+            raise ConfigError(f"{name}: allocator size must be >= 0, got {size}")
         self.name = name
         self.size = size
         # Stack: the end of the list is handed out first, so keep it in descending order.
@@ -41,7 +41,7 @@ class IndexAllocator:
     def alloc(self, n: int) -> torch.Tensor | None:
         """``n`` free indices (int64 tensor), or ``None`` if fewer than ``n`` are free."""
         if n < 0:
-            raise ValueError(f"{self.name}: cannot allocate {n} indices")
+            raise ConfigError(f"{self.name}: cannot allocate {n} indices")
         if n > len(self._free):
             return None
         if n == 0:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from asynccache.cache import HybridCache
-from asynccache.errors import CapacityError, SchedulerError
+from asynccache.errors import CapacityError, ConfigError, SchedulerError
 from asynccache.layer_counter import LayerTransferCounter
 from asynccache.reference.model import ForwardBatch, HybridModel, SequenceInput
 from asynccache.reference.requests import Phase, Request, RequestResult, SchedulerConfig
@@ -127,12 +127,12 @@ class Scheduler:
         Cancelling the future cancels the request and frees everything it holds.
         """
         if len(prompt) < 1 or max_new_tokens < 1:
-            raise ValueError("a request needs at least one prompt token and one new token")
+            raise ConfigError("a request needs at least one prompt token and one new token")
         vocab = self.spec.vocab_size
         if vocab and any(not 0 <= int(t) < vocab for t in prompt):
-            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+            raise ConfigError(f"prompt token ids must lie in [0, {vocab})")
         if self._task is None:
-            raise RuntimeError("use the scheduler as `async with Scheduler(...)`")
+            raise SchedulerError("use the scheduler as `async with Scheduler(...)`")
         if self._failure is not None:
             raise SchedulerError(f"the scheduler's loop stopped: {self._failure!r}") from self._failure
         if self._closed:

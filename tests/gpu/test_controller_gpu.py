@@ -216,3 +216,55 @@ async def test_a_state_loaded_for_a_working_slot_reaches_the_node_slot_by_the_ne
             assert torch.equal(working, expected)
             assert torch.equal(node, expected)
         cache.tree.check_integrity()
+
+
+async def test_a_load_failing_inside_a_step_completes_after_the_step_s_enqueued_copies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A copy that fails after another copy of its step was enqueued: the load fails only once
+    the enqueued copy has run (its pages are freed then), not while it may still write them.
+    400 pages: each step after the first is a KV layer with a group of states riding along."""
+    from asynccache import copy_issue
+    from asynccache.errors import TransferError
+
+    _, cache = make_cache(400)
+    tokens = list(range(1, 400 * PAGE + 1))
+    since_event, injected = [0], [False]
+    record = copy_issue.record_on
+
+    def recording(handle: Any) -> Any:
+        since_event[0] = 0
+        return record(handle)
+
+    monkeypatch.setattr(copy_issue, "record_on", recording)
+    async with cache:
+        await populate_and_demote(cache, tokens)
+        ctrl = cache.controller
+        load_stream = ctrl._load_stream
+        assert load_stream is not None
+        real = ctrl.layer_copier
+
+        def failing(pair: Any, src: Any, dst: Any) -> Any:
+            copy = real(pair, src, dst)
+
+            def layer(index: int, count: int = 1) -> int:
+                if since_event[0] == 0:  # a step's first copy, held back on the load stream
+                    with torch.cuda.stream(load_stream):
+                        torch.cuda._sleep(300_000_000)
+                elif not injected[0]:  # the first step's second copy fails
+                    injected[0] = True
+                    raise TransferError("copy failed")
+                since_event[0] += 1
+                return copy(index, count)
+
+            return layer
+
+        ctrl.layer_copier = failing  # type: ignore[method-assign]
+        op = ctrl.load(cache.tree.match_prefix(tokens))
+        assert op is not None
+        ctrl.start_loading()
+        with pytest.raises(TransferError):
+            await op
+        assert injected[0]
+        assert load_stream.query(), "the load failed while a copy of its step was still queued"
+        cache.tree.check_integrity()

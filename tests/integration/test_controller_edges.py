@@ -15,7 +15,13 @@ from serving import free_counts, serving_config
 
 from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
-from asynccache.errors import ConfigError, TransferError, TreeError
+from asynccache.errors import (
+    BackendError,
+    ClosedError,
+    ConfigError,
+    TransferError,
+    TreeError,
+)
 from asynccache.policy import EveryPageAdmission
 from asynccache.spec import HybridSpec
 from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer
@@ -204,6 +210,95 @@ async def test_loads_and_backups_after_close_are_refused_and_queue_nothing() -> 
     cache = HybridCache(SPEC, config(write_policy="write_back"))
     async with cache:
         insert(cache, list(range(1, 4 * PAGE + 1)))
-    with pytest.raises(RuntimeError, match="async with"):
+    with pytest.raises(ClosedError, match="closed"):
         cache.flush_device()  # its write-back would queue a backup nothing issues
     assert cache.tree.stats().num_active_plans == 0 and cache.controller.statistics().write_queue == 0
+
+
+async def test_a_cache_is_entered_once() -> None:
+    """A second ``async with`` (nested or after close) would orphan the first task group or
+    run on a closed backend: it is refused, and the first stays usable until it exits."""
+    cache = HybridCache(SPEC, config(storage_uri="memory://entered_once"))
+    async with cache:
+        with pytest.raises(ClosedError, match="entered already"):
+            await cache.__aenter__()
+        await backed_up(cache, insert(cache, list(range(1, 2 * PAGE + 1))).backup_nodes)
+    with pytest.raises(ClosedError, match="closed"):
+        await cache.__aenter__()
+
+
+async def test_a_cache_never_entered_still_closes_its_backend() -> None:
+    cache = HybridCache(SPEC, config(storage_uri="memory://never_entered"))
+    backend = cache.controller.backend
+    assert not backend._closed
+    await cache.aclose()
+    assert backend._closed
+    await cache.aclose()  # idempotent
+
+
+async def test_a_backend_that_fails_to_close_does_not_hang_later_closes() -> None:
+    cache = HybridCache(SPEC, config(storage_uri="memory://close_fails"))
+    backend = cache.controller.backend
+
+    async def refuse() -> None:
+        raise BackendError("close failed")
+
+    backend.aclose = refuse  # type: ignore[method-assign]
+    await cache.__aenter__()
+    with pytest.raises(BackendError, match="close failed"):
+        await cache.aclose()
+    async with asyncio.timeout(5):
+        await cache.aclose()  # returns: the first close ended, with an error
+
+
+class _ShuttingDown:
+    """A task group whose background work failed: it takes no new tasks."""
+
+    def create_task(self, coro: Any, name: str | None = None) -> Any:
+        raise RuntimeError("TaskGroup is shutting down")
+
+
+async def test_a_prefetch_refused_while_shutting_down_leaves_its_node_unlocked() -> None:
+    cache = HybridCache(SPEC, config(storage_uri="memory://shutting_down"))
+    async with cache:
+        ctrl, tree = cache.controller, cache.tree
+        tokens = list(range(1, 4 * PAGE + 1))
+        insert(cache, tokens[: 2 * PAGE])
+        match = tree.match_prefix(tokens)
+        node = match.last_node
+        locks = (node.device_lock, node.host_lock)
+        real, ctrl._tg = ctrl._tg, _ShuttingDown()  # type: ignore[assignment]
+        try:
+            with pytest.raises(ClosedError, match="shutting down"):
+                ctrl.prefetch(tokens, match)
+        finally:
+            ctrl._tg = real
+        assert (node.device_lock, node.host_lock) == locks
+        tree.check_integrity()
+
+
+async def test_a_load_issued_while_shutting_down_still_completes_and_frees() -> None:
+    """Its ops are issued and its first layers enqueued before the task is made: they must
+    complete (and give their pages back) even when the task group takes no new task."""
+    cache = HybridCache(SPEC, config())
+    before = free_counts(cache)
+    async with cache:
+        ctrl, tree = cache.controller, cache.tree
+        tokens = list(range(1, 4 * PAGE + 1))
+        await backed_up(cache, insert(cache, tokens).backup_nodes)
+        cache.flush_device()
+        op = ctrl.load(tree.match_prefix(tokens))
+        assert op is not None
+        real, ctrl._tg = ctrl._tg, _ShuttingDown()  # type: ignore[assignment]
+        try:
+            counter = ctrl.start_loading()
+        finally:
+            ctrl._tg = real
+        async with asyncio.timeout(5):
+            await op
+            await counter.wait(SPEC.cached_layer_ids[-1])
+        assert tree.match_prefix(tokens).num_device_tokens == len(tokens) - len(tokens) % PAGE
+        cache.flush_device()
+        cache.flush_host()
+        tree.check_integrity()
+    assert free_counts(cache) == before

@@ -176,3 +176,16 @@ async def test_a_request_waiting_for_room_looks_storage_up_once() -> None:
         await asyncio.wait_for(asyncio.gather(fa, fb), 60)
         assert sched.num_steps - steps > 30 and time.perf_counter() - t0 < 30
         assert lookups == [2]  # one each
+
+
+async def test_requests_a_scheduler_cannot_take_are_typed_errors() -> None:
+    """Bad input is a ConfigError (a ValueError), a scheduler not running a SchedulerError."""
+    async with HybridCache(SPEC, config()) as cache:
+        sched = Scheduler(MODEL, cache)
+        with pytest.raises(SchedulerError, match="async with"):
+            sched.submit(prompt(8, 1, 1), 2)
+        async with sched:
+            with pytest.raises(ConfigError, match="at least one prompt token"):
+                sched.submit([], 2)
+            with pytest.raises(ConfigError, match="prompt token ids"):
+                sched.submit([SPEC.vocab_size], 2)
