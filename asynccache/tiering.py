@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from asynccache.completion import drop_done
+from asynccache.errors import ClosedError
 from asynccache.restore_cost import ReadTimeCorrection, RestoreCost
 from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer, StorageBackend
 
@@ -151,7 +152,13 @@ class StorageTier:
             if len(self._in_flight) >= _MAX_PENDING_BACKUPS:
                 self.counts["backup_skipped_busy"] += 1
                 continue
-            task = self._tg.create_task(self._archive(node), name="asynccache-backup")
+            coro = self._archive(node)
+            try:
+                task = self._tg.create_task(coro, name="asynccache-backup")
+            except RuntimeError:  # shutting down (a background task failed): the host copy stays
+                coro.close()
+                self.counts["backup_skipped_closing"] += 1
+                continue
             self._in_flight.add(task)
             task.add_done_callback(self._in_flight.discard)
 
@@ -337,7 +344,13 @@ class StorageTier:
             host_kv_pool.free(host_kv)
             host_state_pool.free(host_slot)
 
-        fetch = self._tg.create_task(self._read_tail(keys[begin:n], host_kv, host_slot), name="asynccache-tail")
+        read = self._read_tail(keys[begin:n], host_kv, host_slot)
+        try:
+            fetch = self._tg.create_task(read, name="asynccache-tail")
+        except RuntimeError as e:  # shutting down (a background task failed)
+            read.close()
+            free()
+            raise ClosedError(f"the controller is shutting down: {e}") from e
         self.counts["prefetch_tail"] += 1
         tail = TailRestore(
             begin_tokens=begin * page, end_tokens=n * page, host_kv=host_kv, host_slot=host_slot, fetch=fetch, free=free

@@ -302,3 +302,22 @@ async def test_a_load_issued_while_shutting_down_still_completes_and_frees() -> 
         cache.flush_host()
         tree.check_integrity()
     assert free_counts(cache) == before
+
+
+async def test_a_backup_completing_while_shutting_down_leaves_its_host_copy() -> None:
+    """The archive of a finished backup cannot start once the task group takes no new tasks:
+    the completion goes on (the host copy stays, counted), nothing raises into it."""
+    cache = HybridCache(SPEC, config(storage_uri="memory://backup_shutting_down"))
+    async with cache:
+        ctrl, tree = cache.controller, cache.tree
+        tiering = ctrl.tiering
+        real, tiering._tg = tiering._tg, _ShuttingDown()
+        try:
+            await backed_up(cache, insert(cache, list(range(1, 2 * PAGE + 1))).backup_nodes)
+        finally:
+            tiering._tg = real
+        assert tiering.counts["backup_skipped_closing"] == 1
+        assert tree.stats().num_active_plans == 0
+        cache.flush_device()
+        assert tree.match_prefix(list(range(1, 2 * PAGE + 1))).num_host_tokens == 2 * PAGE
+        tree.check_integrity()
