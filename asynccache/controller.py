@@ -6,7 +6,7 @@ The tree decides what moves; the controller moves it without blocking the event 
   attaches them to the match's host-only nodes (``tree.begin_load``) and queues the copy. The
   next ``start_loading()`` merges every queued load into one transfer per pool, validates and
   plans it once per pool (a ``kernels.PoolPair`` per pool, whose checks of the pools are made
-  at the first load; its ``layer_copier``) and enqueues **one launch per layer** on the
+  at the first load; its ``layer_copier``) and enqueues **one copy call per layer** (per pool) on the
   load stream, in layer order — consecutive small layers of one pool (a few recurrent layers'
   states) as one launch — setting the step's :class:`LayerTransferCounter` layer by layer; the
   forward ``await``s each layer.
@@ -228,7 +228,7 @@ class HybridCacheController:
         return op
 
     def start_loading(self) -> LayerTransferCounter:
-        """Issue every queued load (merged per pool, one launch per layer) for this step.
+        """Issue every queued load (merged per pool, one copy call per layer) for this step.
 
         Returns the step's counter once the first layers are enqueued (here, on the loop thread,
         within ``copy_issue.LOAD_ENQUEUE_BUDGET_S`` of host time, so the copy engines start before the

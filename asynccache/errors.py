@@ -24,7 +24,7 @@ from __future__ import annotations
 
 
 class AsyncCacheError(Exception):
-    """Base class of every error raised by asynccache."""
+    """Base class of the errors asynccache raises for bad input or state at its public API."""
 
 
 class ConfigError(AsyncCacheError, ValueError):

@@ -100,7 +100,8 @@ class PoolTransfer:
 class PoolTransferResult:
     """``num_hit_pages``: the longest prefix of ``keys`` that honours every pool's hit policy.
 
-    ``exists[pool]`` tells, per key, whether that pool's object exists (for diagnostics).
+    ``exists[pool]`` tells, per key, whether that pool's object was found (for diagnostics):
+    ``False`` where it is absent *or was not probed* — the search stops once the hit is known.
     """
 
     num_hit_pages: int

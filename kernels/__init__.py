@@ -5,7 +5,8 @@ range of layers, whatever their layouts (layer_first / page_first) and devices. 
 chooses per call (``method=``, default ``"auto"``: ``kernels.api.select_method``) between one
 Triton kernel launch (``kernels.triton_copy``; pinned host memory addressed directly by the GPU,
 at most ``max_ctas`` CTAs, default ``DEFAULT_MAX_CTAS``) and CUDA memcpys on the copy engines
-(``kernels.dma_copy`` over ``kernels.cudart``; no SMs, for items of at least
+(``kernels.dma_copy``: planned by ``kernels.dma_plan``, issued by ``kernels.dma_engines`` over
+``kernels.cudart``; no SMs, for items of at least
 ``DMA_MIN_RUN_BYTES``); on CPU tensors it runs the torch-indexing path. ``layer_copier`` is the
 same copy validated (and, on the copy engines, planned) once and issued a layer per call, for
 layer-by-layer loads; ``PoolPair`` makes the checks of two pools once for many such copiers.

@@ -70,7 +70,7 @@ OPTION_VALUES = "an integer, a number (2.5), true/false, none (None) or text"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--uri", default=None, help="storage URI (default: a temporary local directory)")
+    parser.add_argument("--uri", default=None, help="file:// or s3:// URI (default: a temporary local directory)")
     parser.add_argument("--preset", default="qwen3-next-80b", help="HybridSpec preset (default qwen3-next-80b)")
     parser.add_argument("--tp-size", type=int, default=1, help="TP shard of the spec (default 1)")
     parser.add_argument("--num-pages", type=int, default=256, help="KV pages per round (default 256)")

@@ -102,7 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policies",
         default=",".join(DEFAULT_POLICIES),
-        help="admission/eviction[/write_policy[/storage_write]], comma-separated (default: the nine of the docstring)",
+        help="admission/eviction[/write_policy[/storage_write]], comma-separated (default: %(default)s)",
     )
     p.add_argument("--limit", type=positive_int, default=None, help="replay only the first N requests")
     p.add_argument(

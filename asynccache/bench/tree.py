@@ -1,8 +1,8 @@
 """``asynccache bench tree``: latency of ``match_prefix`` and ``insert`` on a large tree (CPU).
 
 The tree is first filled to ``--tree-pages`` pages (default 100,000, page 64) with requests that
-share system prompts and have random bodies, each with the default admission's states (prompt end
-and output end). Pools are in accounting mode (``materialize=False``), so no cache memory is
+share system prompts and have random bodies, each with the states of ``--admission`` (the
+default, ``ends``: the prompt end, the last page boundary before it and the output end). Pools are in accounting mode (``materialize=False``), so no cache memory is
 allocated. Then, for every prompt size:
 
 - ``match``: a cached multi-turn conversation of that many tokens (states at the ends of each of
