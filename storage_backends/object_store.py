@@ -3,7 +3,19 @@
 Object names are ``{prefix}/{namespace-digest}/{pool}/{key[:2]}/{key}``. Credentials come from
 the environment only (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``,
 or the instance's credential provider, as obstore resolves them); a URI that carries credentials
-is refused, and neither the URI, the store nor any message of this module ever shows them.
+is refused, and neither the URI, the store nor any message of this module ever shows them. The
+bucket must be a name S3 accepts (3–63 lowercase letters, digits, dots and hyphens, starting and
+ending with a letter or digit, no ``..``, not an IP address): another is a ``ConfigError``.
+
+The endpoint is the URI's ``endpoint_url``, else ``AWS_ENDPOINT_URL`` (else ``AWS_ENDPOINT``)
+from the environment, else AWS. Plain HTTP is used exactly when that endpoint's scheme is
+``http`` (in any case); an ``http`` endpoint from the environment while ``AWS_ALLOW_HTTP`` is
+false is refused with a ``ConfigError`` at open. With no endpoint, ``AWS_ALLOW_HTTP`` is left to
+obstore.
+
+A failed request is a ``BackendError`` whose message leads with the HTTP status and the S3 error
+code (``403 Forbidden SignatureDoesNotMatch``), then the request (method and URL, without its
+query) and the server's message; obstore's error, in full, is its ``__cause__``.
 
 - Reads: one GET per object; the length and header are verified, then the payload is copied
   into the host slot and checksummed there, piece by piece. Objects larger than
@@ -12,16 +24,21 @@ is refused, and neither the URI, the store nor any message of this module ever s
   checksummed as it arrives; the first carries the header and the object's size, the others are
   asked of the same version (``If-Match``).
 - Writes: the payload checksum is computed over the slot, then the header and the slot's own
-  bytes (no copy) are sent as one conditional PUT (``If-None-Match: *``: put-if-absent; a racing
-  writer's ``412``/``409`` counts as present). A write cut short by a timeout may still be
-  sending for a moment after the call has returned; if the slot changes meanwhile, the object
-  fails its payload check and is read as a miss. Objects larger than
-  ``multipart_threshold_bytes`` are checked with HEAD and uploaded in parts of
-  ``multipart_part_bytes`` (``multipart_concurrency`` at a time); S3 completes a multipart
-  upload atomically, so a reader sees the old object, the new one or none — two racing writers
-  of one key both store a valid object and the last completion wins. Uploads cut short by a
-  timeout can leave incomplete multipart uploads behind: give the bucket a lifecycle rule that
-  aborts them.
+  bytes (no copy) are sent as one conditional PUT (``If-None-Match: *``: put-if-absent). On
+  ``412``/``409`` the object there is checked with HEAD: one of a size a valid object of the
+  key has counts as present (a skipped write); one of any other size (truncated, padded,
+  foreign) is replaced by an unconditional PUT, so a reported success means an object of a
+  valid size is stored. The size is all a write checks: an object of the right size with a
+  damaged payload counts as present until a read finds the damage and removes it (the next
+  write then stores it again). A write cut short by a timeout may still be sending for a moment
+  after the call has returned; if the slot changes meanwhile, the object fails its payload check
+  and is read as a miss. Objects larger than ``multipart_threshold_bytes`` are checked with HEAD
+  the same way (a valid size: skipped) and otherwise uploaded in parts of
+  ``multipart_part_bytes`` (``multipart_concurrency`` at a time), replacing any invalid object;
+  S3 completes a multipart upload atomically, so a reader sees the old object, the new one or
+  none — two racing writers of one key both store a valid object and the last completion wins.
+  Uploads cut short by a timeout can leave incomplete multipart uploads behind: give the bucket a
+  lifecycle rule that aborts them.
 - The copy and checksum of an object up to ``inline_bytes`` run in the task that moves it, on
   the event loop, handing the loop back after every piece of ``IO_CHUNK_BYTES`` (~50 µs);
   larger objects go to a worker thread. By default the KV pages stay on the loop on a machine
@@ -35,9 +52,10 @@ is refused, and neither the URI, the store nor any message of this module ever s
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import threading
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -67,7 +85,18 @@ T = TypeVar("T")
 _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _SEGMENT_RE = re.compile(r"[A-Za-z0-9._-]+")
 _REGION_RE = re.compile(r"[a-z0-9-]{1,32}")
+_IPV4_FORM_RE = re.compile(r"[0-9]+(?:\.[0-9]+){3}")
 _QUERY_KEYS = ("endpoint_url", "region")
+#: the parts of an obstore error's text that say what failed (see _backend_error)
+_REQUEST_RE = re.compile(r"Error performing ([A-Z]+) (\S+)")
+_STATUS_RE = re.compile(r"status code: ([0-9]{3}(?: [A-Za-z][A-Za-z -]*[A-Za-z])?)")
+_CODE_RE = re.compile(r"<Code>([A-Za-z0-9.]{1,64})</Code>")
+_MESSAGE_RE = re.compile(r"<Message>([^<]{1,300})</Message>")
+_OS_MESSAGE_RE = re.compile(r'kind: [A-Za-z]+,\s*message: "([^"]{1,100})"')
+#: where obstore reads an endpoint from the environment, in the order taken here
+_ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT")
+#: the spellings of false that obstore accepts for a boolean option such as AWS_ALLOW_HTTP
+_FALSE_WORDS = frozenset({"0", "false", "off", "no", "n"})
 #: Copy-and-checksum piece of a worker thread: one numpy call per piece runs without the GIL,
 #: so a large piece leaves the GIL to the event loop for longer (pieces of ``IO_CHUNK_BYTES``
 #: took it back 6 times per 1.5 MiB page).
@@ -83,7 +112,9 @@ class S3Location:
 
 
 def parse_s3_uri(uri: str) -> S3Location:
-    """Parse and validate ``s3://bucket[/prefix][?endpoint_url=…&region=…]``."""
+    """Parse and validate ``s3://bucket[/prefix][?endpoint_url=…&region=…]``. The bucket must be
+    a name S3 accepts: 3–63 lowercase letters, digits, dots and hyphens, starting and ending with
+    a letter or digit, no ``..``, not an IPv4 address."""
     try:
         parts = urlsplit(uri)
         query = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
@@ -96,8 +127,13 @@ def parse_s3_uri(uri: str) -> S3Location:
             f"s3 URI {redact_uri(uri)} carries credentials or a port in its host part; the host part is the "
             "bucket, credentials come from the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)"
         )
-    if _BUCKET_RE.fullmatch(parts.netloc) is None:
-        raise ConfigError(f"s3 URI {redact_uri(uri)}: invalid or missing bucket name {parts.netloc!r}")
+    bucket = parts.netloc
+    if _BUCKET_RE.fullmatch(bucket) is None or ".." in bucket or _IPV4_FORM_RE.fullmatch(bucket) is not None:
+        raise ConfigError(
+            f"s3 URI {redact_uri(uri)}: invalid or missing bucket name {bucket!r} (S3 bucket names: 3-63 "
+            "lowercase letters, digits, dots and hyphens, starting and ending with a letter or digit, "
+            "no '..', not an IP address)"
+        )
     if parts.fragment:
         raise ConfigError(f"s3 URI {redact_uri(uri)} must not have a fragment")
     prefix = parts.path.strip("/")
@@ -116,24 +152,84 @@ def parse_s3_uri(uri: str) -> S3Location:
         seen[key] = value
     endpoint = seen.get("endpoint_url")
     if endpoint is not None:
-        try:
-            ep = urlsplit(endpoint)
-            ep.port  # noqa: B018 (parses the port: a bad one raises ValueError)
-        except ValueError as e:
-            raise ConfigError(f"s3 URI {redact_uri(uri)}: endpoint_url is malformed or has an invalid port ({e})") from e
-        if ep.scheme not in ("http", "https") or not ep.hostname or "@" in ep.netloc or ep.query or ep.fragment:
-            raise ConfigError(f"s3 URI {redact_uri(uri)}: endpoint_url must be http(s)://host[:port] without credentials")
+        _check_endpoint(endpoint, f"s3 URI {redact_uri(uri)}: endpoint_url")
     region = seen.get("region")
     if region is not None and _REGION_RE.fullmatch(region) is None:
         raise ConfigError(f"s3 URI {redact_uri(uri)}: invalid region")
-    return S3Location(bucket=parts.netloc, prefix=prefix, endpoint_url=endpoint, region=region)
+    return S3Location(bucket=bucket, prefix=prefix, endpoint_url=endpoint, region=region)
+
+
+def _check_endpoint(endpoint: str, what: str) -> None:
+    """Refuse an endpoint that is not ``http(s)://host[:port]`` without credentials; ``what``
+    names where it came from. The message never repeats the endpoint (it may hold credentials)."""
+    try:
+        ep = urlsplit(endpoint)
+        ep.port  # noqa: B018 (parses the port: a bad one raises ValueError)
+    except ValueError as e:
+        raise ConfigError(f"{what} is malformed or has an invalid port ({e})") from e
+    if ep.scheme not in ("http", "https") or not ep.hostname or "@" in ep.netloc or ep.query or ep.fragment:
+        raise ConfigError(f"{what} must be http(s)://host[:port] without credentials")
+
+
+def _store_endpoint(location: S3Location, environ: Mapping[str, str]) -> tuple[str | None, bool | None]:
+    """The endpoint the store talks to and whether it may use plain HTTP (``None``: obstore's
+    default, ``AWS_ALLOW_HTTP`` when set, else HTTPS only).
+
+    The URI's ``endpoint_url`` comes first; without one, ``AWS_ENDPOINT_URL`` (else
+    ``AWS_ENDPOINT``) from ``environ``, checked like the URI's and handed to obstore explicitly
+    (obstore reads both names, and with both set which one wins would depend on the environment's
+    order). Plain HTTP is allowed exactly when that endpoint's scheme is ``http`` (in any case,
+    as a URL's scheme is); an ``http`` endpoint from the environment with ``AWS_ALLOW_HTTP`` set
+    to false is a contradiction and raises :class:`ConfigError` (else every request would fail).
+    With no endpoint at all the store talks to AWS over HTTPS unless ``AWS_ALLOW_HTTP`` says
+    otherwise."""
+    if location.endpoint_url is not None:
+        return location.endpoint_url, urlsplit(location.endpoint_url).scheme == "http"
+    for variable in _ENDPOINT_VARIABLES:
+        endpoint = environ.get(variable)
+        if endpoint:
+            break
+    else:
+        return None, None
+    _check_endpoint(endpoint, variable)
+    if urlsplit(endpoint).scheme != "http":
+        return endpoint, None
+    allow = environ.get("AWS_ALLOW_HTTP")
+    if allow is not None and allow.strip().lower() in _FALSE_WORDS:
+        raise ConfigError(
+            f"{variable} is a plain http:// endpoint but AWS_ALLOW_HTTP={allow!r} forbids plain HTTP: "
+            "use an https:// endpoint or unset AWS_ALLOW_HTTP"
+        )
+    return endpoint, True
 
 
 def _backend_error(error: BaseException) -> BackendError:
-    """obstore's messages carry URLs and server replies; keep the first line, no reply body."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    text = text.split("<", 1)[0].strip()[:300]
-    return BackendError(f"{type(error).__name__}: {text}")
+    """``error`` (obstore's) as one line that leads with what the server said: the HTTP status
+    and the S3 error code when it answered, then the request and the reason, e.g.
+    ``403 Forbidden SignatureDoesNotMatch (PermissionDeniedError): PUT http://host/bucket/name:
+    The request signature we calculated does not match…``. The reply body beyond its ``Code`` and
+    ``Message`` is left out, and so is the URL's query: none of our requests carries credentials
+    there, but a presigned one would. Raise it ``from error``: the full text stays the cause."""
+    text = str(error)
+    kind = type(error).__name__
+    request = _REQUEST_RE.search(text)
+    if request is None:  # not an HTTP request's failure (credentials, configuration): its first line
+        first = text.strip().splitlines()[0] if text.strip() else ""
+        return BackendError(f"{kind}: {first.split('<', 1)[0].strip()[:300]}")
+    where = f"{request[1]} {request[2].split('?', 1)[0]}"
+    status = _STATUS_RE.search(text)
+    if status is not None:
+        code, message = _CODE_RE.search(text), _MESSAGE_RE.search(text)
+        lead = status[1] if code is None else f"{status[1]} {code[1]}"
+        reason = "" if message is None else message[1].strip()
+    else:  # no reply: obstore's reason after the request, and the OS's when it gives one
+        lead = ""
+        reason = text.strip().splitlines()[0].rsplit(" - ", 1)[-1].strip()
+        os_error = _OS_MESSAGE_RE.search(text)
+        if os_error is not None:
+            reason = f"{reason} ({os_error[1]})"
+    head = f"{lead} ({kind})" if lead else kind
+    return BackendError(f"{head}: {where}: {reason[:200]}" if reason else f"{head}: {where}")
 
 
 class ObjectStoreBackend(ObjectBackend):
@@ -185,20 +281,20 @@ class ObjectStoreBackend(ObjectBackend):
         self.multipart_threshold_bytes = multipart_threshold_bytes
         self.multipart_part_bytes = multipart_part_bytes
         self.multipart_concurrency = multipart_concurrency
+        endpoint, allow_http = _store_endpoint(location, os.environ)
         config: dict[str, Any] = {}
-        if location.endpoint_url is not None:
-            config["endpoint"] = location.endpoint_url
+        if endpoint is not None:
+            config["endpoint"] = endpoint
         if location.region is not None:
             config["region"] = location.region
         timeout = timedelta(seconds=self.timeout_s)
+        client_options: dict[str, Any] = {"timeout": timeout, "connect_timeout": min(timeout, timedelta(seconds=5))}
+        if allow_http is not None:
+            client_options["allow_http"] = allow_http
         self._store: S3Store = S3Store(
             location.bucket,
             prefix=location.prefix or None,
-            client_options={
-                "allow_http": (location.endpoint_url or "").startswith("http://"),
-                "timeout": timeout,
-                "connect_timeout": min(timeout, timedelta(seconds=5)),
-            },
+            client_options=client_options,
             retry_config={
                 "max_retries": max_retries,
                 "retry_timeout": timeout,
@@ -231,7 +327,7 @@ class ObjectStoreBackend(ObjectBackend):
         except FileNotFoundError:
             return None
         except self._errors as e:
-            raise _backend_error(e) from None
+            raise _backend_error(e) from e
         return int(meta["size"])
 
     async def _object_sizes(self, names: Sequence[str]) -> list[int | None]:
@@ -258,7 +354,7 @@ class ObjectStoreBackend(ObjectBackend):
         except FileNotFoundError:
             return None
         except self._errors as e:
-            raise _backend_error(e) from None
+            raise _backend_error(e) from e
 
     async def _read_object(self, item: BatchItem) -> bool:
         if self.codec.object_bytes(item.geometry, item.key) > self.multipart_threshold_bytes:
@@ -285,7 +381,7 @@ class ObjectStoreBackend(ObjectBackend):
         except FileNotFoundError:
             return None
         except self._errors as e:
-            raise _backend_error(e) from None
+            raise _backend_error(e) from e
 
     async def _read_ranges(self, item: BatchItem) -> bool:
         """A large object (a Mamba state) as ranged GETs of ``multipart_part_bytes``,
@@ -345,11 +441,11 @@ class ObjectStoreBackend(ObjectBackend):
         obstore, name = self._obstore, item.name
         size = self.codec.object_bytes(item.geometry, item.key)
         large = size > self.multipart_threshold_bytes
-        if large and await self._head_size(name) is not None:
+        if large and await self._holds_valid_size(item):
             return False
         parts = await self._encode_parts(item, size)
         try:
-            if large:
+            if large:  # a multipart upload replaces whatever is there (an invalid object)
                 await obstore.put_async(
                     self._store,
                     name,
@@ -358,13 +454,28 @@ class ObjectStoreBackend(ObjectBackend):
                     chunk_size=self.multipart_part_bytes,
                     max_concurrency=self.multipart_concurrency,
                 )
-            else:
+                return True
+            try:
                 await obstore.put_async(self._store, name, parts, mode="create", use_multipart=False)
-        except (obstore.exceptions.AlreadyExistsError, obstore.exceptions.PreconditionError):
-            return False
+                return True
+            except (obstore.exceptions.AlreadyExistsError, obstore.exceptions.PreconditionError):
+                # Something holds the name. Only an object of a valid size counts as present: the
+                # caller takes success as "stored" (the tier above may drop its host copy on it).
+                if await self._holds_valid_size(item):
+                    return False
+            # An invalid object (or one deleted meanwhile): replace it. The PUT is atomic, and a
+            # racing writer of the same key stores the same valid object.
+            await obstore.put_async(self._store, name, parts, use_multipart=False)
         except self._errors as e:
-            raise _backend_error(e) from None
+            raise _backend_error(e) from e
         return True
+
+    async def _holds_valid_size(self, item: BatchItem) -> bool:
+        """Whether an object of a size valid for ``item`` is stored under its name (one HEAD).
+        The payload is not read: a damaged object of the right size passes, and is caught (and
+        removed) by the next read."""
+        size = await self._head_size(item.name)
+        return size is not None and self.codec.valid_size(item.geometry, item.key, size)
 
     async def _delete_objects(self, names: Sequence[str]) -> None:
         try:
@@ -372,7 +483,7 @@ class ObjectStoreBackend(ObjectBackend):
         except FileNotFoundError:
             return  # already gone: the state we want
         except self._errors as e:
-            raise _backend_error(e) from None
+            raise _backend_error(e) from e
 
     async def _list_objects(self) -> list[tuple[str, int]]:
         found: list[tuple[Any, str, int]] = []
@@ -380,7 +491,7 @@ class ObjectStoreBackend(ObjectBackend):
             async for batch in self._obstore.list(self._store, prefix=self.codec.digest_hex, chunk_size=1000):
                 found.extend((m["last_modified"], m["path"], int(m["size"])) for m in batch)
         except self._errors as e:
-            raise _backend_error(e) from None
+            raise _backend_error(e) from e
         found.sort()
         return [(path, size) for _, path, size in found]
 
@@ -423,7 +534,8 @@ def _cut_at_parts(parts: Sequence[Any], part_bytes: int) -> list[memoryview]:
 
 
 def open_object_store(uri: str, **options: Any) -> ObjectStoreBackend:
-    """Open ``s3://bucket/prefix?endpoint_url=…&region=…``; options: ``namespace`` (required),
+    """Open ``s3://bucket/prefix?endpoint_url=…&region=…`` (without ``endpoint_url``: the
+    endpoint in ``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT``, else AWS); options: ``namespace`` (required),
     ``capacity_bytes``, ``max_concurrency`` (16), ``timeout_s`` (30), ``max_retries`` (3),
     ``multipart_threshold_bytes`` (32 MiB), ``multipart_part_bytes`` (8 MiB),
     ``multipart_concurrency`` (4), ``inline_bytes`` (objects up to this size are copied and

@@ -258,3 +258,158 @@ async def test_a_large_object_replaced_while_read_is_a_failure_not_corruption(s3
     stats = backend.statistics()
     assert stats.num_corrupt == 0 and stats.num_failures == 1
     await backend.aclose()
+
+
+# ---- plain HTTP endpoints ----------------------------------------------------------------------
+@pytest.mark.s3
+@pytest.mark.parametrize("given", ["uri-uppercase-scheme", "env-endpoint-url", "env-endpoint", "env-allow-http"])
+async def test_a_plain_http_endpoint_works_however_it_is_given(s3_env: SeaweedServer, monkeypatch: pytest.MonkeyPatch,
+                                                               given: str) -> None:
+    """An http:// endpoint allows plain HTTP whatever the case of its scheme and wherever it comes
+    from: the URI's endpoint_url, or AWS_ENDPOINT_URL / AWS_ENDPOINT when the URI names none."""
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT", "AWS_ALLOW_HTTP"):
+        monkeypatch.delenv(name, raising=False)
+    if given == "uri-uppercase-scheme":
+        uri = s3_env.uri(f"http-{given}").replace("endpoint_url=http://", "endpoint_url=HTTP://")
+    else:
+        monkeypatch.setenv("AWS_ENDPOINT" if given == "env-endpoint" else "AWS_ENDPOINT_URL", s3_env.endpoint)
+        if given == "env-allow-http":
+            monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+        uri = f"s3://{s3_env.bucket}/http-{given}?region=us-east-1"
+    backend = ObjectStoreBackend(uri, namespace=NAMESPACE, timeout_s=5.0, max_retries=0)
+    kv, _ = make_pools(num_items=4, seed=11)
+    await backend.register_host_pool_v2(PoolName.KV, kv)
+    keys = make_keys(2, seed=f"http-{given}")
+    assert await backend.batch_set_v2([kv_transfer(keys, [0, 1])]) == [[True, True]]
+    assert await backend.batch_get_v2([kv_transfer(keys, [2, 3])]) == [[True, True]]
+    assert [slot(kv, 2), slot(kv, 3)] == [slot(kv, 0), slot(kv, 1)]
+    assert backend.statistics().num_failures == 0
+    await backend.aclose()
+
+
+def test_an_http_endpoint_from_the_environment_that_plain_http_is_forbidden_for_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from asynccache.errors import ConfigError
+
+    monkeypatch.delenv("AWS_ENDPOINT", raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "false")
+    with pytest.raises(ConfigError, match="AWS_ALLOW_HTTP"):
+        ObjectStoreBackend("s3://bucket-name/p?region=us-east-1", namespace=NAMESPACE)
+
+
+@pytest.mark.parametrize("endpoint", ["ftp://host", "http://AKID:hunter2-secret@127.0.0.1:9", "127.0.0.1:9000"])
+def test_a_malformed_endpoint_in_the_environment_is_refused_without_echoing_it(
+    monkeypatch: pytest.MonkeyPatch, endpoint: str
+) -> None:
+    from asynccache.errors import ConfigError
+
+    monkeypatch.delenv("AWS_ENDPOINT", raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    with pytest.raises(ConfigError, match="AWS_ENDPOINT_URL") as info:
+        ObjectStoreBackend("s3://bucket-name/p?region=us-east-1", namespace=NAMESPACE)
+    assert "hunter2-secret" not in str(info.value)
+
+
+# ---- writes over invalid objects -------------------------------------------------------------
+async def open_for_objects(server: SeaweedServer, prefix: str, large: bool) -> tuple[ObjectStoreBackend, object]:
+    """A backend with one KV pool: pages of the tiny spec (one PUT each), or 12 MiB items above
+    the multipart threshold (HEAD, then a multipart upload)."""
+    import torch
+
+    from asynccache.pools.base import ItemPool
+
+    if not large:
+        backend, kv, _ = await open_s3(server, prefix)
+        return backend, kv
+    options = {"multipart_threshold_bytes": 8 << 20, "multipart_part_bytes": 5 << 20}
+    backend = ObjectStoreBackend(server.uri(prefix), namespace=NAMESPACE, **options)
+    pool = ItemPool(name="big", layer_ids=(0, 1), num_items=2, item_bytes=6 << 20, layout="page_first", pin=False)
+    assert pool.buffer is not None
+    pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, dtype=torch.uint8))
+    await backend.register_host_pool_v2(PoolName.KV, pool)
+    return backend, pool
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("large", [False, True], ids=["put", "multipart"])
+@pytest.mark.parametrize("damage", ["truncate", "extend", "empty"])
+async def test_a_write_replaces_an_object_of_the_wrong_size(s3_env: SeaweedServer, large: bool, damage: str) -> None:
+    """An object under the key's name whose size no valid object has is not "already present": the
+    write replaces it, so a success means a valid object is stored (the tier above may drop its
+    host copy on that success)."""
+    import obstore
+
+    backend, pool = await open_for_objects(s3_env, f"replace-{damage}-{large}", large)
+    key = make_keys(1, seed=f"replace-{damage}-{large}")
+    assert await backend.batch_set_v2([kv_transfer(key, [0])]) == [[True]]
+    name = backend.object_name(PoolName.KV, key[0])
+    good = bytes(await (await obstore.get_async(backend.store, name)).bytes_async())
+    bad = {"truncate": good[:-4096], "extend": good + b"\0" * 4096, "empty": b""}[damage]
+    await obstore.put_async(backend.store, name, bad)
+    before = backend.statistics()
+    assert await backend.batch_set_v2([kv_transfer(key, [0])]) == [[True]]
+    assert bytes(await (await obstore.get_async(backend.store, name)).bytes_async()) == good
+    after = backend.statistics()
+    assert (after.num_writes, after.num_write_skips) == (before.num_writes + 1, before.num_write_skips)
+    assert await backend.batch_get_v2([kv_transfer(key, [1])]) == [[True]]
+    assert slot(pool, 1) == slot(pool, 0)
+    await backend.aclose()
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("large", [False, True], ids=["put", "multipart"])
+async def test_a_write_keeps_an_object_of_the_right_size_which_only_a_read_checks(s3_env: SeaweedServer,
+                                                                                 large: bool) -> None:
+    """The limit of the size check: an object of the right size is taken as present without being
+    read, even when its payload is damaged. The next read finds the damage and removes the object,
+    and the write after that stores it again."""
+    import obstore
+
+    backend, _ = await open_for_objects(s3_env, f"keep-{large}", large)
+    key = make_keys(1, seed=f"keep-{large}")
+    assert await backend.batch_set_v2([kv_transfer(key, [0])]) == [[True]]
+    name = backend.object_name(PoolName.KV, key[0])
+    good = bytes(await (await obstore.get_async(backend.store, name)).bytes_async())
+    assert await backend.batch_set_v2([kv_transfer(key, [0])]) == [[True]]  # intact: skipped
+    assert backend.statistics().num_write_skips == 1
+    flipped = good[:-1] + bytes([good[-1] ^ 0x01])
+    await obstore.put_async(backend.store, name, flipped)
+    assert await backend.batch_set_v2([kv_transfer(key, [0])]) == [[True]]
+    assert backend.statistics().num_write_skips == 2
+    assert bytes(await (await obstore.get_async(backend.store, name)).bytes_async()) == flipped
+    assert await backend.batch_get_v2([kv_transfer(key, [1])]) == [[False]]
+    assert backend.statistics().num_corrupt == 1
+    assert await backend.batch_set_v2([kv_transfer(key, [0])]) == [[True]]
+    assert bytes(await (await obstore.get_async(backend.store, name)).bytes_async()) == good
+    await backend.aclose()
+
+
+# ---- error messages --------------------------------------------------------------------------
+@pytest.mark.s3
+async def test_an_s3_error_leads_with_status_and_code_and_keeps_its_cause(s3_env: SeaweedServer,
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    import obstore
+
+    from asynccache.errors import BackendError
+
+    wrong = "not-the-secret-" + s3_env.secret_key[::-1]
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", wrong)
+    backend, _, _ = await open_s3(s3_env, "errcode", timeout_s=5.0, max_retries=0)
+    key = make_keys(1, seed="errcode")
+    with caplog.at_level(logging.WARNING, logger="asynccache.storage"):
+        assert await backend.batch_set_v2([kv_transfer(key, [0])]) == [[False]]
+    assert "403 Forbidden SignatureDoesNotMatch" in caplog.text  # in the one line a batch logs
+    name = backend.object_name(PoolName.KV, key[0])
+    with pytest.raises(BackendError) as info:
+        await backend._get(name)
+    message = str(info.value)
+    assert message.startswith("403 Forbidden SignatureDoesNotMatch")
+    assert f"GET {s3_env.endpoint}/{s3_env.bucket}/errcode/{name}" in message
+    assert "\n" not in message and "<" not in message
+    assert isinstance(info.value.__cause__, obstore.exceptions.PermissionDeniedError)
+    for secret in (wrong, s3_env.secret_key):
+        assert secret not in message and secret not in caplog.text
+    await backend.aclose()

@@ -63,6 +63,12 @@ BAD_URIS = [
     "s3:///no-bucket",
     "s3://Bad_Bucket/prefix",
     "s3://ab/prefix",
+    "s3://a..b/prefix",
+    "s3://my..bucket/prefix",
+    "s3://192.168.1.1/prefix",
+    "s3://10.0.0.255",
+    "s3://-bucket/prefix",
+    "s3://bucket./prefix",
     "s3://bucket-name/../escape",
     "s3://bucket-name/a//b/./c",
     "s3://bucket-name/prefix?endpoint_url=ftp://host",
@@ -121,6 +127,17 @@ def test_s3_uri_parts() -> None:
     assert (loc.bucket, loc.prefix, loc.endpoint_url, loc.region) == (
         "bucket-name", "a/b.c/d", "https://s3.example.com:8443", "eu-west-1")
     assert parse_s3_uri("s3://bucket-name").prefix == ""
+
+
+@pytest.mark.parametrize("bucket", ["abc", "my.bucket-1", "1bucket", "a" * 63, "192.168.1.1x", "1.2.3.4.5"])
+def test_s3_bucket_names_s3_accepts_are_accepted(bucket: str) -> None:
+    assert parse_s3_uri(f"s3://{bucket}/prefix").bucket == bucket
+
+
+@pytest.mark.parametrize("bucket", ["a..b", "192.168.1.1", "a" * 64, "Bucket", "bucket_name", "bucket-"])
+def test_s3_bucket_names_s3_rejects_are_refused_at_open(bucket: str) -> None:
+    with pytest.raises(ConfigError, match="bucket name"):
+        ObjectStoreBackend(f"s3://{bucket}/prefix?endpoint_url=http://127.0.0.1:9", namespace=NAMESPACE)
 
 
 def test_options_are_validated(tmp_path: Any) -> None:
