@@ -2,7 +2,9 @@
 
 - ``memory://[name]`` — :mod:`storage_backends.memory` (tests, the fastest conformance target)
 - ``file:///path`` — :mod:`storage_backends.local_disk` (preadv/pwritev straight into host slots)
-- ``s3://bucket/prefix?endpoint_url=…&region=…`` — :mod:`storage_backends.object_store` (obstore)
+- ``s3://bucket/prefix?endpoint_url=…&region=…`` — :mod:`storage_backends.object_store` (obstore;
+  the URI and endpoint in :mod:`~storage_backends.s3_location`, its errors' messages in
+  :mod:`~storage_backends.s3_errors`)
 
 Shared parts:
 

@@ -53,16 +53,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import threading
-from collections.abc import Generator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Generator, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import parse_qsl, urlsplit
 
 from asynccache.errors import BackendError, ConfigError, ObjectFormatError
-from asynccache.storage import PoolName, redact_uri
+from asynccache.storage import PoolName
 from storage_backends.base import (
     BatchItem,
     ObjectBackend,
@@ -74,6 +71,8 @@ from storage_backends.object_format import (
     add_checksums,
     validate_pool_name,
 )
+from storage_backends.s3_errors import backend_error
+from storage_backends.s3_location import S3Location, parse_s3_uri, store_endpoint
 from storage_backends.workers import WorkerPool
 
 if TYPE_CHECKING:
@@ -82,154 +81,10 @@ if TYPE_CHECKING:
 __all__ = ["S3Location", "parse_s3_uri", "ObjectStoreBackend", "open_object_store"]
 
 T = TypeVar("T")
-_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
-_SEGMENT_RE = re.compile(r"[A-Za-z0-9._-]+")
-_REGION_RE = re.compile(r"[a-z0-9-]{1,32}")
-_IPV4_FORM_RE = re.compile(r"[0-9]+(?:\.[0-9]+){3}")
-_QUERY_KEYS = ("endpoint_url", "region")
-#: the parts of an obstore error's text that say what failed (see _backend_error)
-_REQUEST_RE = re.compile(r"Error performing ([A-Z]+) (\S+)")
-_STATUS_RE = re.compile(r"status code: ([0-9]{3}(?: [A-Za-z][A-Za-z -]*[A-Za-z])?)")
-_CODE_RE = re.compile(r"<Code>([A-Za-z0-9.]{1,64})</Code>")
-_MESSAGE_RE = re.compile(r"<Message>([^<]{1,300})</Message>")
-_OS_MESSAGE_RE = re.compile(r'kind: [A-Za-z]+,\s*message: "([^"]{1,100})"')
-#: where obstore reads an endpoint from the environment, in the order taken here
-_ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT")
-#: the spellings of false that obstore accepts for a boolean option such as AWS_ALLOW_HTTP
-_FALSE_WORDS = frozenset({"0", "false", "off", "no", "n"})
 #: Copy-and-checksum piece of a worker thread: one numpy call per piece runs without the GIL,
 #: so a large piece leaves the GIL to the event loop for longer (pieces of ``IO_CHUNK_BYTES``
 #: took it back 6 times per 1.5 MiB page).
 WORKER_PIECE_BYTES = 4 << 20
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class S3Location:
-    bucket: str
-    prefix: str
-    endpoint_url: str | None = None
-    region: str | None = None
-
-
-def parse_s3_uri(uri: str) -> S3Location:
-    """Parse and validate ``s3://bucket[/prefix][?endpoint_url=…&region=…]``. The bucket must be
-    a name S3 accepts: 3–63 lowercase letters, digits, dots and hyphens, starting and ending with
-    a letter or digit, no ``..``, not an IPv4 address."""
-    try:
-        parts = urlsplit(uri)
-        query = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
-    except ValueError as e:
-        raise ConfigError(f"malformed s3 URI {redact_uri(uri)}: {e}") from None
-    if parts.scheme != "s3":
-        raise ConfigError(f"not an s3 URI: {redact_uri(uri)}")
-    if "@" in parts.netloc or ":" in parts.netloc:
-        raise ConfigError(
-            f"s3 URI {redact_uri(uri)} carries credentials or a port in its host part; the host part is the "
-            "bucket, credentials come from the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)"
-        )
-    bucket = parts.netloc
-    if _BUCKET_RE.fullmatch(bucket) is None or ".." in bucket or _IPV4_FORM_RE.fullmatch(bucket) is not None:
-        raise ConfigError(
-            f"s3 URI {redact_uri(uri)}: invalid or missing bucket name {bucket!r} (S3 bucket names: 3-63 "
-            "lowercase letters, digits, dots and hyphens, starting and ending with a letter or digit, "
-            "no '..', not an IP address)"
-        )
-    if parts.fragment:
-        raise ConfigError(f"s3 URI {redact_uri(uri)} must not have a fragment")
-    prefix = parts.path.strip("/")
-    for segment in prefix.split("/") if prefix else ():
-        if _SEGMENT_RE.fullmatch(segment) is None or segment in (".", ".."):
-            raise ConfigError(f"s3 URI {redact_uri(uri)}: invalid prefix segment {segment!r} (use [A-Za-z0-9._-])")
-    seen: dict[str, str] = {}
-    for key, value in query:
-        if key not in _QUERY_KEYS:
-            raise ConfigError(
-                f"s3 URI {redact_uri(uri)}: unknown parameter {key!r} (known: {list(_QUERY_KEYS)}); "
-                "credentials come from the environment, never from the URI"
-            )
-        if key in seen:
-            raise ConfigError(f"s3 URI {redact_uri(uri)}: parameter {key!r} given twice")
-        seen[key] = value
-    endpoint = seen.get("endpoint_url")
-    if endpoint is not None:
-        _check_endpoint(endpoint, f"s3 URI {redact_uri(uri)}: endpoint_url")
-    region = seen.get("region")
-    if region is not None and _REGION_RE.fullmatch(region) is None:
-        raise ConfigError(f"s3 URI {redact_uri(uri)}: invalid region")
-    return S3Location(bucket=bucket, prefix=prefix, endpoint_url=endpoint, region=region)
-
-
-def _check_endpoint(endpoint: str, what: str) -> None:
-    """Refuse an endpoint that is not ``http(s)://host[:port]`` without credentials; ``what``
-    names where it came from. The message never repeats the endpoint (it may hold credentials)."""
-    try:
-        ep = urlsplit(endpoint)
-        ep.port  # noqa: B018 (parses the port: a bad one raises ValueError)
-    except ValueError as e:
-        raise ConfigError(f"{what} is malformed or has an invalid port ({e})") from e
-    if ep.scheme not in ("http", "https") or not ep.hostname or "@" in ep.netloc or ep.query or ep.fragment:
-        raise ConfigError(f"{what} must be http(s)://host[:port] without credentials")
-
-
-def _store_endpoint(location: S3Location, environ: Mapping[str, str]) -> tuple[str | None, bool | None]:
-    """The endpoint the store talks to and whether it may use plain HTTP (``None``: obstore's
-    default, ``AWS_ALLOW_HTTP`` when set, else HTTPS only).
-
-    The URI's ``endpoint_url`` comes first; without one, ``AWS_ENDPOINT_URL`` (else
-    ``AWS_ENDPOINT``) from ``environ``, checked like the URI's and handed to obstore explicitly
-    (obstore reads both names, and with both set which one wins would depend on the environment's
-    order). Plain HTTP is allowed exactly when that endpoint's scheme is ``http`` (in any case,
-    as a URL's scheme is); an ``http`` endpoint from the environment with ``AWS_ALLOW_HTTP`` set
-    to false is a contradiction and raises :class:`ConfigError` (else every request would fail).
-    With no endpoint at all the store talks to AWS over HTTPS unless ``AWS_ALLOW_HTTP`` says
-    otherwise."""
-    if location.endpoint_url is not None:
-        return location.endpoint_url, urlsplit(location.endpoint_url).scheme == "http"
-    for variable in _ENDPOINT_VARIABLES:
-        endpoint = environ.get(variable)
-        if endpoint:
-            break
-    else:
-        return None, None
-    _check_endpoint(endpoint, variable)
-    if urlsplit(endpoint).scheme != "http":
-        return endpoint, None
-    allow = environ.get("AWS_ALLOW_HTTP")
-    if allow is not None and allow.strip().lower() in _FALSE_WORDS:
-        raise ConfigError(
-            f"{variable} is a plain http:// endpoint but AWS_ALLOW_HTTP={allow!r} forbids plain HTTP: "
-            "use an https:// endpoint or unset AWS_ALLOW_HTTP"
-        )
-    return endpoint, True
-
-
-def _backend_error(error: BaseException) -> BackendError:
-    """``error`` (obstore's) as one line that leads with what the server said: the HTTP status
-    and the S3 error code when it answered, then the request and the reason, e.g.
-    ``403 Forbidden SignatureDoesNotMatch (PermissionDeniedError): PUT http://host/bucket/name:
-    The request signature we calculated does not match…``. The reply body beyond its ``Code`` and
-    ``Message`` is left out, and so is the URL's query: none of our requests carries credentials
-    there, but a presigned one would. Raise it ``from error``: the full text stays the cause."""
-    text = str(error)
-    kind = type(error).__name__
-    request = _REQUEST_RE.search(text)
-    if request is None:  # not an HTTP request's failure (credentials, configuration): its first line
-        first = text.strip().splitlines()[0] if text.strip() else ""
-        return BackendError(f"{kind}: {first.split('<', 1)[0].strip()[:300]}")
-    where = f"{request[1]} {request[2].split('?', 1)[0]}"
-    status = _STATUS_RE.search(text)
-    if status is not None:
-        code, message = _CODE_RE.search(text), _MESSAGE_RE.search(text)
-        lead = status[1] if code is None else f"{status[1]} {code[1]}"
-        reason = "" if message is None else message[1].strip()
-    else:  # no reply: obstore's reason after the request, and the OS's when it gives one
-        lead = ""
-        reason = text.strip().splitlines()[0].rsplit(" - ", 1)[-1].strip()
-        os_error = _OS_MESSAGE_RE.search(text)
-        if os_error is not None:
-            reason = f"{reason} ({os_error[1]})"
-    head = f"{lead} ({kind})" if lead else kind
-    return BackendError(f"{head}: {where}: {reason[:200]}" if reason else f"{head}: {where}")
 
 
 class ObjectStoreBackend(ObjectBackend):
@@ -281,7 +136,7 @@ class ObjectStoreBackend(ObjectBackend):
         self.multipart_threshold_bytes = multipart_threshold_bytes
         self.multipart_part_bytes = multipart_part_bytes
         self.multipart_concurrency = multipart_concurrency
-        endpoint, allow_http = _store_endpoint(location, os.environ)
+        endpoint, allow_http = store_endpoint(location, os.environ)
         config: dict[str, Any] = {}
         if endpoint is not None:
             config["endpoint"] = endpoint
@@ -327,7 +182,7 @@ class ObjectStoreBackend(ObjectBackend):
         except FileNotFoundError:
             return None
         except self._errors as e:
-            raise _backend_error(e) from e
+            raise backend_error(e) from e
         return int(meta["size"])
 
     async def _object_sizes(self, names: Sequence[str]) -> list[int | None]:
@@ -354,7 +209,7 @@ class ObjectStoreBackend(ObjectBackend):
         except FileNotFoundError:
             return None
         except self._errors as e:
-            raise _backend_error(e) from e
+            raise backend_error(e) from e
 
     async def _read_object(self, item: BatchItem) -> bool:
         if self.codec.object_bytes(item.geometry, item.key) > self.multipart_threshold_bytes:
@@ -381,7 +236,7 @@ class ObjectStoreBackend(ObjectBackend):
         except FileNotFoundError:
             return None
         except self._errors as e:
-            raise _backend_error(e) from e
+            raise backend_error(e) from e
 
     async def _read_ranges(self, item: BatchItem) -> bool:
         """A large object (a Mamba state) as ranged GETs of ``multipart_part_bytes``,
@@ -467,7 +322,7 @@ class ObjectStoreBackend(ObjectBackend):
             # racing writer of the same key stores the same valid object.
             await obstore.put_async(self._store, name, parts, use_multipart=False)
         except self._errors as e:
-            raise _backend_error(e) from e
+            raise backend_error(e) from e
         return True
 
     async def _holds_valid_size(self, item: BatchItem) -> bool:
@@ -483,7 +338,7 @@ class ObjectStoreBackend(ObjectBackend):
         except FileNotFoundError:
             return  # already gone: the state we want
         except self._errors as e:
-            raise _backend_error(e) from e
+            raise backend_error(e) from e
 
     async def _list_objects(self) -> list[tuple[str, int]]:
         found: list[tuple[Any, str, int]] = []
@@ -491,7 +346,7 @@ class ObjectStoreBackend(ObjectBackend):
             async for batch in self._obstore.list(self._store, prefix=self.codec.digest_hex, chunk_size=1000):
                 found.extend((m["last_modified"], m["path"], int(m["size"])) for m in batch)
         except self._errors as e:
-            raise _backend_error(e) from e
+            raise backend_error(e) from e
         found.sort()
         return [(path, size) for _, path, size in found]
 
