@@ -44,7 +44,9 @@ __all__ = [
 ]
 
 MAGIC = b"ACSO"
-FORMAT_VERSION = 1
+#: 2: the payload sum adds up 32-bit words per block (1 added 64-bit words, whose top bits
+#: cancelled in pairs); an object of another version is a miss.
+FORMAT_VERSION = 2
 #: The payload is always in page_first order (layer-major within one index), whatever the
 #: layout of the host pool it came from, so objects are layout independent.
 PAYLOAD_LAYOUT = "page_first"

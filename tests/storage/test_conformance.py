@@ -27,7 +27,7 @@ from asynccache.pools.base import ItemPool
 from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer, longest_hit
 from storage_backends.base import BatchItem, ObjectBackend
 from storage_backends.local_disk import LocalDiskBackend
-from storage_backends.object_format import ObjectGeometry
+from storage_backends.object_format import FORMAT_VERSION, ObjectGeometry
 
 DEADLINE_S = 30
 
@@ -288,7 +288,8 @@ DAMAGE = {
     "extra_bytes": lambda d, other: d + b"\0\0",
     "garbage_same_size": lambda d, other: bytes(len(d)),
     "another_models_object": lambda d, other: other,
-    "other_format_version": lambda d, other: _rewrite_header(d, version=2),
+    "newer_format_version": lambda d, other: _rewrite_header(d, version=FORMAT_VERSION + 1),
+    "older_format_version": lambda d, other: _rewrite_header(d, version=FORMAT_VERSION - 1),
 }
 
 

@@ -1,0 +1,284 @@
+"""The payload checksum (``blocksum64``): its value, what it catches, what it is known to miss,
+linearity over block-aligned ranges, and corrupted objects on the local disk."""
+
+from __future__ import annotations
+
+import itertools
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from storage_harness import NAMESPACE, kv_transfer, make_keys, make_pools, slot
+
+from asynccache.storage import PoolName
+from storage_backends.local_disk import LocalDiskBackend
+from storage_backends.object_format import (
+    CHECKSUM_BLOCK_BYTES,
+    FORMAT_VERSION,
+    HEADER_CRC_OFFSET,
+    ObjectHeader,
+    PayloadChecksum,
+    add_checksums,
+    payload_checksum,
+)
+
+BLOCK = CHECKSUM_BLOCK_BYTES
+MASK64 = (1 << 64) - 1
+
+
+def reference_checksum(data: bytes) -> int:
+    """The definition, in plain integers: Σ (2b+1)·(sum of block b's little-endian 32-bit
+    words), mod 2⁶⁴, the last block zero-padded."""
+    total = 0
+    for b in range(0, len(data), BLOCK):
+        block = data[b : b + BLOCK].ljust(BLOCK, b"\0")
+        total += (2 * (b // BLOCK) + 1) * sum(struct.unpack(f"<{BLOCK // 4}I", block))
+    return total & MASK64
+
+
+def version1_checksum(data: bytes) -> int:
+    """The format-version-1 payload sum: 64-bit words summed mod 2⁶⁴ per block."""
+    total = 0
+    for b in range(0, len(data), BLOCK):
+        block = data[b : b + BLOCK].ljust(BLOCK, b"\0")
+        total += (2 * (b // BLOCK) + 1) * (sum(struct.unpack(f"<{BLOCK // 8}Q", block)) & MASK64)
+    return total & MASK64
+
+
+def random_payload(nbytes: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def with_bits(data: np.ndarray, bits: list[tuple[int, int]]) -> np.ndarray:
+    """``data`` with each (bit index, new value) written."""
+    out = data.copy()
+    for bit, value in bits:
+        mask = np.uint8(1 << (bit % 8))
+        out[bit // 8] = (out[bit // 8] | mask) if value else (out[bit // 8] & ~mask)
+    return out
+
+
+def bit_of(data: np.ndarray, bit: int) -> int:
+    return int(data[bit // 8] >> (bit % 8)) & 1
+
+
+# ---- the value ---------------------------------------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(
+    size=st.integers(min_value=0, max_value=5 * BLOCK + 100),
+    cuts=st.lists(st.integers(min_value=0, max_value=5 * BLOCK + 100), max_size=5),
+    seed=st.integers(0, 2**16),
+)
+def test_checksum_is_its_definition_however_the_payload_is_fed(size: int, cuts: list[int], seed: int) -> None:
+    data = random_payload(size, seed)
+    points = sorted({min(c, size) for c in cuts} | {0, size})
+    check = PayloadChecksum()
+    for a, b in itertools.pairwise(points):
+        check.update(data[a:b])
+    assert check.digest() == payload_checksum([data.tobytes()]) == reference_checksum(data.tobytes())
+
+
+def test_checksum_of_all_ones_does_not_wrap_inside_a_block() -> None:
+    data = np.full(3 * BLOCK, 0xFF, dtype=np.uint8)
+    per_block = (BLOCK // 4) * (2**32 - 1)  # 1024 words of 2³²−1: exact, above 2³²
+    assert payload_checksum([data]) == (1 + 3 + 5) * per_block
+    assert payload_checksum([data]) == reference_checksum(data.tobytes())
+
+
+# ---- what it catches ---------------------------------------------------------------------------
+def test_two_sign_bit_flips_in_different_blocks_are_caught() -> None:
+    """Bit 63 of a 64-bit word (the sign bit of a 16-bit element at byte 7 mod 8): version 1 gave
+    each flip the change 2⁶³ whatever the block's weight, so any two cancelled."""
+    data = random_payload(1 << 20)
+    base = payload_checksum([data])
+    for other in (1, 2, 123, 255):
+        sign_bits = [7 * 8 + 7, (other * BLOCK + 15) * 8 + 7]
+        flipped = data.copy()
+        for bit in sign_bits:
+            flipped[bit // 8] ^= np.uint8(0x80)
+        assert payload_checksum([flipped]) != base, other
+
+
+@pytest.mark.parametrize("value", [0, 1])
+def test_two_same_direction_sign_bit_flips_in_one_block_are_caught(value: int) -> None:
+    data = random_payload(4 * BLOCK)
+    words = [w for w in range(BLOCK // 8) if bit_of(data, (BLOCK + 8 * w + 7) * 8 + 7) != value][:2]
+    changed = with_bits(data, [((BLOCK + 8 * w + 7) * 8 + 7, value) for w in words])
+    assert payload_checksum([changed]) != payload_checksum([data])
+
+
+def test_same_direction_bit_62_flips_in_blocks_of_different_parity_are_caught() -> None:
+    data = random_payload(64 * BLOCK, seed=1)
+    base = payload_checksum([data])
+    for b0, b1 in [(0, 3), (1, 2), (5, 62)]:
+        bits = []
+        for block in (b0, b1):
+            word = next(w for w in range(BLOCK // 8) if not bit_of(data, (block * BLOCK + 8 * w + 7) * 8 + 6))
+            bits.append(((block * BLOCK + 8 * word + 7) * 8 + 6, 1))
+        assert payload_checksum([with_bits(data, bits)]) != base, (b0, b1)
+
+
+def test_every_random_pair_of_bit_flips_in_different_blocks_is_caught() -> None:
+    rng = np.random.default_rng(7)
+    num_blocks = 64
+    data = random_payload(num_blocks * BLOCK, seed=2)
+    base = payload_checksum([data])
+    for trial in range(3000):
+        blocks = rng.choice(num_blocks, 2, replace=False)
+        if trial % 2:  # half of them in the top byte of a 64-bit word, where version 1 was weak
+            offsets = rng.integers(0, BLOCK // 8, 2) * 8 + 7
+            bits_in_byte = rng.integers(0, 8, 2)
+        else:
+            offsets = rng.integers(0, BLOCK, 2)
+            bits_in_byte = rng.integers(0, 8, 2)
+        flipped = data.copy()
+        for block, offset, bit in zip(blocks, offsets, bits_in_byte, strict=True):
+            flipped[block * BLOCK + offset] ^= np.uint8(1 << int(bit))
+        assert payload_checksum([flipped]) != base, (blocks, offsets, bits_in_byte)
+
+
+def test_every_random_pair_of_flips_in_one_block_is_caught_but_opposite_flips_of_one_bit_position() -> None:
+    rng = np.random.default_rng(8)
+    data = random_payload(8 * BLOCK, seed=3)
+    base = payload_checksum([data])
+    for _ in range(2000):
+        block = int(rng.integers(0, 8))
+        bits = rng.choice(BLOCK * 8, 2, replace=False) + block * BLOCK * 8
+        flipped = data.copy()
+        for bit in bits:
+            flipped[bit // 8] ^= np.uint8(1 << int(bit % 8))
+        same_position = bits[0] % 32 == bits[1] % 32  # the bit position in a 32-bit word
+        opposite = bit_of(data, int(bits[0])) != bit_of(data, int(bits[1]))
+        assert (payload_checksum([flipped]) == base) == (same_position and opposite), bits
+
+
+@settings(max_examples=200, deadline=None)
+@given(start=st.integers(0, 6 * BLOCK * 8 - 32), length=st.integers(1, 32), pattern=st.integers(0, 2**32 - 1))
+def test_every_burst_of_up_to_32_bits_is_caught(start: int, length: int, pattern: int) -> None:
+    """Across 32-bit words and block boundaries (the bursts start anywhere in 6 blocks)."""
+    data = random_payload(6 * BLOCK, seed=4)
+    pattern = (pattern & ((1 << length) - 1)) | 1 | (1 << (length - 1))  # first and last bit flipped
+    flipped = data.copy()
+    for i in range(length):
+        if pattern >> i & 1:
+            bit = start + i
+            flipped[bit // 8] ^= np.uint8(1 << (bit % 8))
+    assert payload_checksum([flipped]) != payload_checksum([data])
+
+
+def test_words_permuted_inside_a_block_are_the_known_blind_spot() -> None:
+    """Documented limits: a per-block sum cannot see its words reordered (the block weights do
+    see blocks reordered), and three flips can cancel in the weighted sum."""
+    data = random_payload(4 * BLOCK, seed=5)
+    words = data.view(np.uint32).copy()
+    words[[3, 700]] = words[[700, 3]]
+    assert payload_checksum([words.view(np.uint8)]) == payload_checksum([data])
+    blocks = data.reshape(4, BLOCK)[[1, 0, 2, 3]].reshape(-1)
+    assert payload_checksum([blocks]) != payload_checksum([data])
+    # three flipped bits: +3 in block 0 (weight 1) and -1 in block 1 (weight 3)
+    before = np.zeros(2 * BLOCK, dtype=np.uint8)
+    before[BLOCK] = 1
+    after = np.zeros(2 * BLOCK, dtype=np.uint8)
+    after[0] = 3
+    assert payload_checksum([after]) == payload_checksum([before]) == 3
+
+
+# ---- linearity -----------------------------------------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(
+    num_blocks=st.integers(1, 40),
+    tail=st.integers(0, BLOCK - 1),
+    cuts=st.lists(st.integers(1, 40), max_size=6),
+    seed=st.integers(0, 2**16),
+)
+def test_partial_checksums_of_block_aligned_ranges_add_up(num_blocks: int, tail: int, cuts: list[int], seed: int) -> None:
+    data = random_payload(num_blocks * BLOCK + tail, seed)
+    total_blocks = -(-data.nbytes // BLOCK)
+    starts = sorted({c for c in cuts if c < total_blocks} | {0})
+    partials = []
+    for first, end in zip(starts, [*starts[1:], total_blocks]):
+        check = PayloadChecksum(first_block=first)
+        check.update(data[first * BLOCK : end * BLOCK])
+        partials.append(check.digest())
+    assert add_checksums(partials) == payload_checksum([data]) == reference_checksum(data.tobytes())
+
+
+def test_partial_checksums_past_the_precomputed_weights_add_up() -> None:
+    data = random_payload(3 * BLOCK, seed=6)
+    far = 70000  # beyond the 65536 precomputed weights
+    whole = PayloadChecksum(first_block=far)
+    whole.update(data)
+    parts = []
+    for i in range(3):
+        check = PayloadChecksum(first_block=far + i)
+        check.update(data[i * BLOCK : (i + 1) * BLOCK])
+        parts.append(check.digest())
+    assert add_checksums(parts) == whole.digest()
+    want = sum((2 * (far + i) + 1) * sum(struct.unpack("<1024I", data[i * BLOCK : (i + 1) * BLOCK].tobytes()))
+               for i in range(3))
+    assert whole.digest() == want & MASK64
+
+
+# ---- stored objects --------------------------------------------------------------------------------
+def flip_bits_in_file(path: Path, payload_start: int, bits: list[int]) -> None:
+    data = bytearray(path.read_bytes())
+    for bit in bits:
+        data[payload_start + bit // 8] ^= 1 << (bit % 8)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("read_processes", [0, 2])
+@pytest.mark.parametrize("same_block", [False, True])
+async def test_a_stored_object_with_two_sign_bit_flips_is_a_miss(tmp_path: Path, read_processes: int,
+                                                                 same_block: bool) -> None:
+    backend = LocalDiskBackend((tmp_path / "l3").as_uri(), namespace=NAMESPACE, read_processes=read_processes,
+                               fsync=False)
+    kv, _ = make_pools(8, seed=3, shared=bool(read_processes))
+    await backend.register_host_pool_v2(PoolName.KV, kv)
+    keys = make_keys(2, seed=f"signs{read_processes}{same_block}")
+    assert await backend.batch_set_v2([kv_transfer(keys, [0, 1])]) == [[True, True]]
+    path = Path(backend.object_name(PoolName.KV, keys[0]))
+    header = ObjectHeader.decode(path.read_bytes())
+    payload = np.frombuffer(path.read_bytes()[header.header_bytes :], dtype=np.uint8)
+    assert payload.nbytes >= 6 * BLOCK
+    # bit 63 of two 64-bit words: in blocks 0 and 5, or (same direction) both in block 1
+    if same_block:
+        value = 1 - bit_of(payload, (BLOCK + 7) * 8 + 7)
+        words = [w for w in range(BLOCK // 8) if bit_of(payload, (BLOCK + 8 * w + 7) * 8 + 7) != value][:2]
+        bits = [(BLOCK + 8 * w + 7) * 8 + 7 for w in words]
+    else:
+        bits = [7 * 8 + 7, (5 * BLOCK + 8 * 100 + 7) * 8 + 7]
+    flip_bits_in_file(path, header.header_bytes, bits)
+
+    assert await backend.batch_get_v2([kv_transfer(keys, [4, 5])]) == [[False, True]]
+    assert slot(kv, 5) == slot(kv, 1)
+    assert backend.statistics().num_corrupt == 1
+    assert not path.exists()  # removed
+    await backend.aclose()
+
+
+async def test_an_object_of_format_version_1_is_a_miss_and_removed(tmp_path: Path) -> None:
+    """An intact object written by a version-1 writer (64-bit word sums): never served."""
+    backend = LocalDiskBackend((tmp_path / "l3").as_uri(), namespace=NAMESPACE, fsync=False)
+    kv, _ = make_pools(4, seed=4)
+    await backend.register_host_pool_v2(PoolName.KV, kv)
+    key = make_keys(1, seed="v1")
+    assert await backend.batch_set_v2([kv_transfer(key, [0])]) == [[True]]
+    path = Path(backend.object_name(PoolName.KV, key[0]))
+    data = bytearray(path.read_bytes())
+    hlen = ObjectHeader.decode(data).header_bytes
+    assert FORMAT_VERSION > 1
+    struct.pack_into("<H", data, 4, 1)
+    struct.pack_into("<Q", data, 16, version1_checksum(bytes(data[hlen:])))
+    struct.pack_into("<I", data, HEADER_CRC_OFFSET, 0)
+    struct.pack_into("<I", data, HEADER_CRC_OFFSET, zlib.crc32(data[:hlen]))
+    path.write_bytes(bytes(data))
+
+    assert await backend.batch_get_v2([kv_transfer(key, [2])]) == [[False]]
+    assert backend.statistics().num_corrupt == 1
+    assert not path.exists()
+    await backend.aclose()
