@@ -3,22 +3,29 @@
 Primitives:
 
 - :class:`BackendCore` — the state of an :class:`~storage_backends.base.ObjectBackend` (options,
-  codec, registered pools, capacity, counters, the slots of objects in flight), the five
-  abstract item primitives a backend implements, first-use setup (``_ensure_ready``), and the
-  helpers every operation uses: pool lookup, failure counting, removal of objects, and marking
-  a batch's objects busy. Not used on its own.
+  codec, registered pools, capacity, counters, the slots of objects in flight, the calls in
+  flight), the five abstract item primitives a backend implements, first-use setup
+  (``_ensure_ready``), and the helpers every operation uses: a call's registration
+  (``_call``, which ``aclose`` waits for), pool lookup, failure counting, removal of objects,
+  and marking a batch's objects busy. Not used on its own.
 - :class:`BatchItem` / :data:`Outcome` — one object of a batch with its host slot, and what
   its I/O gave.
 - :func:`check_common_options` — validation of the options every backend takes.
 - :func:`usable_cores` — the CPU cores this process may run on (backends size their defaults
   by it).
 - :func:`pool_value` — a pool name as the string the backend's tables are keyed by.
+
+First-use setup (``_prepare``, then with a capacity the listing of the stored objects) runs as
+one task of the backend that concurrent first calls share, bounded by ``timeout_s``. When it
+fails, the calls that waited for it and the calls of the next ``setup_retry_s`` are misses (and
+skipped writes), every item counted and reported; the first call after that tries again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -92,6 +99,9 @@ class BackendCore(ABC):
     default_max_concurrency: int = 8
     #: objects' headers are padded to a multiple of this (see ``ObjectCodec``)
     header_align: int = 64
+    #: after a failed first-use setup, calls are misses for this long before it is tried again
+    #: (a store that is down is not asked again by every call, each waiting ``timeout_s``)
+    setup_retry_s: float = 1.0
 
     def __init__(
         self,
@@ -120,8 +130,16 @@ class BackendCore(ABC):
         self._pools: dict[str, tuple[ItemPool, ObjectGeometry]] = {}
         self._counts: Counter[str] = Counter()
         self._ready = False
-        self._ready_lock = asyncio.Lock()
+        #: the setup attempt in progress (shared by the calls that wait for it), the last
+        #: attempt's error and when it failed (``time.monotonic()``)
+        self._setup: asyncio.Task[BaseException | None] | None = None
+        self._setup_error: BaseException | None = None
+        self._setup_failed_at = 0.0
+        #: set by ``aclose``: no call starts, and the calls in flight start no more items
         self._closed = False
+        self._closing: asyncio.Task[None] | None = None
+        self._num_calls = 0
+        self._calls_done: asyncio.Event | None = None  # made by ``aclose``, on its loop
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(uri={self.uri!r}, namespace={self.namespace!r})"
@@ -141,7 +159,7 @@ class BackendCore(ABC):
     async def _write_object(self, item: BatchItem) -> bool: ...
 
     @abstractmethod
-    async def _delete_objects(self, names: Sequence[str]) -> None: ...
+    async def _delete_objects(self, names: Sequence[str], *, background: bool) -> None: ...
 
     @abstractmethod
     async def _list_objects(self) -> list[tuple[str, int]]: ...
@@ -157,29 +175,81 @@ class BackendCore(ABC):
         """Where ``key``'s object of ``pool_name`` lives in this backend (validated)."""
 
     # ---- shared by the operations ----------------------------------------------------------
-    async def _ensure_ready(self, call: str, num_items: int) -> bool:
-        """Set the backend up at its first use. ``False`` when that failed (the store is down,
-        the root cannot be made): counted and reported, the call's items are misses, and the
-        next call tries again. A closed backend raises."""
+    @contextmanager
+    def _call(self) -> Iterator[None]:
+        """One call of the protocol (a batch) in flight: ``aclose`` waits for it to end. A
+        closed backend raises."""
         if self._closed:
-            raise BackendError(f"storage {self.uri}: backend is closed")
+            raise self._closed_error()
+        self._num_calls += 1
+        try:
+            yield
+        finally:
+            self._num_calls -= 1
+            if not self._num_calls and self._calls_done is not None:
+                self._calls_done.set()
+
+    async def _wait_calls_done(self) -> None:
+        self._calls_done = asyncio.Event()
+        while self._num_calls:
+            self._calls_done.clear()
+            await self._calls_done.wait()
+
+    def _closed_error(self) -> BackendError:
+        return BackendError(f"storage {self.uri}: backend is closed")
+
+    async def _ensure_ready(self, call: str, num_items: int) -> bool:
+        """Set the backend up at its first use (see the module docstring). ``False`` when that
+        failed, now or within ``setup_retry_s``: every item of the call is counted as failed
+        and reported (a read's items are also counted as misses by the caller). A closed
+        backend raises."""
+        if self._closed:
+            raise self._closed_error()
         if self._ready:
             return True
-        async with self._ready_lock:
-            if self._ready:
+        error = self._setup_error
+        since_s = time.monotonic() - self._setup_failed_at
+        attempted = error is None or since_s >= self.setup_retry_s
+        if attempted:
+            if self._setup is None or self._setup.done():
+                self._setup = asyncio.get_running_loop().create_task(self._set_up(), name=f"setup {self.uri}")
+            task = self._setup
+            # ``wait``, not ``shield``: a caller cancelled here leaves the attempt to the
+            # others, and an attempt that ``aclose`` cancels fails the call rather than looking
+            # like a cancellation of its caller
+            await asyncio.wait([task])
+            # an error other than the store's (a usage error) raises here, in every caller
+            error = self._closed_error() if task.cancelled() else task.result()
+            if error is None:
                 return True
-            try:
+        assert error is not None
+        why = f"not ready: {describe_error(error)}"
+        if attempted:
+            self._count_failure(error, count=num_items)
+        else:  # not a timeout of this call
+            self._counts["num_failures"] += num_items
+            why += f" (the setup failed {since_s:.1f} s ago; it is tried again {self.setup_retry_s:g} s after a failure)"
+        report = BatchReport(self, call, num_items)
+        report.fail(self.uri, why, count=num_items)
+        report.emit()
+        return False
+
+    async def _set_up(self) -> BaseException | None:
+        """One setup attempt (the task ``_ensure_ready`` shares), bounded by ``timeout_s`` as a
+        whole, so a store that hangs costs the calls waiting for it one ``timeout_s``: ``None``
+        once the backend is ready, else the error (also kept for the calls of the back-off)."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
                 await self._prepare()
-                if self._capacity is not None:
-                    self._capacity.load(await self._list_objects())
-            except (BackendError, OSError, TimeoutError) as e:
-                self._count_failure(e)
-                report = BatchReport(self, call, num_items)
-                report.fail(self.uri, f"not ready: {describe_error(e)}")
-                report.emit()
-                return False
-            self._ready = True
-            return True
+                entries = await self._list_objects() if self._capacity is not None else []
+        except (BackendError, OSError, TimeoutError) as e:
+            self._setup_error, self._setup_failed_at = e, time.monotonic()
+            return e
+        if self._capacity is not None:
+            self._capacity.load(entries)
+        self._setup_error = None
+        self._ready = True
+        return None
 
     def _geometry(self, pool_name: PoolName | str) -> tuple[ItemPool, ObjectGeometry]:
         name = pool_value(pool_name)
@@ -188,22 +258,40 @@ class BackendCore(ABC):
         except KeyError:
             raise ConfigError(f"pool {name!r} is not registered (register_host_pool_v2 first)") from None
 
-    def _count_failure(self, error: BaseException) -> None:
-        self._counts["num_failures"] += 1
+    def _count_failure(self, error: BaseException, *, count: int = 1) -> None:
+        """``count`` items (or deletes) failed with ``error``."""
+        self._counts["num_failures"] += count
         if isinstance(error, TimeoutError):
-            self._counts["num_timeouts"] += 1
+            self._counts["num_timeouts"] += count
 
-    async def _remove(self, names: list[str], report: BatchReport) -> None:
-        """Delete objects (invalid ones, eviction victims); failures are counted and reported."""
-        if self._capacity is not None:
-            for name in names:
-                self._capacity.discard(name)
+    async def _remove(
+        self,
+        names: Sequence[str],
+        report: BatchReport,
+        *,
+        background: bool,
+        counted: Sequence[tuple[str, int]] | None = None,
+    ) -> None:
+        """Delete objects: invalid ones found by a read or a probe (``background=False``: the
+        call waits for it, so it goes before write-back like the read itself), or eviction
+        victims (``background=True``, ``counted``: the entries ``reserve`` took out of the
+        capacity index). They leave the index at once — no concurrent writer chooses them again
+        — and go back into it when the delete fails or is cut short: objects that may still be
+        stored stay counted. Failures are counted and reported."""
+        if self._capacity is not None and counted is None:
+            counted = self._capacity.take(names)
         try:
             async with asyncio.timeout(self.timeout_s):
-                await self._delete_objects(names)
+                await self._delete_objects(names, background=background)
         except (BackendError, OSError, TimeoutError) as e:
+            if self._capacity is not None and counted:
+                self._capacity.restore(counted)
             self._count_failure(e)
             report.fail(names[0], e)
+        except BaseException:  # cancelled: whether the objects are gone is not known
+            if self._capacity is not None and counted:
+                self._capacity.restore(counted)
+            raise
 
     @contextmanager
     def _busy(self, items: Sequence[BatchItem]) -> Iterator[None]:

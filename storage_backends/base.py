@@ -10,7 +10,8 @@ Primitives:
   :class:`~storage_backends.backend_core.BackendCore` (state, primitives, shared helpers),
   :class:`~storage_backends.exists_search.ExistsSearchMixin` (``batch_exists_v2``) and
   :class:`~storage_backends.batch_io.BatchIOMixin` (``batch_get_v2``, ``batch_set_v2``, the
-  item I/O), and adds the lifecycle, pool registration and ``statistics()``.
+  item I/O), and adds the lifecycle (``aclose`` waits for the calls in flight and survives
+  its caller's cancellation), pool registration and ``statistics()``.
 
 Re-exported here, where backends import them from:
 
@@ -24,18 +25,22 @@ Re-exported here, where backends import them from:
   ``check_seconds`` (:mod:`asynccache.checks`).
 - :class:`~storage_backends.workers.WorkerPool` and
   :class:`~storage_backends.workers.PriorityLimiter` — bounded threads and slots that serve
-  reads and probes before write-back and deletes. A cancelled caller still waits for its job
-  to stop, so no thread touches a host slot after the call that named it has returned.
+  reads and probes (and the removal of invalid objects they found) before write-back and
+  eviction deletes. A cancelled caller still waits for its job to stop, so no thread touches
+  a host slot after the call that named it has returned.
 
 Failure model: a missing object is a miss; an invalid object (truncated, corrupted, foreign,
-other format version) is a miss and is removed; an I/O error, a timeout or a backend that is
-down is a miss (or a skipped write) counted in the statistics and reported with one warning
-per batch. Malformed calls (bad keys, unregistered pools, mismatched lengths) raise
+other format version) is a miss and is removed before the call returns; an I/O error, a
+timeout or a backend that is down is a miss (or a skipped write) counted in the statistics and
+reported with one warning per batch. A first-use setup that failed makes every call a miss for
+``setup_retry_s`` before it is tried again (see :mod:`storage_backends.backend_core`). Malformed
+calls (bad keys, unregistered pools, mismatched lengths) raise
 :class:`~asynccache.errors.ConfigError` before any I/O.
 """
 
 from __future__ import annotations
 
+import asyncio
 from types import TracebackType
 from typing import Self
 
@@ -85,12 +90,17 @@ class ObjectBackend(ExistsSearchMixin, BatchIOMixin):
       after returning or raising (also when cancelled).
     - ``_write_object(item)`` → ``True`` when stored, ``False`` when an object already existed
       (put-if-absent); atomic: a half-written object is never visible.
-    - ``_delete_objects(names)``; ``_list_objects()`` → ``(name, size)`` of this namespace,
-      least recently used first (only called when a capacity is set).
+    - ``_delete_objects(names, background=...)`` (an object already gone is fine):
+      ``background=True`` for eviction victims (part of a write-back), ``False`` for invalid
+      objects that a read or a probe found and waits to have removed — a backend that serves
+      reads before writes serves those deletes like reads; ``_list_objects()`` →
+      ``(name, size)`` of this namespace, least recently used first (only called when a
+      capacity is set).
 
     ``_read_many`` / ``_write_many`` run the item primitives for a whole batch (by default one
     task per item, ``max_concurrency`` at a time, each within ``timeout_s``); a backend whose
-    items are cheap may override them to move several items per worker job.
+    items are cheap may override them to move several items per worker job, and then starts no
+    item once ``_closed`` is set.
     """
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -103,10 +113,21 @@ class ObjectBackend(ExistsSearchMixin, BatchIOMixin):
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Close the backend; later calls raise :class:`BackendError`. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+        """Close the backend: no call starts any more (they raise :class:`BackendError`), the
+        calls in flight start no more items (those fail: misses, skipped writes) and finish
+        the ones they have, then the backend's resources are released. Returns once that is
+        done: nothing writes into a host slot or sends a request for the backend after it.
+        The close runs as a task of the backend, so a caller cancelled meanwhile does not cut
+        it short; a repeated or concurrent call waits for the same close."""
+        if self._closing is None:
+            self._closed = True
+            self._closing = asyncio.get_running_loop().create_task(self._shut_down(), name=f"close {self.uri}")
+        await asyncio.shield(self._closing)
+
+    async def _shut_down(self) -> None:
+        if self._setup is not None:
+            self._setup.cancel()  # the calls waiting for it fail (closed)
+        await self._wait_calls_done()
         await self._close()
 
     def statistics(self) -> BackendStatistics:

@@ -6,11 +6,12 @@ Primitives:
   ``batch_set_v2`` (host slots into objects, put-if-absent; success per item), with the
   bookkeeping around the item I/O: the batch's plan (each transfer's keys paired with its host
   slots, checked before any I/O), room reserved against the capacity and eviction victims
-  removed before a write, counters, invalid objects removed after a read, failures reported
-  once per call.
+  removed before a write, counters, invalid objects removed after a read (before the call
+  returns, as foreground work), failures reported once per call.
 - ``_read_many`` / ``_write_many`` — the item primitives over a whole batch: by default one
   task per item, ``max_concurrency`` at a time, each within ``timeout_s``, writes behind reads
-  and probes; a backend whose items are cheap overrides them to move several items per job.
+  and probes, no item started once the backend is closing; a backend whose items are cheap
+  overrides them to move several items per job.
 
 A call returns only once no worker touches any of its slots: the item primitives never touch
 a slot after they return or raise, also when cancelled.
@@ -65,8 +66,13 @@ class BatchIOMixin(BackendCore):
         items = [item for plan in plans for item in plan.items]
         if len({(id(item.pool), item.index) for item in items}) != len(items):
             raise ConfigError("a batch reads two objects into one host slot")
+        with self._call():
+            return _split(await self._read_batch(items), plans)
+
+    async def _read_batch(self, items: list[BatchItem]) -> list[bool]:
         if not await self._ensure_ready("batch_get_v2", len(items)):
-            return _split([False] * len(items), plans)
+            self._counts["num_misses"] += len(items)
+            return [False] * len(items)
         report = BatchReport(self, "batch_get_v2", len(items))
         with self._busy(items):
             outcomes = await self._read_many(items)
@@ -91,17 +97,21 @@ class BatchIOMixin(BackendCore):
             elif self._capacity is not None:
                 self._capacity.discard(item.name)
         if invalid:
-            await self._remove(invalid, report)
+            await self._remove(invalid, report, background=False)
         report.emit()
-        return _split(done, plans)
+        return done
 
     async def batch_set_v2(self, transfers: Sequence[PoolTransfer]) -> list[list[bool]]:
         """Write ``host_indices[i]`` under ``keys[i]`` (put-if-absent; an existing object counts
         as success); success per item. Slots are only read."""
         plans = [self._plan(t, distinct_slots=False) for t in transfers]
         items = [item for plan in plans for item in plan.items]
+        with self._call():
+            return _split(await self._write_batch(items), plans)
+
+    async def _write_batch(self, items: list[BatchItem]) -> list[bool]:
         if not await self._ensure_ready("batch_set_v2", len(items)):
-            return _split([False] * len(items), plans)
+            return [False] * len(items)
         report = BatchReport(self, "batch_set_v2", len(items))
         sizes = [self.codec.object_bytes(item.geometry, item.key) for item in items]
         done = [False] * len(items)
@@ -110,7 +120,8 @@ class BatchIOMixin(BackendCore):
             accepted = list(reserved)
             try:
                 if victims:
-                    await self._remove(victims, report)
+                    names = [name for name, _ in victims]
+                    await self._remove(names, report, background=True, counted=victims)
                 outcomes = await self._write_many([items[i] for i in accepted])
             except BaseException:
                 # Cut short (cancelled): some writes may have landed. Count them all as stored,
@@ -138,18 +149,18 @@ class BatchIOMixin(BackendCore):
             else:
                 self._counts["num_write_skips"] += 1
         report.emit()
-        return _split(done, plans)
+        return done
 
     def _reserve(
         self, items: Sequence[BatchItem], sizes: Sequence[int], report: BatchReport
-    ) -> tuple[dict[int, int], list[str]]:
+    ) -> tuple[dict[int, int], list[tuple[str, int]]]:
         """The items that may be written (in order) with the bytes reserved for each (nothing
         for an object the index already holds: the put finds it), and the victims to delete
-        (already out of the index)."""
+        (already out of the index, with the sizes it counted)."""
         if self._capacity is None:
             return dict.fromkeys(range(len(items)), 0), []
         reserved: dict[int, int] = {}
-        victims: list[str] = []
+        victims: list[tuple[str, int]] = []
         for i, size in enumerate(sizes):
             if self._capacity.holds(items[i].name):
                 reserved[i] = 0
@@ -187,6 +198,8 @@ class BatchIOMixin(BackendCore):
     ) -> list[Outcome]:
         async def one(item: BatchItem) -> Outcome:
             async with self._limit(background=background):
+                if self._closed:  # closing: the items not started yet fail
+                    return self._closed_error()
                 try:
                     async with asyncio.timeout(self.timeout_s):
                         return await fn(item)

@@ -10,7 +10,8 @@ Search order: ALL_PAGES pools (attention KV) are probed from the first key upwar
 first miss; TRAILING_PAGES pools (Mamba states, needed only at the last hit page) are probed
 downwards from there, first only the deepest keys their policy needs (a prefix stored whole has
 its state there), then window by window. Keys beyond the search are not probed. An object whose
-size cannot be that of a valid object is invalid: a miss, counted, and removed.
+size cannot be that of a valid object is invalid: a miss, counted, and removed before the call
+returns. A probe that fails fails every key of its window (counted and reported per key).
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ class ExistsSearchMixin(BackendCore):
         pool_names = [pool_value(t.pool_name) for t in transfers]
         for name in pool_names:
             self._geometry(name)
+        with self._call():
+            return await self._search(keys, transfers, pool_names)
+
+    async def _search(
+        self, keys: Sequence[str], transfers: Sequence[PoolTransfer], pool_names: list[str]
+    ) -> PoolTransferResult:
         n = len(keys)
         flags: dict[str, list[bool]] = {name: [False] * n for name in pool_names}
         if not await self._ensure_ready("batch_exists_v2", n):
@@ -96,11 +103,13 @@ class ExistsSearchMixin(BackendCore):
         names = [self.object_name(pool_name, keys[i]) for i in range(lo, hi)]
         report.num_items += len(names)
         try:
+            if self._closed:  # closing: no more probes
+                raise self._closed_error()
             async with asyncio.timeout(self.timeout_s):
                 sizes = await self._object_sizes(names)
         except (BackendError, OSError, TimeoutError) as e:
-            self._count_failure(e)
-            report.fail(names[0], e)
+            self._count_failure(e, count=len(names))
+            report.fail(names[0], e, count=len(names))
             return
         invalid: list[str] = []
         for i, (name, size) in enumerate(zip(names, sizes, strict=True)):
@@ -113,4 +122,4 @@ class ExistsSearchMixin(BackendCore):
                 report.corrupt(name, ObjectFormatError(f"object of {size} bytes (truncated or foreign)"))
         if invalid:
             self._counts["num_corrupt"] += len(invalid)
-            await self._remove(invalid, report)
+            await self._remove(invalid, report, background=False)

@@ -282,7 +282,9 @@ class LocalDiskBackend(ObjectBackend):
             return item_outcomes(len(items), units, await self._in_jobs(read_range, units))
         assert self._readers is not None
         try:
-            results: list[Any] = await self._readers.read([self._read_unit(items[i], off, n) for i, off, n in units])
+            results: list[Any] = await self._readers.read(
+                [self._read_unit(items[i], off, n) for i, off, n in units], stopping=lambda: self._closed
+            )
         except BackendError as e:  # closed meanwhile: every unit failed (misses)
             results = [e] * len(units)
         lost = [k for k, r in enumerate(results) if isinstance(r, ReaderLost)]
@@ -319,13 +321,14 @@ class LocalDiskBackend(ObjectBackend):
         page from the page cache on a busy 2-core machine). Each unit has its own deadline,
         ``timeout_s`` from its start, checked between pieces. A unit's result is what ``fn``
         returned or the :class:`BackendError` / :class:`OSError` it raised. ``background``
-        jobs (writes) give their thread up between units while a read or a probe waits for one."""
+        jobs (writes) give their thread up between units while a read or a probe waits for one.
+        Once the backend is closing, no unit starts (those fail)."""
         outcomes: list[Any] = [BackendError("not started: the call was cancelled or the backend closed")] * len(work)
         lock = threading.Lock()
         pending = iter(range(len(work)))
 
         def job(stop: JobControl) -> object:
-            while not stop.is_set():
+            while not (stop.is_set() or self._closed):
                 if background and stop.foreground_waiting():
                     return YIELD  # queued again behind other background work; resumes here
                 with lock:
@@ -350,8 +353,8 @@ class LocalDiskBackend(ObjectBackend):
                     tg.create_task(one_job())
         return outcomes
 
-    async def _delete_objects(self, names: Sequence[str]) -> None:
-        await self._workers.run(unlink_all, list(names), background=True)
+    async def _delete_objects(self, names: Sequence[str], *, background: bool) -> None:
+        await self._workers.run(unlink_all, list(names), background=background)
 
     async def _list_objects(self) -> list[tuple[str, int]]:
         return await self._workers.run(self._scan)

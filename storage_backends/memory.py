@@ -59,7 +59,7 @@ class MemoryBackend(ObjectBackend):
         self.objects[item.name] = self.codec.encode(item.geometry, item.key, item.buffers())
         return True
 
-    async def _delete_objects(self, names: Sequence[str]) -> None:
+    async def _delete_objects(self, names: Sequence[str], *, background: bool) -> None:
         for name in names:
             self.objects.pop(name, None)
 

@@ -188,6 +188,8 @@ class ObjectStoreBackend(ObjectBackend):
     async def _object_sizes(self, names: Sequence[str]) -> list[int | None]:
         async def one(name: str) -> int | None | BackendError:
             async with self._limit():
+                if self._closed:  # closing: no more requests
+                    return self._closed_error()
                 try:
                     return await self._head_size(name)
                 except BackendError as e:
@@ -332,7 +334,8 @@ class ObjectStoreBackend(ObjectBackend):
         size = await self._head_size(item.name)
         return size is not None and self.codec.valid_size(item.geometry, item.key, size)
 
-    async def _delete_objects(self, names: Sequence[str]) -> None:
+    async def _delete_objects(self, names: Sequence[str], *, background: bool) -> None:
+        # no request slot taken, in either class of work: a DELETE is one short request
         try:
             await self._obstore.delete_async(self._store, list(names))
         except FileNotFoundError:

@@ -41,7 +41,7 @@ import sys
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -174,7 +174,11 @@ class ReaderProcesses:
         return False
 
     # ---- reading ----
-    async def read(self, units: Sequence[ReadUnit]) -> list[RangeResult | BaseException]:
+    async def read(
+        self, units: Sequence[ReadUnit], *, stopping: Callable[[], bool] = lambda: False
+    ) -> list[RangeResult | BaseException]:
+        """Each unit's result; once ``stopping()`` says so (its backend is closing), no more
+        chunks are sent and the units not sent stay :class:`ReaderLost`."""
         if self._closed:
             raise BackendError("the backend was closed")
         results: list[RangeResult | BaseException] = [ReaderLost("not read")] * len(units)
@@ -194,11 +198,12 @@ class ReaderProcesses:
             # the loop. A drive waits for room only while it holds none: no drive holds room
             # while it waits for more.
             def take_chunk() -> bool:  # with a unit of room held
-                for start in starts:
-                    part = units[start : start + chunk]
-                    inflight.append((start, len(part), self._send(child, ("read", list(part)))))
-                    return True
-                child.room.release()  # nothing left to send
+                if not stopping():
+                    for start in starts:
+                        part = units[start : start + chunk]
+                        inflight.append((start, len(part), self._send(child, ("read", list(part)))))
+                        return True
+                child.room.release()  # nothing (more) to send
                 return False
 
             async def send_more() -> None:

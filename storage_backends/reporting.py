@@ -32,8 +32,10 @@ class BackendStatistics:
     """Counters since the backend was opened. ``num_hits``/``num_misses`` count items of
     ``batch_get_v2`` (a corrupt or failed item is also a miss); ``num_writes`` objects stored,
     ``num_write_skips`` objects already present (put-if-absent), ``num_rejected`` writes skipped
-    for lack of room; ``num_failures`` I/O errors and timeouts of any call (``num_timeouts`` of
-    them timeouts); ``used_bytes`` is ``None`` when no capacity is tracked."""
+    for lack of room; ``num_failures`` items of any call that failed on an I/O error, a timeout
+    or a backend that is not set up (each key of a failed probe window; a failed delete counts
+    once), ``num_timeouts`` of them on a timeout; ``used_bytes`` is ``None`` when no capacity is
+    tracked."""
 
     uri: str
     num_hits: int = 0
@@ -61,22 +63,27 @@ class BatchReport:
         self.backend = backend
         self.call = call
         self.num_items = num_items
-        self.failed: list[tuple[str, str]] = []
+        self.num_failed = 0
+        self.first_failed: tuple[str, str] | None = None
         self.invalid: list[tuple[str, str]] = []
 
-    def fail(self, name: str, error: BaseException | str) -> None:
-        self.failed.append((name, describe_error(error)))
+    def fail(self, name: str, error: BaseException | str, *, count: int = 1) -> None:
+        """``count`` items failed with ``error`` (several when one request or step served them
+        all: a probe window, the backend's setup)."""
+        if self.first_failed is None:
+            self.first_failed = (name, describe_error(error))
+        self.num_failed += count
 
     def corrupt(self, name: str, error: BaseException) -> None:
         self.invalid.append((name, describe_error(error)))
 
     def emit(self) -> None:
         uri = self.backend.uri
-        if self.failed:
-            name, why = self.failed[0]
+        if self.first_failed is not None:
+            name, why = self.first_failed
             logger.warning(
                 "storage %s: %s: %d of %d items failed; first: %s: %s",
-                uri, self.call, len(self.failed), self.num_items, name, why,
+                uri, self.call, self.num_failed, self.num_items, name, why,
             )
         if self.invalid:
             name, why = self.invalid[0]

@@ -471,3 +471,243 @@ async def test_statistics_snapshot_is_frozen(harness: Harness) -> None:
         stats.num_hits = 3  # type: ignore[misc]
     assert stats.uri and stats.used_bytes is None and stats.capacity_bytes is None
     assert NAMESPACE in repr(backend)
+
+
+# ---- first-use setup ---------------------------------------------------------------------------
+def failing_setup(backend: ObjectBackend, *, hang: bool) -> dict[str, int | bool]:
+    """Make ``backend``'s first-use setup fail — by hanging (a store that never answers) or
+    raising at once — until ``state["fail"]`` is set False; ``state["attempts"]`` counts them."""
+    state: dict[str, int | bool] = {"attempts": 0, "fail": True}
+    prepare = backend._prepare
+
+    async def failing() -> None:
+        state["attempts"] += 1
+        if state["fail"]:
+            if hang:
+                await asyncio.Event().wait()
+            raise BackendError("store unavailable")
+        await prepare()
+
+    backend._prepare = failing  # type: ignore[method-assign]
+    return state
+
+
+async def test_first_use_setup_is_shared_bounded_and_backs_off_after_a_failure(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Concurrent first calls share one setup attempt, bounded by ``timeout_s``; after it
+    failed, calls are misses at once, counted, until ``setup_retry_s`` has passed."""
+    timeout_s = 1.0
+    backend, kv, _ = await opened(harness, capacity_bytes=1 << 30, timeout_s=timeout_s)
+    backend.setup_retry_s = 3600.0  # the calls below all come within it
+    state = failing_setup(backend, hang=True)
+    keys = make_keys(2, seed="setup")
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="asynccache.storage"):
+        async with asyncio.timeout(10 * timeout_s):
+            results = await asyncio.gather(
+                *(backend.batch_get_v2([kv_transfer(keys, [2 * i, 2 * i + 1])]) for i in range(3)),
+                backend.batch_set_v2([kv_transfer(keys, [0, 1])]),
+                backend.batch_exists_v2(keys, [kv_transfer(keys)]),
+            )
+    assert time.monotonic() - t0 < 3 * timeout_s  # one attempt, not one per call in turn
+    assert state["attempts"] == 1
+    assert results[:4] == [[[False, False]]] * 4 and results[4].num_hit_pages == 0
+    stats = backend.statistics()
+    assert (stats.num_misses, stats.num_failures, stats.num_timeouts) == (6, 10, 10)
+    assert "not ready" in caplog.text
+    # within the back-off: a miss at once, counted, and no new attempt
+    async with asyncio.timeout(timeout_s / 2):
+        assert await backend.batch_get_v2([kv_transfer(keys, [0, 1])]) == [[False, False]]
+    stats = backend.statistics()
+    assert state["attempts"] == 1 and (stats.num_misses, stats.num_failures, stats.num_timeouts) == (8, 12, 10)
+    # once the back-off has passed, the next call tries again
+    state["fail"] = False
+    backend.setup_retry_s = 0.0
+    assert await put(backend, kv_transfer(keys, [0, 1])) == [[True, True]]
+    assert state["attempts"] == 2
+    assert await get(backend, kv_transfer(keys, [4, 5])) == [[True, True]]
+    assert [slot(kv, 4), slot(kv, 5)] == [slot(kv, 0), slot(kv, 1)]
+
+
+async def test_a_failed_setup_counts_and_reports_every_item(harness: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    backend, _, _ = await opened(harness, capacity_bytes=1 << 30)
+    backend.setup_retry_s = 0.0  # every call tries the setup again
+    state = failing_setup(backend, hang=False)
+    keys = make_keys(4, seed="setupcount")
+    with caplog.at_level(logging.WARNING, logger="asynccache.storage"):
+        assert await get(backend, kv_transfer(keys[:3], [0, 1, 2])) == [[False] * 3]
+        assert "3 of 3 items failed" in caplog.text
+        assert await put(backend, kv_transfer(keys[:2], [0, 1])) == [[False] * 2]
+        assert "2 of 2 items failed" in caplog.text
+        assert await hit_pages(backend, keys, kv_transfer(keys), mamba_transfer(keys)) == 0
+        assert "4 of 4 items failed" in caplog.text
+    assert state["attempts"] == 3
+    stats = backend.statistics()
+    assert (stats.num_misses, stats.num_failures, stats.num_hits) == (3, 9, 0)
+    # A probe that fails fails every key of its window.
+    state["fail"] = False
+
+    async def refused(names: list[str]) -> list[int | None]:
+        raise BackendError("probe refused")
+
+    backend._object_sizes = refused  # type: ignore[method-assign]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asynccache.storage"):
+        assert await hit_pages(backend, keys[:3], kv_transfer(keys[:3])) == 0
+    assert "3 of 3 items failed" in caplog.text
+    assert backend.statistics().num_failures == 9 + 3
+
+
+# ---- lifecycle ---------------------------------------------------------------------------------
+def slow_reads(backend: ObjectBackend, delay_s: float) -> list[int]:
+    """Make every object read of ``backend`` take ``delay_s`` longer (with reader processes:
+    every batch); the returned list grows by one as each starts."""
+    started: list[int] = []
+    if isinstance(backend, LocalDiskBackend) and backend._readers is not None:
+        readers, read_units = backend._readers, backend._readers.read
+
+        async def slow_batch(*args: object, **kwargs: object) -> object:
+            started.append(1)
+            await asyncio.sleep(delay_s)
+            return await read_units(*args, **kwargs)
+
+        readers.read = slow_batch  # type: ignore[method-assign]
+    elif isinstance(backend, LocalDiskBackend):
+        read_range = backend._read_range
+
+        def slow_range(*args: object) -> object:
+            started.append(1)
+            time.sleep(delay_s)
+            return read_range(*args)
+
+        backend._read_range = slow_range  # type: ignore[method-assign]
+    else:
+        read_object = backend._read_object
+
+        async def slow_object(item: BatchItem) -> bool:
+            started.append(1)
+            await asyncio.sleep(delay_s)
+            return await read_object(item)
+
+        backend._read_object = slow_object  # type: ignore[method-assign]
+    return started
+
+
+async def test_aclose_waits_for_the_calls_in_flight(harness: Harness) -> None:
+    """``aclose`` returns once no call of the backend runs: what the calls in flight had not
+    started fails (misses), and nothing is read into a host slot after it has returned."""
+    n = 16
+    keys = make_keys(n, seed="closing")
+    writer = harness.open()
+    src, _ = make_pools(n, seed=6, shared=harness.shared_pools)
+    await writer.register_host_pool_v2(PoolName.KV, src)
+    assert await put(writer, kv_transfer(keys, range(n))) == [[True] * n]
+    reader = harness.open(max_concurrency=1)
+    dst, _ = make_pools(n, seed=None, shared=harness.shared_pools)
+    await reader.register_host_pool_v2(PoolName.KV, dst)
+    started = slow_reads(reader, 0.1)  # n objects one at a time: 1.6 s at least
+    reading = asyncio.create_task(reader.batch_get_v2([kv_transfer(keys, range(n))]))
+    deadline = time.monotonic() + DEADLINE_S
+    while not started:  # poll under a deadline
+        assert time.monotonic() < deadline, "the read never started"
+        await asyncio.sleep(0.005)
+    async with asyncio.timeout(DEADLINE_S):
+        await reader.aclose()
+    assert reading.done()
+    at_close = [slot(dst, i) for i in range(n)]
+    got = (await reading)[0]
+    assert [slot(dst, i) for i in range(n)] == at_close
+    assert sum(got) < n  # the items not started when it closed were not read
+    for i, ok in enumerate(got):
+        assert at_close[i] == (slot(src, i) if ok else bytes([0xAB]) * SPEC.kv_page_bytes)
+    with pytest.raises(BackendError, match="closed"):
+        await reader.batch_get_v2([kv_transfer(keys[:1], [0])])
+
+
+async def test_a_cancelled_aclose_is_finished_by_the_next(harness: Harness) -> None:
+    """A close cut short by its caller's deadline goes on; a repeated or concurrent ``aclose``
+    waits for that same close, which releases the backend's resources once."""
+    backend, _, _ = await opened(harness)
+    assert await put(backend, kv_transfer(make_keys(1, seed="cancelclose"), [0])) == [[True]]
+    release, closes = asyncio.Event(), []
+    close = backend._close
+
+    async def slow_close() -> None:  # e.g. waiting for reader processes that are starting
+        await release.wait()
+        await close()
+        closes.append(1)
+
+    backend._close = slow_close  # type: ignore[method-assign]
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.05):
+            await backend.aclose()
+    assert closes == []
+    release.set()
+    async with asyncio.timeout(DEADLINE_S):
+        assert await asyncio.gather(backend.aclose(), backend.aclose()) == [None, None]
+    assert closes == [1]
+    if isinstance(backend, LocalDiskBackend):
+        assert backend._workers._state.closed
+        if backend._readers is not None:
+            assert backend._readers._closed and backend._readers._children == [None, None]
+    with pytest.raises(BackendError, match="closed"):
+        await backend.batch_get_v2([kv_transfer(make_keys(1, seed="cancelclose"), [1])])
+
+
+# ---- invalid objects and write-back; deletes that fail -------------------------------------------
+async def test_invalid_objects_are_removed_without_waiting_behind_a_write_back(harness: Harness) -> None:
+    """A read or a probe that meets an invalid object removes it before it returns, and that
+    removal goes before a write-back in progress, like the read itself."""
+    backend = harness.open(max_concurrency=2)
+    kv, _ = make_pools(48, seed=7, shared=harness.shared_pools)
+    await backend.register_host_pool_v2(PoolName.KV, kv)
+    bad = make_keys(2, seed="badobjects")
+    assert await put(backend, kv_transfer(bad, [0, 1])) == [[True, True]]
+    names = [backend.object_name(PoolName.KV, k) for k in bad]
+    data = await harness.raw_get(backend, names[0])
+    assert data is not None
+    await harness.raw_put(backend, names[0], DAMAGE["flip_payload_byte"](data, b""))  # found by a read
+    await harness.raw_put(backend, names[1], data + bytes(10))  # found by a probe (its size)
+    started = slow_writes(backend, 0.05)
+    pending = make_keys(40, seed="write-back-2")  # 40 objects, 2 at a time: at least 1 s
+    write_back = asyncio.create_task(put(backend, kv_transfer(pending, range(2, 42))))
+    while len(started) < 2:  # the write-back holds both slots
+        await asyncio.sleep(0.005)
+    assert await get(backend, kv_transfer(bad[:1], [42])) == [[False]]
+    assert await hit_pages(backend, bad[1:], kv_transfer(bad[1:])) == 0
+    assert not write_back.done()
+    assert await harness.raw_get(backend, names[0]) is None and await harness.raw_get(backend, names[1]) is None
+    assert backend.statistics().num_corrupt == 2
+    assert await write_back == [[True] * 40]
+
+
+async def test_objects_whose_eviction_fails_stay_counted(harness: Harness) -> None:
+    """An eviction victim whose delete fails is still stored, so it stays in the capacity's
+    count (and is the next victim): the count never falls below what is stored."""
+    keys = make_keys(5, seed="evictfail")
+    probe = harness.open()
+    size = probe.codec.object_bytes(ObjectGeometry.of_pool(PoolName.KV, make_pools(1)[0]), keys[0])
+    backend, _, _ = await opened(harness, capacity_bytes=3 * size)
+
+    async def stored_bytes() -> int:
+        total = 0
+        for name in await harness.raw_names():
+            data = await harness.raw_get(backend, name)
+            total += 0 if data is None else len(data)
+        return total
+
+    assert await put(backend, kv_transfer(keys[:3], [0, 1, 2])) == [[True] * 3]
+    delete = backend._delete_objects
+
+    async def refused(names: list[str], *args: object, **kwargs: object) -> None:
+        raise BackendError("delete refused")
+
+    backend._delete_objects = refused  # type: ignore[method-assign]
+    assert await put(backend, kv_transfer(keys[3:4], [3])) == [[True]]  # written; its victim stays
+    assert backend.statistics().used_bytes == await stored_bytes() == 4 * size
+    backend._delete_objects = delete  # type: ignore[method-assign]
+    assert await put(backend, kv_transfer(keys[4:5], [4])) == [[True]]  # evicts down to the capacity
+    assert backend.statistics().used_bytes == await stored_bytes() == 3 * size
+    present = [await harness.raw_get(backend, backend.object_name(PoolName.KV, k)) is not None for k in keys]
+    assert present == [False, False, True, True, True]

@@ -132,6 +132,44 @@ async def test_a_hung_server_times_out_into_misses(private_seaweedfs: SeaweedSer
 
 
 @pytest.mark.s3
+async def test_a_hung_server_at_first_use_costs_each_call_one_timeout(private_seaweedfs: SeaweedServer,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a capacity, the first use lists the bucket. Calls that come while the server hangs
+    share that one listing, bounded by ``timeout_s`` (they do not take turns, each with its own);
+    the calls right after it failed are misses at once."""
+    server = private_seaweedfs
+    for name, value in server.env.items():
+        monkeypatch.setenv(name, value)
+    timeout_s = 1.0
+    backend, _, _ = await open_s3(server, "hungsetup", timeout_s=timeout_s, max_retries=0, capacity_bytes=1 << 30)
+    backend.setup_retry_s = 3600.0
+    keys = make_keys(4, seed="hungsetup")
+    server.pause()
+    try:
+        t0 = time.monotonic()
+
+        async def lookup() -> float:
+            await backend.batch_exists_v2(keys, [kv_transfer([]), mamba_transfer([])])
+            return time.monotonic() - t0
+
+        async with asyncio.timeout(20):
+            elapsed = await asyncio.gather(*(lookup() for _ in range(5)))
+            t1 = time.monotonic()
+            assert await backend.batch_get_v2([kv_transfer(keys, [0, 1, 2, 3])]) == [[False] * 4]
+            again = time.monotonic() - t1
+    finally:
+        server.resume()
+    assert max(elapsed) < 2.5 * timeout_s, elapsed
+    assert again < timeout_s / 2
+    stats = backend.statistics()
+    assert (stats.num_failures, stats.num_misses) == (5 * 4 + 4, 4)
+    backend.setup_retry_s = 0.0  # the server is back: the next call sets the backend up
+    async with asyncio.timeout(20):
+        assert await backend.batch_set_v2([kv_transfer(keys, range(4))]) == [[True] * 4]
+    await backend.aclose()
+
+
+@pytest.mark.s3
 async def test_wrong_credentials_are_failures_and_never_logged(s3_env: SeaweedServer, monkeypatch: pytest.MonkeyPatch,
                                                                caplog: pytest.LogCaptureFixture) -> None:
     wrong = "not-the-secret-" + s3_env.secret_key[::-1]

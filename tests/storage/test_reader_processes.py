@@ -71,9 +71,9 @@ async def test_reads_land_exactly_and_run_in_the_children(tmp_path: Path) -> Non
     calls = []
     real = backend._readers.read
 
-    async def counted(units):
+    async def counted(units, **options):
         calls.append(len(units))
-        return await real(units)
+        return await real(units, **options)
 
     backend._readers.read = counted  # type: ignore[method-assign]
     got = await backend.batch_get_v2([kv_transfer(keys, range(8, 16)), mamba_transfer(keys[-1:], [1])])
@@ -91,7 +91,7 @@ async def test_pools_outside_shared_memory_are_read_by_the_threads(tmp_path: Pat
     backend, kv, _ = await open_procs(tmp_path, shared=False)
     keys = await stored(backend, 4, "threads")
 
-    async def refuse(units):
+    async def refuse(units, **options):
         raise AssertionError("the reader processes cannot reach these pools")
 
     backend._readers.read = refuse  # type: ignore[method-assign]
