@@ -156,6 +156,12 @@ class HybridCacheController:
         tasks and close the backend. Idempotent; concurrent calls wait for the first."""
         if self._closing is not None:
             await asyncio.shield(self._closing)
+            if self.backend is not None:
+                # A first close cancelled while the backend was closing left that close running
+                # on its own: this one still returns only once it is done (it is idempotent;
+                # a failure of it was the first call's to raise).
+                with contextlib.suppress(Exception):
+                    await self.backend.aclose()
             return
         self._closing = asyncio.get_running_loop().create_future()
         if self._tg is None:  # never entered: the backend it was given is still closed

@@ -321,3 +321,40 @@ async def test_a_backup_completing_while_shutting_down_leaves_its_host_copy() ->
         cache.flush_device()
         assert tree.match_prefix(list(range(1, 2 * PAGE + 1))).num_host_tokens == 2 * PAGE
         tree.check_integrity()
+
+
+async def test_a_close_retried_after_a_cancelled_one_waits_for_the_backend() -> None:
+    """The first close is cancelled while the backend closes (its close goes on as a task of
+    its own): the retry returns only once the backend is closed."""
+    cache = HybridCache(SPEC, config(storage_uri="memory://retried_close"))
+    backend = cache.controller.backend
+    real, gate, closed = backend.aclose, asyncio.Event(), []
+    closing: list[asyncio.Task[None]] = []
+
+    async def slow_close() -> None:
+        if not closing:
+
+            async def run() -> None:
+                await gate.wait()
+                await real()
+                closed.append(True)
+
+            closing.append(asyncio.ensure_future(run()))
+        await asyncio.shield(closing[0])
+
+    backend.aclose = slow_close  # type: ignore[method-assign]
+    await cache.__aenter__()
+    first = asyncio.create_task(cache.aclose())
+    async with asyncio.timeout(5):
+        while not closing:
+            await asyncio.sleep(0)
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    retry = asyncio.create_task(cache.aclose())
+    await asyncio.sleep(0.05)
+    assert not retry.done() and not closed
+    gate.set()
+    async with asyncio.timeout(5):
+        await retry
+    assert closed
