@@ -27,7 +27,8 @@ that does not answer its start within ``START_TIMEOUT_S`` (or ``timeout_s``, if 
 killed, and its slot is not started again before ``RETRY_START_S``; the other children, or the
 threads, read meanwhile. When no child is up, :meth:`ReaderProcesses.available` says so (the
 threads read the batch). Closing lets each child finish what it holds, and kills one that has
-not exited within ``CLOSE_GRACE_S``.
+not exited within ``CLOSE_GRACE_S``. Children ignore SIGINT (Ctrl-C reaches the whole process
+group): the parent decides when they stop.
 
 Children are fresh interpreters (``python -c``, a socket pair between them and this process)
 that import ``storage_backends.object_reads`` and what it needs, no torch: not forks of this
@@ -83,9 +84,13 @@ START_TIMEOUT_S = 30.0
 CLOSE_GRACE_S = 5.0
 
 #: Where ``asynccache`` and ``storage_backends`` are. A child imports from them without running
-#: their ``__init__`` (which import torch): it starts in a fraction of a second and small.
+#: their ``__init__`` (which import torch): it starts in a fraction of a second and small. It
+#: ignores SIGINT from its first line: Ctrl-C reaches the whole process group, and the parent — a
+#: server draining its requests, say — decides when its children stop.
 _PACKAGES_ROOT = str(Path(__file__).resolve().parents[1])
 _CHILD = """\
+import signal
+signal.signal(signal.SIGINT, signal.SIG_IGN)
 import sys, types
 for name in ("asynccache", "storage_backends"):
     package = types.ModuleType(name)

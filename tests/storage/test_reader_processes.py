@@ -601,3 +601,19 @@ async def test_a_start_outlived_by_its_caller_is_stopped_with_the_backend(tmp_pa
             c.process.wait()
             c.conn.close()
 
+
+async def test_ctrl_c_leaves_the_children_to_the_parent(tmp_path: Path) -> None:
+    """SIGINT — what Ctrl-C sends to the whole process group — does not stop a child: the
+    parent decides when they stop (a server drains its requests first)."""
+    backend, kv, _ = await open_procs(tmp_path)
+    keys = await stored(backend, 8, "sigint")
+    readers = backend._readers
+    children = list(readers._children)
+    for child in children:
+        os.kill(child.process.pid, signal.SIGINT)
+    for child in children:  # answered after the signal: it survived it
+        assert await readers._request(child, ("ping",)) == ("ok",)
+    kv.buffer[8:16].fill_(0)
+    await reads_back(backend, kv, keys)
+    assert all(c.process.poll() is None and not c.dead for c in children)
+    await backend.aclose()
