@@ -278,7 +278,7 @@ class LocalDiskBackend(ObjectBackend):
         def read_range(stop: threading.Event, deadline: float, unit: tuple[int, int, int]) -> Any:
             return self._read_range(stop, deadline, items[unit[0]], unit[1], unit[2])
 
-        if not await self._processes_read(items):
+        if not self._processes_read(items):
             return item_outcomes(len(items), units, await self._in_jobs(read_range, units))
         assert self._readers is not None
         try:
@@ -293,13 +293,13 @@ class LocalDiskBackend(ObjectBackend):
                 results[k] = r
         return item_outcomes(len(items), units, results)
 
-    async def _processes_read(self, items: Sequence[BatchItem]) -> bool:
+    def _processes_read(self, items: Sequence[BatchItem]) -> bool:
         """Whether the reader processes read ``items``: there are some, every item's pool is in
-        shared memory, and the children are up or start now (else the threads read)."""
+        shared memory, and a child is up (else the threads read; none waits for a start)."""
         if self._readers is None or not all(item.pool.shared_memory is not None for item in items):
             return False
         try:
-            return await self._readers.available()
+            return self._readers.available()
         except BackendError:  # closed meanwhile
             return False
 

@@ -14,13 +14,21 @@ and takes each reply when the child's socket is readable — no thread of this p
 chunk is a few units, so a batch spreads over the children as they finish. A caller cancelled
 meanwhile still waits for the chunks in flight (a child must not write into a slot after the
 call that named it has returned); each unit has its own deadline, ``timeout_s`` from its
-start. A child that dies fails its chunks' units with :class:`ReaderLost` — the local disk
-reads those with its threads — and is started again at the next read; a child whose socket
-fails while it may still run is killed first, and its units fail only once it has exited. A
-child that does not answer its start within ``START_TIMEOUT_S`` (or ``timeout_s``, if longer),
-or a mapping within ``timeout_s`` for it and for each unit queued ahead of it, is killed. When no child can be started,
-:meth:`ReaderProcesses.available` says so (the threads read the batch) and a start is tried
-again only ``RETRY_START_S`` later.
+start, and a child that has not replied to a request (a chunk, a mapping) within ``timeout_s``
+for each unit queued ahead of it and for each of its own — stopped, or stuck in a system call —
+is killed. A child that dies fails its chunks' units with :class:`ReaderLost` — the local disk
+reads those with its threads — only once it has exited; a child whose socket fails while it may
+still run is killed first.
+
+A read uses the children that are up when it starts and never waits for a start: a child that
+is not up (dead, or never started) is started in the background, in a task of its own that
+stores it in its slot as soon as it is spawned, whatever happens to the read that asked. One
+that does not answer its start within ``START_TIMEOUT_S`` (or ``timeout_s``, if longer) is
+killed, and its slot is not started again before ``RETRY_START_S``; the other children, or the
+threads, read meanwhile. When no child is up, :meth:`ReaderProcesses.available` says so (the
+threads read the batch). Closing lets each child finish what it holds, and kills one that has
+not exited within ``CLOSE_GRACE_S``. Children ignore SIGINT (Ctrl-C reaches the whole process
+group): the parent decides when they stop.
 
 Children are fresh interpreters (``python -c``, a socket pair between them and this process)
 that import ``storage_backends.object_reads`` and what it needs, no torch: not forks of this
@@ -56,7 +64,7 @@ from storage_backends.workers import drain_future
 
 log = logging.getLogger("asynccache.storage")
 
-__all__ = ["RETRY_START_S", "START_TIMEOUT_S", "ReaderLost", "ReaderProcesses"]
+__all__ = ["CLOSE_GRACE_S", "RETRY_START_S", "START_TIMEOUT_S", "ReaderLost", "ReaderProcesses"]
 
 #: Units per message: enough to keep a child's pipe round trip small against its reads, few
 #: enough that the children share a batch's tail.
@@ -65,17 +73,24 @@ CHUNK_UNITS_MAX = 16
 #: perhaps busy with a forward pass, has not yet taken the last reply.
 CHUNKS_IN_FLIGHT = 2
 
-#: After every child failed to start, batches go to the threads for this long before a start is
-#: tried again.
+#: After a child failed to start, its slot is left empty for this long before a start is tried
+#: again (the other children, or the threads, read meanwhile).
 RETRY_START_S = 30.0
 #: A child that has not answered its first request within this long (or the backend's
 #: ``timeout_s``, if longer) is killed: a start takes a few hundred milliseconds.
 START_TIMEOUT_S = 30.0
+#: On close, a child that has not finished the requests it holds and exited within this long (a
+#: stopped or wedged one) is killed.
+CLOSE_GRACE_S = 5.0
 
 #: Where ``asynccache`` and ``storage_backends`` are. A child imports from them without running
-#: their ``__init__`` (which import torch): it starts in a fraction of a second and small.
+#: their ``__init__`` (which import torch): it starts in a fraction of a second and small. It
+#: ignores SIGINT from its first line: Ctrl-C reaches the whole process group, and the parent — a
+#: server draining its requests, say — decides when its children stop.
 _PACKAGES_ROOT = str(Path(__file__).resolve().parents[1])
 _CHILD = """\
+import signal
+signal.signal(signal.SIGINT, signal.SIG_IGN)
 import sys, types
 for name in ("asynccache", "storage_backends"):
     package = types.ModuleType(name)
@@ -104,6 +119,8 @@ class _Child:
     #: read chunks it may hold, all batches together
     room: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(CHUNKS_IN_FLIGHT))
     mapped: set[int] = field(default_factory=set)
+    #: answered its start and mapped the memories: reads may use it
+    up: bool = False
     watched: bool = False
     #: takes no more requests: it exited, or was killed and is being reaped (``reaping``)
     dead: bool = False
@@ -123,13 +140,15 @@ class ReaderProcesses:
         self._codec_args = (namespace, header_align, piece_bytes)  # a child's init, with timeout_s
         self._timeout_s = timeout_s
         self._children: list[_Child | None] = [None] * n
-        self._slot_locks = [asyncio.Lock() for _ in range(n)]  # one start of a child at a time
+        #: a slot's start, running as a task of its own: no caller's cancellation loses the child
+        self._starting: list[asyncio.Task[None] | None] = [None] * n
+        self._failed_at: list[float | None] = [None] * n  # when each slot's last start failed
+        self._slot_locks = [asyncio.Lock() for _ in range(n)]  # one mapping of a child's memories at a time
         #: id → (base address, size, the memory, weakly: a pool dropped is unmapped and freed)
         self._memories: dict[int, tuple[int, int, weakref.ref[SharedHostMemory]]] = {}
         self._ids: weakref.WeakKeyDictionary[SharedHostMemory, int] = weakref.WeakKeyDictionary()
         self._next_id = itertools.count()
         self._closed = False
-        self._failed_at: float | None = None  # when every child last failed to start
 
     # ---- memory ----
     def memory_id(self, memory: SharedHostMemory) -> int:
@@ -152,26 +171,38 @@ class ReaderProcesses:
         return tuple(out)
 
     async def start(self) -> None:
-        """Start every child now (each takes a few hundred milliseconds to import what it
-        needs), rather than at the first read."""
-        await asyncio.gather(*(self._ready(slot) for slot in range(self.n)))
+        """Start every child that is not up now (each takes a few hundred milliseconds to import
+        what it needs), rather than beside the first reads, and map every memory in each. A
+        child that cannot start is logged; reads start it again ``RETRY_START_S`` later."""
 
-    async def available(self) -> bool:
-        """Whether the children can take a batch: each is running with every memory mapped, or
-        one at least starts now. ``False`` when none can — the caller reads with threads — and
-        then for ``RETRY_START_S`` without trying again."""
+        async def start_one(slot: int) -> None:
+            if not self._is_up(slot) and (task := self._start_soon(slot, now=True)) is not None:
+                await asyncio.wait([task])  # a cancelled caller leaves the start to finish alone
+            await self._ready(slot)  # maps what was registered since
+
+        await asyncio.gather(*(start_one(slot) for slot in range(self.n)))
+
+    def available(self) -> bool:
+        """Whether a child can take a batch now: ``False`` when none is up — the caller reads
+        with threads. Never waits for a start: a child that is not up is started in the
+        background (at most once per ``RETRY_START_S`` after a failed start)."""
         if self._closed:
             raise BackendError("the backend was closed")
-        if self._failed_at is not None and time.monotonic() - self._failed_at < RETRY_START_S:
-            return False
-        got = await asyncio.gather(*(self._ready(slot) for slot in range(self.n)), return_exceptions=True)
-        errors = [g for g in got if isinstance(g, BaseException)]
-        if len(errors) < self.n:
-            self._failed_at = None
-            return True
-        self._failed_at = time.monotonic()
-        log.warning("no reader process could start (%s): the threads read for %.0f s", errors[0], RETRY_START_S)
-        return False
+        return bool(self._up_slots())
+
+    def _is_up(self, slot: int) -> bool:
+        child = self._children[slot]
+        return child is not None and child.up and not child.dead
+
+    def _up_slots(self) -> list[int]:
+        """The slots whose child is up; the others are started in the background."""
+        up = []
+        for slot in range(self.n):
+            if self._is_up(slot):
+                up.append(slot)
+            else:
+                self._start_soon(slot)
+        return up
 
     # ---- reading ----
     async def read(
@@ -182,15 +213,21 @@ class ReaderProcesses:
         if self._closed:
             raise BackendError("the backend was closed")
         results: list[RangeResult | BaseException] = [ReaderLost("not read")] * len(units)
-        chunk = max(1, min(CHUNK_UNITS_MAX, math.ceil(len(units) / (4 * self.n))))
+        slots = self._up_slots()  # a child being started takes no part: no read waits for a start
+        if not slots or not units:
+            return results
+        chunk = max(1, min(CHUNK_UNITS_MAX, math.ceil(len(units) / (4 * len(slots)))))
         starts = iter(range(0, len(units), chunk))
 
         async def drive(slot: int) -> None:
             try:
-                child = await self._ready(slot)
-            except Exception as e:  # noqa: BLE001 (cannot start or map: the others take the chunks)
+                maybe_child = await self._ready(slot)
+            except Exception as e:  # noqa: BLE001 (cannot map: the others take the chunks)
                 log.warning("reader process %d unavailable: %s", slot, e)
                 return  # chunks no child takes stay ReaderLost (the threads read them)
+            if maybe_child is None:  # died meanwhile
+                return
+            child = maybe_child
             inflight: deque[tuple[int, int, asyncio.Future[Any]]] = deque()
 
             # A child holds at most CHUNKS_IN_FLIGHT chunks of all batches together (its
@@ -241,36 +278,82 @@ class ReaderProcesses:
                 raise
 
         async with asyncio.TaskGroup() as tg:
-            for slot in range(min(self.n, math.ceil(len(units) / chunk))):
+            for slot in slots[: math.ceil(len(units) / chunk)]:
                 tg.create_task(drive(slot))
         return results
 
-    async def _ready(self, slot: int) -> _Child:
-        """Child ``slot``, started if it is not running, with every memory mapped."""
+    async def _ready(self, slot: int) -> _Child | None:
+        """Child ``slot`` with every memory mapped, if it is up; else ``None`` (it is started in
+        the background)."""
         async with self._slot_locks[slot]:
             if self._closed:
                 raise BackendError("the backend was closed")
             child = self._children[slot]
-            if child is None or child.dead:
-                if child is not None:
-                    await asyncio.to_thread(_stop_process, child)
-                child = await asyncio.to_thread(self._spawn)
-                self._children[slot] = child
-                # answered once the child has imported its modules
-                await self._request(child, ("ping",), kill_after_s=max(self._timeout_s, START_TIMEOUT_S))
-            for mem_id, (_, size, ref) in list(self._memories.items()):
-                memory = ref()
-                if memory is None:  # its pool is gone: free the mapping here and in the children
-                    self._memories.pop(mem_id, None)
-                elif mem_id not in child.mapped:
-                    reply = await self._request(child, ("map", mem_id, memory.path, size))
-                    if reply[0] != "ok":
-                        raise BackendError(f"reader process: {reply[1]}")
-                    child.mapped.add(mem_id)
-            for mem_id in child.mapped - self._memories.keys():
-                await self._request(child, ("unmap", mem_id))
-                child.mapped.discard(mem_id)
+            if child is None or not child.up or child.dead:
+                self._start_soon(slot)
+                return None
+            await self._map(child)
             return child
+
+    async def _map(self, child: _Child) -> None:
+        """Map every memory in ``child`` and unmap those whose pool is gone."""
+        for mem_id, (_, size, ref) in list(self._memories.items()):
+            memory = ref()
+            if memory is None:  # its pool is gone: free the mapping here and in the children
+                self._memories.pop(mem_id, None)
+            elif mem_id not in child.mapped:
+                reply = await self._request(child, ("map", mem_id, memory.path, size))
+                if reply[0] != "ok":
+                    raise BackendError(f"reader process: {reply[1]}")
+                child.mapped.add(mem_id)
+        for mem_id in child.mapped - self._memories.keys():
+            await self._request(child, ("unmap", mem_id))
+            child.mapped.discard(mem_id)
+
+    def _start_soon(self, slot: int, *, now: bool = False) -> asyncio.Task[None] | None:
+        """The start of child ``slot`` in progress, or a new one — unless the backend is closed
+        or (but ``now``) the slot's last start failed less than ``RETRY_START_S`` ago."""
+        task = self._starting[slot]
+        failed_at = self._failed_at[slot]
+        if task is None and not self._closed and (now or failed_at is None or time.monotonic() - failed_at >= RETRY_START_S):
+            task = asyncio.get_running_loop().create_task(self._start(slot), name=f"asynccache-reader-start-{slot}")
+            self._starting[slot] = task
+        return task
+
+    async def _start(self, slot: int) -> None:
+        """Start child ``slot`` (after stopping the dead one there): spawn it, wait for its
+        answer once it has imported its modules, map the memories. Runs as a task of its own,
+        which nothing cancels: the spawned child is in its slot — where :meth:`aclose` stops
+        it — in the step the spawn returns. A failure is logged, and the slot waits
+        ``RETRY_START_S``."""
+        loop = asyncio.get_running_loop()
+        child: _Child | None = None
+        try:
+            old = self._children[slot]
+            if old is not None:
+                await asyncio.to_thread(_stop_process, old)
+            if self._closed:
+                return
+            child = await asyncio.to_thread(self._spawn)
+            self._children[slot] = child
+            if self._closed:
+                return
+            await self._request(child, ("ping",), kill_after_s=max(self._timeout_s, START_TIMEOUT_S))
+            if self._closed:
+                return
+            await self._map(child)
+            child.up = not self._closed
+            self._failed_at[slot] = None
+        except Exception as e:  # noqa: BLE001 (nothing awaits a start: logged, tried again later)
+            if self._closed:
+                return
+            if child is not None and not child.dead:  # it answers, but cannot map: not used
+                self._abandon(child, loop, f"reader process could not start: {e}")
+            self._failed_at[slot] = time.monotonic()
+            log.warning("reader process %d could not start (%s): started again in %.0f s at the earliest",
+                        slot, e, RETRY_START_S)
+        finally:
+            self._starting[slot] = None
 
     def _spawn(self) -> _Child:
         try:
@@ -296,20 +379,30 @@ class ReaderProcesses:
             raise BackendError(f"cannot start a reader process: {e}") from None
         return child
 
-    def _send(self, child: _Child, msg: tuple[Any, ...]) -> asyncio.Future[Any]:
-        """Send ``msg``; the future gets the child's reply (or a BackendError if it died)."""
+    def _send(self, child: _Child, msg: tuple[Any, ...], *, kill_after_s: float | None = None) -> asyncio.Future[Any]:
+        """Send ``msg``; the future gets the child's reply (or a :class:`ReaderLost` if it
+        died). A child that has not replied within ``kill_after_s`` — by default ``timeout_s``
+        for each read unit queued ahead of this message and for each of its own (one for a
+        message that is not a read) — is killed: its requests fail once the end of its socket
+        shows that it has exited, and the kernel closes a dying process's files only after
+        unmapping its memory, so by then it writes into no slot."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         if child.dead:
             fut.set_exception(ReaderLost("reader process exited"))
             return fut
+        units = len(msg[1]) if msg[0] == "read" else 0
+        if kill_after_s is None:
+            kill_after_s = self._timeout_s * (child.queued_units() + max(units, 1))
         try:
             child.conn.send(msg)
         except OSError as e:  # this message never reached it whole; it may still be running
             fut.set_exception(ReaderLost(f"reader process lost: {e}"))
             self._abandon(child, loop, f"reader process lost: {e}")
             return fut
-        child.pending.append((fut, len(msg[1]) if msg[0] == "read" else 0))
+        child.pending.append((fut, units))
+        kill = loop.call_later(kill_after_s, _kill_unanswered, child, kill_after_s)
+        fut.add_done_callback(lambda _: kill.cancel())
         if not child.watched:
             loop.add_reader(child.conn.fileno(), self._on_readable, child, loop)
             child.watched = True
@@ -360,47 +453,59 @@ class ReaderProcesses:
         child.reaping = loop.create_task(reap(), name="asynccache-reader-reap")
 
     async def _request(self, child: _Child, msg: tuple[Any, ...], *, kill_after_s: float | None = None) -> Any:
-        """``msg``'s reply. A child that has not answered within ``kill_after_s`` — by default
-        ``timeout_s`` for this request and for each read unit queued ahead of it, each of which
-        has that long — is killed, and the request fails. A cancelled caller still waits for
-        the reply or the end."""
-        if kill_after_s is None:
-            kill_after_s = self._timeout_s * (1 + child.queued_units())
-        fut = self._send(child, msg)
-        kill = asyncio.get_running_loop().call_later(kill_after_s, _kill, child)
+        """``msg``'s reply (a child that does not answer in time is killed, see :meth:`_send`,
+        and the request fails). A cancelled caller still waits for the reply or the end."""
+        fut = self._send(child, msg, kill_after_s=kill_after_s)
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
             await drain_future(fut)
             raise
-        finally:
-            kill.cancel()
 
     async def aclose(self) -> None:
+        """Stop the children: each finishes the requests it holds and exits; one that has not
+        within ``CLOSE_GRACE_S`` (a stopped or wedged child) is killed. Starts in progress end
+        at their next step, their children stopped with the others."""
         self._closed = True
-        for lock in self._slot_locks:  # after any start in progress
-            async with lock:
-                pass
-        children = [c for c in self._children if c is not None]
-        self._children = [None] * self.n
-        for child in children:  # each finishes the requests it has, then exits
-            if not child.dead:
+        loop = asyncio.get_running_loop()
+        for child in self._children:  # each finishes the requests it has, then exits
+            if child is not None and not child.dead:
                 with contextlib.suppress(OSError):
                     child.conn.send(("exit",))
-        for child in children:
-            for fut, _ in list(child.pending):
-                await drain_future(fut)
-        loop = asyncio.get_running_loop()
+
+        def kill_all() -> None:  # those of starts still in progress included
+            for child in self._children:
+                if child is not None:
+                    _kill(child)
+
+        kill = loop.call_later(CLOSE_GRACE_S, kill_all)
+        try:
+            for task in list(self._starting):
+                if task is not None:
+                    await drain_future(task)
+            for child in list(self._children):
+                for fut, _ in list(child.pending) if child is not None else ():
+                    await drain_future(fut)
+        finally:
+            kill.cancel()
+        children = [c for c in self._children if c is not None]
+        self._children = [None] * self.n
         for child in children:
             self._lost(child, loop, "the backend was closed")
         self._memories.clear()
         self._ids = weakref.WeakKeyDictionary()  # a read planned after this gets new ids (and fails: closed)
-        await asyncio.gather(*(asyncio.to_thread(_stop_process, c) for c in children))
+        await asyncio.gather(*(asyncio.to_thread(_stop_process, c, CLOSE_GRACE_S) for c in children))
 
 
 def _kill(child: _Child) -> None:
     with contextlib.suppress(ProcessLookupError):
         child.process.kill()
+
+
+def _kill_unanswered(child: _Child, after_s: float) -> None:
+    if not child.dead:
+        log.warning("reader process %d did not answer within %.1f s: killed", child.process.pid, after_s)
+        _kill(child)
 
 
 def _stop_process(child: _Child, timeout_s: float = 5.0) -> None:

@@ -6,12 +6,15 @@ suite also runs on them: the ``disk-procs`` harness.)"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import gc
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import weakref
 from pathlib import Path
 
@@ -36,7 +39,8 @@ from storage_backends.reader_processes import _CHILD, _PACKAGES_ROOT
 
 
 async def open_procs(root: Path, *, shared: bool = True, **options: object):
-    backend = LocalDiskBackend(root.as_uri(), namespace=NAMESPACE, read_processes=2, fsync=False, **options)
+    options.setdefault("read_processes", 2)
+    backend = LocalDiskBackend(root.as_uri(), namespace=NAMESPACE, fsync=False, **options)
     kv, mamba = make_pools(16, seed=3, shared=shared)
     await backend.register_host_pool_v2(PoolName.KV, kv)
     await backend.register_host_pool_v2(PoolName.MAMBA, mamba)
@@ -122,7 +126,10 @@ async def test_a_child_killed_mid_read_costs_no_hit_and_no_wrong_byte(tmp_path: 
     monkeypatch.undo()
     kv.buffer[8:16].fill_(0)
     await reads_back(backend, kv, keys)
-    assert backend._readers._children[0] is not victim  # started again
+    async with asyncio.timeout(10):  # started again, beside the reads
+        while not backend._readers._is_up(0):
+            await asyncio.sleep(0.01)
+    assert backend._readers._children[0] is not victim
     await backend.aclose()
 
 
@@ -273,7 +280,8 @@ async def test_children_that_cannot_start_leave_the_reads_to_the_threads(tmp_pat
     backend, kv, _ = await open_procs(tmp_path)
     keys = await stored(backend, 4, "nostart")
     await backend._readers_start
-    for child in backend._readers._children:
+    readers = backend._readers
+    for child in readers._children:
         child.process.kill()
         child.process.wait()
     tries = []
@@ -284,19 +292,21 @@ async def test_children_that_cannot_start_leave_the_reads_to_the_threads(tmp_pat
         raise OSError(24, "Too many open files")
 
     monkeypatch.setattr(reader_processes.socket, "socketpair", no_fds)
-    for _ in range(4):  # dead children's units, then every unit, go to the threads: all hits
+    for _ in range(2):  # dead children's units, then every unit, go to the threads: all hits
         kv.buffer[8:12].fill_(0)
         await reads_back(backend, kv, keys)
-        if "no reader process could start" in caplog.text:
-            break
-    assert "no reader process could start" in caplog.text and tries
-    before = len(tries)
+    async with asyncio.timeout(10):  # the starts, beside the reads, fail
+        while len(tries) < 2 or any(readers._starting):
+            await asyncio.sleep(0.01)
+    assert "could not start" in caplog.text and not readers.available()
     await reads_back(backend, kv, keys)
-    assert len(tries) == before  # not tried again so soon
+    assert len(tries) == 2 and not any(readers._starting)  # not tried again so soon
     monkeypatch.setattr(reader_processes, "RETRY_START_S", 0.0)
     monkeypatch.setattr(reader_processes.socket, "socketpair", socketpair)
     await reads_back(backend, kv, keys)
-    assert all(c is not None and not c.dead for c in backend._readers._children)
+    async with asyncio.timeout(10):
+        while not all(readers._is_up(slot) for slot in range(2)):
+            await asyncio.sleep(0.01)
     assert backend.statistics().num_failures == 0
     await backend.aclose()
 
@@ -454,3 +464,156 @@ async def test_a_dropped_pool_is_unmapped_in_the_children_and_freed(tmp_path: Pa
     assert all(dropped_id not in c.mapped for c in backend._readers._children if c is not None)
     await backend.aclose()
     assert backend._readers._memories == {}
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, name: str, which=lambda *args: True) -> list[tuple]:
+    """The calls of ``ReaderProcesses.<name>`` for which ``which(*args)`` holds (they still run)."""
+    calls: list[tuple] = []
+    real = getattr(reader_processes.ReaderProcesses, name)
+
+    def counted(self: object, *args: object, **kwargs: object) -> object:
+        if which(*args):
+            calls.append(args)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(reader_processes.ReaderProcesses, name, counted)
+    return calls
+
+
+async def test_a_child_whose_restart_hangs_holds_up_no_read(tmp_path: Path, monkeypatch) -> None:
+    """Child 1 dies and its start hangs (an import from a stalled mount, say): every read goes
+    on at once with child 0 and the threads, while the start runs beside them; once it has
+    failed, that slot alone is not started again before ``RETRY_START_S``."""
+    monkeypatch.setattr(reader_processes, "START_TIMEOUT_S", 3.0)
+    backend, kv, _ = await open_procs(tmp_path, timeout_s=1.0)
+    keys = await stored(backend, 8, "restart")
+    readers = backend._readers
+    first, second = readers._children
+    second.process.kill()
+    second.process.wait()
+    monkeypatch.setattr(reader_processes, "_CHILD", "import time; time.sleep(3600)\n")
+    spawns = count_calls(monkeypatch, "_spawn")
+    first_reads = count_calls(monkeypatch, "_send", lambda child, msg: child is first and msg[0] == "read")
+    for _ in range(3):  # the first finds child 1 dead, the next ones start it again
+        kv.buffer[8:16].fill_(0)
+        async with asyncio.timeout(1.5):  # half of START_TIMEOUT_S
+            await reads_back(backend, kv, keys)
+    assert len(spawns) == 1 and first_reads and first.process.poll() is None
+    async with asyncio.timeout(10):  # the hung start is killed after START_TIMEOUT_S
+        while readers._children[1] is second or not readers._children[1].dead:
+            await asyncio.sleep(0.05)
+    assert readers._children[1].process.wait(5) is not None
+    await reads_back(backend, kv, keys)
+    assert len(spawns) == 1  # not tried again so soon
+    monkeypatch.setattr(reader_processes, "RETRY_START_S", 0.0)
+    monkeypatch.setattr(reader_processes, "_CHILD", _CHILD)
+    await reads_back(backend, kv, keys)
+    async with asyncio.timeout(10):
+        while not (readers._children[1].up and not readers._children[1].dead):
+            await asyncio.sleep(0.05)
+    assert len(spawns) == 2 and backend.statistics().num_failures == 0
+    await backend.aclose()
+
+
+async def test_a_child_that_stops_answering_is_killed_and_the_threads_read(tmp_path: Path) -> None:
+    """A child stopped with chunks in hand (SIGSTOP: a wedged child) is killed once its chunks
+    have had ``timeout_s`` for each unit, and the threads read their units: every unit is a
+    hit with the stored bytes."""
+    backend, kv, _ = await open_procs(tmp_path, timeout_s=0.2)
+    keys = await stored(backend, 8, "stopped")
+    stopped = backend._readers._children[0]
+    os.kill(stopped.process.pid, signal.SIGSTOP)
+    try:
+        kv.buffer[8:16].fill_(0)
+        reading = asyncio.create_task(reads_back(backend, kv, keys))
+        await asyncio.wait([reading], timeout=10)  # (a cancelled read would still wait for the child)
+        assert reading.done(), "the read waits for a stopped child"
+        await reading
+        assert stopped.dead and stopped.process.wait(5) is not None
+    finally:
+        stopped.process.kill()
+    await backend.aclose()
+
+
+async def test_closing_with_a_stopped_child_kills_it_after_a_grace_period(tmp_path: Path, monkeypatch) -> None:
+    """A read cancelled while a stopped child holds its chunk still waits for the child (the
+    chunk's ``timeout_s`` is long here); closing the backend kills the child after
+    ``CLOSE_GRACE_S``, and both return."""
+    monkeypatch.setattr(reader_processes, "CLOSE_GRACE_S", 0.5, raising=False)
+    backend, _, _ = await open_procs(tmp_path, timeout_s=600.0)
+    keys = await stored(backend, 8, "close-stopped")
+    children = list(backend._readers._children)
+    for child in children:
+        os.kill(child.process.pid, signal.SIGSTOP)
+    try:
+        reading = asyncio.create_task(backend.batch_get_v2([kv_transfer(keys, range(8, 16))]))
+        async with asyncio.timeout(10):
+            while not all(c.pending for c in children):
+                await asyncio.sleep(0.01)  # until both children hold chunks
+        reading.cancel()
+        closing = asyncio.create_task(backend.aclose())
+        await asyncio.wait([reading, closing], timeout=10)
+        assert closing.done() and reading.cancelled(), "closing waits for stopped children"
+        assert all(c.process.poll() is not None for c in children)
+    finally:
+        for child in children:
+            child.process.kill()
+
+
+async def test_a_start_outlived_by_its_caller_is_stopped_with_the_backend(tmp_path: Path, monkeypatch) -> None:
+    """A read that finds its child dead is cancelled while a new one is being spawned: the new
+    child is not lost — closing the backend stops it."""
+    backend, kv, _ = await open_procs(tmp_path, read_processes=1)
+    keys = await stored(backend, 2, "spawn")
+    (child,) = backend._readers._children
+    child.process.kill()
+    child.process.wait()
+    await reads_back(backend, kv, keys)  # the threads read: the child is found dead
+    assert child.dead
+    entered, gate, spawned = threading.Event(), threading.Event(), []
+    spawn = reader_processes.ReaderProcesses._spawn
+
+    def slow_spawn(self: object) -> object:
+        entered.set()
+        gate.wait(10)
+        spawned.append(spawn(self))
+        return spawned[-1]
+
+    monkeypatch.setattr(reader_processes.ReaderProcesses, "_spawn", slow_spawn)
+    reading = asyncio.create_task(backend.batch_get_v2([kv_transfer(keys, [8, 9])]))
+    try:
+        async with asyncio.timeout(10):
+            while not entered.is_set():
+                await asyncio.sleep(0.01)
+        reading.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reading
+        gate.set()
+        await backend.aclose()
+        async with asyncio.timeout(10):
+            while not spawned:
+                await asyncio.sleep(0.01)
+        assert all(c.process.poll() is not None for c in spawned), "a reader process outlives the backend"
+    finally:
+        gate.set()
+        for c in spawned:
+            c.process.kill()
+            c.process.wait()
+            c.conn.close()
+
+
+async def test_ctrl_c_leaves_the_children_to_the_parent(tmp_path: Path) -> None:
+    """SIGINT — what Ctrl-C sends to the whole process group — does not stop a child: the
+    parent decides when they stop (a server drains its requests first)."""
+    backend, kv, _ = await open_procs(tmp_path)
+    keys = await stored(backend, 8, "sigint")
+    readers = backend._readers
+    children = list(readers._children)
+    for child in children:
+        os.kill(child.process.pid, signal.SIGINT)
+    for child in children:  # answered after the signal: it survived it
+        assert await readers._request(child, ("ping",)) == ("ok",)
+    kv.buffer[8:16].fill_(0)
+    await reads_back(backend, kv, keys)
+    assert all(c.process.poll() is None and not c.dead for c in children)
+    await backend.aclose()
