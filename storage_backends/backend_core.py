@@ -102,6 +102,9 @@ class BackendCore(ABC):
     #: after a failed first-use setup, calls are misses for this long before it is tried again
     #: (a store that is down is not asked again by every call, each waiting ``timeout_s``)
     setup_retry_s: float = 1.0
+    #: how long a close waits for the calls in flight before it releases the resources they may
+    #: be stuck on (and then waits for them to end)
+    close_grace_s: float = 5.0
 
     def __init__(
         self,

@@ -41,6 +41,7 @@ calls (bad keys, unregistered pools, mismatched lengths) raise
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from types import TracebackType
 from typing import Self
 
@@ -115,7 +116,8 @@ class ObjectBackend(ExistsSearchMixin, BatchIOMixin):
     async def aclose(self) -> None:
         """Close the backend: no call starts any more (they raise :class:`BackendError`), the
         calls in flight start no more items (those fail: misses, skipped writes) and finish
-        the ones they have, then the backend's resources are released. Returns once that is
+        the ones they have (within ``close_grace_s``), then the backend's resources are
+        released and the calls still in flight are waited for. Returns once that is
         done: nothing writes into a host slot or sends a request for the backend after it.
         The close runs as a task of the backend, so a caller cancelled meanwhile does not cut
         it short; a repeated or concurrent call waits for the same close."""
@@ -127,8 +129,14 @@ class ObjectBackend(ExistsSearchMixin, BatchIOMixin):
     async def _shut_down(self) -> None:
         if self._setup is not None:
             self._setup.cancel()  # the calls waiting for it fail (closed)
-        await self._wait_calls_done()
+        # The calls in flight finish the items they have — within a grace period: one held by
+        # something stuck (a reader process that stopped answering, with a long ``timeout_s``)
+        # ends when releasing the resources stops what it waits for, and is waited for then.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.close_grace_s):
+                await self._wait_calls_done()
         await self._close()
+        await self._wait_calls_done()
 
     def statistics(self) -> BackendStatistics:
         cap = self._capacity

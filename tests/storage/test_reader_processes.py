@@ -541,6 +541,7 @@ async def test_closing_with_a_stopped_child_kills_it_after_a_grace_period(tmp_pa
     ``CLOSE_GRACE_S``, and both return."""
     monkeypatch.setattr(reader_processes, "CLOSE_GRACE_S", 0.5, raising=False)
     backend, _, _ = await open_procs(tmp_path, timeout_s=600.0)
+    backend.close_grace_s = 0.5  # then the children are stopped, with their own grace
     keys = await stored(backend, 8, "close-stopped")
     children = list(backend._readers._children)
     for child in children:
