@@ -69,12 +69,9 @@ _StepCopy = tuple[PoolName, "LayerCopy", int, int]
 _LoadStep = tuple[list[int], list[_StepCopy]]
 
 
-class LoadIssuer:
-    """Enqueues a step's merged loads (host → device) on the load stream, layer by layer.
-
-    Call from the event-loop thread only (the worker thread it starts enqueues a step's layers
-    left, and marks them on the counter through the loop).
-    """
+class _Issuer:
+    """What both directions' issuers hold: the controller's pools, the device and the copy
+    stream, the config, the statistics, and ``finish`` (to the direction's completion queue)."""
 
     def __init__(
         self,
@@ -91,7 +88,18 @@ class LoadIssuer:
         self.stream = stream
         self.config = config
         self._stats = stats
-        self._finish = finish  # to the load completion queue
+        self._finish = finish
+
+
+class LoadIssuer(_Issuer):
+    """Enqueues a step's merged loads (host → device) on the load stream, layer by layer.
+
+    Call from the event-loop thread only (the worker thread it starts enqueues a step's layers
+    left, and marks them on the counter through the loop).
+    """
+
+    def __init__(self, pools: dict[PoolName, tuple[ItemPool, ItemPool | None]], **common: Any) -> None:
+        super().__init__(pools, **common)
         self._pairs: dict[PoolName, PoolPair] = {}  # checked at the first load
         self._step_plans = StepPlans(pools)
         self._deferred_events: list[CudaEventLike] = []  # ordered before the next step's stream
@@ -258,26 +266,9 @@ class LoadIssuer:
         self._finish(ops, merged, last[0], error=None)
 
 
-class WriteIssuer:
+class WriteIssuer(_Issuer):
     """Issues a step's merged writes (device → host) on the write stream: one launch for all
     layers per pool."""
-
-    def __init__(
-        self,
-        pools: dict[PoolName, tuple[ItemPool, ItemPool | None]],
-        *,
-        device: torch.device,
-        stream: torch.cuda.Stream | None,
-        config: HybridCacheConfig,
-        stats: StatsRecorder,
-        finish: Callable[..., None],
-    ) -> None:
-        self.pools = pools  # the controller's (device, host) pools, by name
-        self.device = device
-        self.stream = stream
-        self.config = config
-        self._stats = stats
-        self._finish = finish  # to the write completion queue
 
     def issue(
         self, ops: list[CacheOperation], merged: dict[PoolName, MergedTransfer], copy: Callable[..., int]
