@@ -8,6 +8,15 @@ A host buffer can also live in shared memory (``shared=True``, :class:`SharedHos
 anonymous memory file mapped shared, pinned by registering it with the CUDA runtime, which
 other processes of the same user map by :attr:`SharedHostMemory.path` — the local disk's reader
 processes read objects straight into such a pool's slots.
+
+Host buffers are checked against what the machine has (:func:`host_limit_bytes`) before they
+are allocated; :func:`check_host_bytes` checks several together (pageable and shared buffers
+commit no memory until written, so each alone would pass).
+
+- :func:`allocate_bytes` — a pool's flat byte buffer (device, pinned, pageable or shared host);
+- :class:`SharedHostMemory` — host memory in a memory file another process can map;
+- :func:`host_limit_bytes`, :func:`check_host_bytes`, :func:`available_host_bytes`,
+  :func:`pinning_available`.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import functools
 import mmap
 import os
 import weakref
+from collections.abc import Mapping
 
 import torch
 
@@ -26,11 +36,24 @@ from asynccache.errors import (
     SharedMemoryError,
 )
 
-__all__ = ["HOST_ALIGN", "SharedHostMemory", "allocate_bytes", "available_host_bytes", "pinning_available"]
+__all__ = [
+    "HOST_ALIGN",
+    "HOST_LIMIT_ENV",
+    "SharedHostMemory",
+    "allocate_bytes",
+    "available_host_bytes",
+    "check_host_bytes",
+    "host_limit_bytes",
+    "pinning_available",
+]
 
 #: Pageable host buffers start on a 4 KiB boundary, so that storage can read into them with
 #: ``O_DIRECT`` (direct reads fall back to the page cache for views that are not aligned).
 HOST_ALIGN = 4096
+
+#: The environment variable that caps host memory for pools (a whole number of bytes; ``0`` or
+#: unset: MemAvailable).
+HOST_LIMIT_ENV = "ASYNCCACHE_HOST_LIMIT_BYTES"
 
 
 @functools.cache
@@ -55,6 +78,39 @@ def available_host_bytes() -> int | None:
     except OSError:
         return None
     return None
+
+
+def host_limit_bytes() -> int | None:
+    """The host memory pools may take: :data:`HOST_LIMIT_ENV` when set to a positive number of
+    bytes, else MemAvailable (None where unknown). A value that is not a whole number of bytes
+    is a :class:`ConfigError`."""
+    raw = os.environ.get(HOST_LIMIT_ENV, "").strip()
+    if raw:
+        try:
+            limit = int(raw)
+        except ValueError:
+            raise ConfigError(f"{HOST_LIMIT_ENV} must be a whole number of bytes, got {raw!r}") from None
+        if limit < 0:
+            raise ConfigError(f"{HOST_LIMIT_ENV} must be >= 0 bytes, got {raw!r}")
+        if limit:
+            return limit
+    return available_host_bytes()
+
+
+def check_host_bytes(sizes: Mapping[str, int]) -> None:
+    """Raise :class:`CapacityError` unless host buffers of ``sizes`` (bytes, by name) fit in
+    :func:`host_limit_bytes` together."""
+    total = sum(sizes.values())
+    limit = host_limit_bytes()
+    if limit is None or total <= limit:
+        return
+    if len(sizes) == 1:
+        ((what, nbytes),) = sizes.items()
+        raise CapacityError(f"{what}: {nbytes} bytes requested but only {limit} bytes of host memory are available")
+    parts = " + ".join(f"{what} {nbytes}" for what, nbytes in sizes.items())
+    raise CapacityError(
+        f"host pools of {parts} = {total} bytes requested together but only {limit} bytes of host memory are available"
+    )
 
 
 class SharedHostMemory:
@@ -112,10 +168,7 @@ def allocate_bytes(
             return torch.empty(nbytes, dtype=torch.uint8, device=device), False, None
         except torch.OutOfMemoryError as e:
             raise CapacityError(f"{what}: cannot allocate {nbytes} bytes on {device}: {e}") from e
-    avail = available_host_bytes()
-    limit = int(os.environ.get("ASYNCCACHE_HOST_LIMIT_BYTES", "0")) or avail
-    if limit is not None and nbytes > limit:
-        raise CapacityError(f"{what}: {nbytes} bytes requested but only {limit} bytes of host memory are available")
+    check_host_bytes({what: nbytes})
     do_pin = pinning_available() if pin is None else pin
     if do_pin and not pinning_available():
         raise PinningError(f"{what}: pinned host memory was demanded but no accelerator can pin memory here")

@@ -333,6 +333,15 @@ def test_size_over_available_host_memory_raises(monkeypatch: pytest.MonkeyPatch)
         MambaPoolHost(spec, size_bytes=1 << 30)
 
 
+@pytest.mark.parametrize("value", ["1GiB", "1e9", "-1"])
+def test_a_host_limit_that_is_not_a_number_of_bytes_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv(LIMIT_ENV, value)
+    with pytest.raises(ConfigError, match=LIMIT_ENV):
+        HostKVPool(make_spec(), num_pages=1)
+
+
 def test_device_pools_on_cpu_obey_the_host_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = make_spec()
     monkeypatch.setenv(LIMIT_ENV, "1024")
