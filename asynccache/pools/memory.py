@@ -21,6 +21,7 @@ commit no memory until written, so each alone would pass).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import mmap
 import os
@@ -118,28 +119,38 @@ class SharedHostMemory:
     :attr:`tensor` is a flat uint8 view of it (page-aligned). While this object lives another
     process of the same user maps the same memory by opening :attr:`path`. With ``pin`` the
     mapping is registered with the CUDA runtime (page-locked, as pinned memory), and
-    unregistered when this object is collected."""
+    unregistered when this object is collected. A failure once the memory file is made is a
+    :class:`SharedMemoryError` (caused by the error), the file and its mapping released."""
 
     def __init__(self, size: int, *, pin: bool, what: str) -> None:
         if size <= 0:
             raise ValueError(f"{what}: shared memory needs a positive size, got {size}")
         self.size = size
+        self.pinned = False
         self._fd = os.memfd_create(f"asynccache-{what}", os.MFD_CLOEXEC)
+        mapping: mmap.mmap | None = None
         try:
             os.ftruncate(self._fd, size)
-            self._map = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError:
+            mapping = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._map = mapping
+            self.tensor = torch.frombuffer(mapping, dtype=torch.uint8)
+            if pin:
+                rt = torch.cuda.cudart()
+                err = rt.cudaHostRegister(self.tensor.data_ptr(), size, 0)
+                if int(err) != 0:
+                    raise SharedMemoryError(f"{what}: cudaHostRegister of {size} bytes of shared memory failed ({err})")
+                self.pinned = True
+        except BaseException as e:
+            # Nothing is registered (registering is the last step): the mapping and the memory
+            # file are all there is to give back. The tensor goes first: it holds the mapping.
+            self.tensor = None  # type: ignore[assignment]
+            if mapping is not None:
+                with contextlib.suppress(BufferError):  # a view still exported: unmapped when collected
+                    mapping.close()
             os.close(self._fd)
-            raise
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.pinned = False
-        if pin:
-            rt = torch.cuda.cudart()
-            err = rt.cudaHostRegister(self.tensor.data_ptr(), size, 0)
-            if int(err) != 0:
-                os.close(self._fd)
-                raise SharedMemoryError(f"{what}: cudaHostRegister of {size} bytes of shared memory failed ({err})")
-            self.pinned = True
+            if isinstance(e, SharedMemoryError) or not isinstance(e, Exception):
+                raise
+            raise SharedMemoryError(f"{what}: cannot set up {size} bytes of shared memory: {e}") from e
         weakref.finalize(self, _release_shared, self._fd, self.tensor.data_ptr() if pin else None)
 
     @property
