@@ -22,6 +22,7 @@ from asynccache.config import HybridCacheConfig
 from asynccache.controller import HybridCacheController
 from asynccache.errors import ConfigError, SharedMemoryError
 from asynccache.pools import DeviceKVPool, DeviceMambaPool, HostKVPool, MambaPoolHost
+from asynccache.pools.memory import check_host_bytes
 from asynccache.spec import HybridSpec
 from asynccache.storage import StorageBackend, open_backend, storage_scheme
 
@@ -141,23 +142,28 @@ class HybridCache:
         self.tree.write_back = self.controller.write_back
 
     def _host_pools(self, shared: bool, *, materialize: bool) -> tuple[HostKVPool | None, MambaPoolHost | None]:
-        config = self.config
+        config, spec = self.config, self.spec
+        wanted = (
+            (HostKVPool, config.host_kv_bytes, spec.kv_page_bytes, "host_kv_bytes"),
+            (MambaPoolHost, config.host_state_bytes, spec.state_bytes, "host_state_bytes"),
+        )
+        for _, size, unit, what in wanted:
+            if 0 < size < unit:  # a pool of no items would still count as a tier
+                raise ConfigError(f"{what} ({size}) does not hold one item ({unit} bytes)")
+        if materialize:
+            # Together, before either is made: a pageable or shared buffer commits no memory until
+            # written, so each checked alone against what is available would pass.
+            check_host_bytes({what: size - size % unit for _, size, unit, what in wanted if size > 0 and unit > 0})
 
-        def pool(cls: type[HostKVPool | MambaPoolHost], size: int, unit: int, what: str) -> Any:
+        def pool(cls: type[HostKVPool | MambaPoolHost], size: int) -> Any:
             if size <= 0:
                 return None
-            if 0 < unit and size < unit:  # a pool of no items would still count as a tier
-                raise ConfigError(f"{what} ({size}) does not hold one item ({unit} bytes)")
             return cls(
-                self.spec, size_bytes=size, layout=config.host_layout, pin=config.pin_host_memory,
+                spec, size_bytes=size, layout=config.host_layout, pin=config.pin_host_memory,
                 materialize=materialize, shared=shared,
             )  # fmt: skip
 
-        spec = self.spec
-        return (
-            pool(HostKVPool, config.host_kv_bytes, spec.kv_page_bytes, "host_kv_bytes"),
-            pool(MambaPoolHost, config.host_state_bytes, spec.state_bytes, "host_state_bytes"),
-        )
+        return pool(HostKVPool, config.host_kv_bytes), pool(MambaPoolHost, config.host_state_bytes)
 
     @classmethod
     def build(cls, spec: HybridSpec, config: HybridCacheConfig, **kwargs: Any) -> HybridCache:

@@ -23,16 +23,24 @@ def as_int(value: object) -> int | None:
 
 
 def check_int(name: str, value: Any, *, minimum: int) -> int:
-    """``value`` if it is an ``int`` (not a ``bool``) of at least ``minimum``, else a ConfigError."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+    """``value`` as an ``int`` if it is an integer (Python or NumPy; not a ``bool``) of at least
+    ``minimum``, else a ConfigError."""
+    n = as_int(value)
+    if n is None or n < minimum:
         raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
+    return n
 
 
 def check_seconds(name: str, value: Any, *, zero: bool = False) -> float:
     """``value`` as seconds if it is a finite positive number (or zero, with ``zero``), else a
     ConfigError."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf or (value == 0 and not zero):
+    seconds = math.nan
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int beyond every float: no finite number of seconds
+            seconds = math.inf
+    if not 0 <= seconds < math.inf or (seconds == 0 and not zero):
         bound = ">= 0" if zero else "> 0"
         raise ConfigError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
-    return float(value)
+    return seconds

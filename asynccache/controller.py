@@ -359,12 +359,15 @@ class HybridCacheController:
     ) -> None:
         # `merged` (the merged transfers) is captured so its index tensors live until the copy
         # has completed.
-        def done() -> None:
+        def done(sync_error: BaseException | None) -> None:
             del_merged = merged  # noqa: F841 - keeps the index tensors alive until here
+            # A copy that issued fine can still fail on the stream (the event's synchronize
+            # raised: a CUDA fault); its ops are undone like those of a failed issue.
+            failed = error if error is not None else sync_error
             # A failed step is undone newest first: a later op's nodes may hang below an
             # earlier op's.
-            for op in ops if error is None else reversed(ops):
-                self._ops.complete(op, error, tiering=self.tiering)
+            for op in ops if failed is None else reversed(ops):
+                self._ops.complete(op, failed, tiering=self.tiering)
 
         completion.submit(event, done)
 

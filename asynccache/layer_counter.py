@@ -12,7 +12,8 @@ Primitives:
   CUDA stream wait on the layer's event unless that stream already waits on it (layers copied
   together share one event): one ``cudaStreamWaitEvent`` on raw handles, a few microseconds;
   stream-ordered, the host never synchronises. A layer the counter does not track (nothing to
-  load, or another pipeline stage's layer) returns at once.
+  load, or another pipeline stage's layer) returns at once. An id may be any integer (a 0-d
+  tensor, a NumPy integer); anything else is a :class:`ConfigError`, not an untracked layer.
 - ``cuda_event(layer_id)`` — the event recorded after that layer's copy (benchmarks time it:
   ``kernels.cudart.elapsed_ms``); a ``kernels.cudart.CudaEvent`` from the controller, or a
   ``torch.cuda.Event`` where the runtime library does not load.
@@ -28,10 +29,20 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
-from asynccache.errors import TransferError
+from asynccache.checks import as_int
+from asynccache.errors import ConfigError, TransferError
 from asynccache.streams import CudaEventLike, current_stream, make_wait
 
 __all__ = ["CudaEventLike", "LayerTransferCounter"]
+
+
+def _layer_id(value: object) -> int:
+    """``value`` as a layer id: an integer of any type (``operator.index``), else ConfigError.
+    An id of another type would not be found among the tracked ints and count as untracked."""
+    n = as_int(value)
+    if n is None:
+        raise ConfigError(f"a layer id must be an integer, got {value!r}")
+    return n
 
 
 class _State:
@@ -80,11 +91,15 @@ class LayerTransferCounter:
 
     def is_enqueued(self, layer_id: int) -> bool:
         """True once the layer is marked (or the counter failed, or it is not tracked)."""
+        if type(layer_id) is not int:
+            layer_id = _layer_id(layer_id)
         state = self._state
         return layer_id not in self._tracked or layer_id in state.cuda_events or state.error is not None
 
     def cuda_event(self, layer_id: int) -> CudaEventLike | None:
         """The event recorded after ``layer_id``'s copy (``None``: not marked, or on CPU)."""
+        if type(layer_id) is not int:
+            layer_id = _layer_id(layer_id)
         return self._state.cuda_events.get(layer_id)
 
     def fail(self, exc: BaseException) -> None:
@@ -95,6 +110,8 @@ class LayerTransferCounter:
             waiter.set()
 
     async def wait(self, layer_id: int) -> None:
+        if type(layer_id) is not int:  # the forward's own ints cost one type check
+            layer_id = _layer_id(layer_id)
         if layer_id not in self._tracked:
             return
         state = self._state

@@ -4,12 +4,12 @@ Primitives:
 
 - :class:`OpState` — ``QUEUED → ISSUED → DONE`` (or ``CANCELLED`` / ``FAILED`` before issue).
 - :class:`CacheOperation` — a batch of :class:`PoolTransfer` (one per pool: host indices ↔ device
-  indices), for loads the transfers that may land after every layer of the step (``deferred``),
+  indices, as many of each; else :class:`TransferError` at construction), for loads the transfers that may land after every layer of the step (``deferred``),
   the tree plan it serves, a priority, and an asyncio future completed when its copy has
   finished on the device. Awaitable.
 - :func:`CacheOperation.merge_ops` — concatenate the transfers of many queued operations into
   one per pool, so a scheduler step issues one launch per layer (loads) or one launch for all
-  layers (writes) however many requests are involved.
+  layers (writes) however many requests are involved. The operations must be of one kind.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from asynccache.errors import TransferError
 from asynccache.storage import PoolName, PoolTransfer
 
 __all__ = ["OpKind", "OpState", "CacheOperation", "MergedTransfer"]
@@ -75,11 +76,11 @@ class CacheOperation:
     ) -> None:
         self.op_id = next(_ids)
         self.kind = kind
-        self.transfers = {t.pool_name: t for t in transfers if t.num_items}
+        self.transfers = _by_pool(transfers, "transfers")
         #: Loads nothing in the step's forward reads (a loaded boundary state's node slot, when the
         #: caller's working slot gets the state layer by layer): copied for all layers at once,
         #: after the step's layers.
-        self.deferred = {t.pool_name: t for t in deferred if t.num_items}
+        self.deferred = _by_pool(deferred, "deferred")
         self.plan = plan
         self.priority = priority
         self.state = OpState.QUEUED
@@ -101,9 +102,12 @@ class CacheOperation:
     @staticmethod
     def merge_ops(ops: Sequence[CacheOperation], *, deferred: bool = False) -> dict[PoolName, MergedTransfer]:
         """One :class:`MergedTransfer` per pool over every operation in ``ops`` (in order): of
-        their ``transfers``, or of their ``deferred`` transfers."""
+        their ``transfers``, or of their ``deferred`` transfers. :class:`TransferError` when
+        ``ops`` mixes loads and writes (their indices run in opposite directions)."""
         by_pool: dict[PoolName, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for op in ops:
+            if op.kind is not ops[0].kind:
+                raise TransferError(f"cannot merge {ops[0].kind.value} and {op.kind.value} operations")
             for name, t in (op.deferred if deferred else op.transfers).items():
                 hosts, devs = by_pool.setdefault(name, ([], []))
                 hosts.append(t.host_indices)
@@ -112,6 +116,26 @@ class CacheOperation:
             name: MergedTransfer(pool_name=name, host_indices=_cat(h), device_indices=_cat(d))
             for name, (h, d) in by_pool.items()
         }
+
+
+def _by_pool(transfers: Sequence[PoolTransfer], what: str) -> dict[PoolName, PoolTransfer]:
+    """``transfers`` by pool, the empty ones left out. A second transfer of one pool (it would
+    replace the first) and unequal host and device index counts (a merge would pair one op's
+    host pages with another's device pages) raise :class:`TransferError`."""
+    by_pool: dict[PoolName, PoolTransfer] = {}
+    seen: set[PoolName] = set()
+    for t in transfers:
+        if t.pool_name in seen:
+            raise TransferError(f"{what}: two transfers of pool {t.pool_name.value} in one operation")
+        seen.add(t.pool_name)
+        num_host, num_device = t.host_indices.numel(), t.device_indices.numel()
+        if num_host != num_device:
+            raise TransferError(
+                f"{what}: the {t.pool_name.value} transfer has {num_host} host indices and {num_device} device indices"
+            )
+        if num_host:
+            by_pool[t.pool_name] = t
+    return by_pool
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:

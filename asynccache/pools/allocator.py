@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from asynccache.checks import as_int
 from asynccache.errors import AllocationError, ConfigError
 
 __all__ = ["IndexAllocator"]
@@ -22,10 +23,11 @@ class IndexAllocator:
     """Allocator of indices ``0 … size-1`` (lowest indices handed out first after a reset)."""
 
     def __init__(self, size: int, *, name: str = "pool") -> None:
-        if size < 0:
-            raise ConfigError(f"{name}: allocator size must be >= 0, got {size}")
+        n = as_int(size)  # NumPy integers too; a float or a bool would size some other pool
+        if n is None or n < 0:
+            raise ConfigError(f"{name}: allocator size must be an int >= 0, got {size!r}")
         self.name = name
-        self.size = size
+        self.size = size = n
         # Stack: the end of the list is handed out first, so keep it in descending order.
         self._free: list[int] = list(range(size - 1, -1, -1))
         self._allocated = np.zeros(size, dtype=np.bool_)
@@ -40,6 +42,11 @@ class IndexAllocator:
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """``n`` free indices (int64 tensor), or ``None`` if fewer than ``n`` are free."""
+        if type(n) is not int:  # the common case costs one type check
+            count = as_int(n)  # NumPy integers too; True would allocate one, 2.0 fail in slicing
+            if count is None:
+                raise ConfigError(f"{self.name}: cannot allocate {n!r} indices (not an integer)")
+            n = count
         if n < 0:
             raise ConfigError(f"{self.name}: cannot allocate {n} indices")
         if n > len(self._free):
@@ -92,7 +99,10 @@ def _as_numpy(indices: torch.Tensor | Iterable[int]) -> np.ndarray:
         if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
             raise AllocationError(f"indices must be an integer tensor, got {indices.dtype}")
         return indices.detach().to("cpu", torch.int64).numpy().reshape(-1)
-    arr = np.asarray(indices if isinstance(indices, np.ndarray) else list(indices))
+    try:
+        arr = np.asarray(indices if isinstance(indices, np.ndarray) else list(indices))
+    except TypeError:  # a scalar (free([i]) was meant)
+        raise AllocationError(f"indices must be a tensor or a sequence of indices, got {indices!r}") from None
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
     # As for tensors: a float (or bool) would be truncated to some other index.

@@ -24,11 +24,23 @@ from enum import Enum
 
 import torch
 
+from asynccache.checks import as_int
 from asynccache.errors import ConfigError
 from asynccache.pools.allocator import IndexAllocator
 from asynccache.pools.memory import SharedHostMemory, allocate_bytes
 
-__all__ = ["PoolLayout", "ItemPool"]
+__all__ = ["ItemPool", "PoolLayout", "check_size"]
+
+
+def check_size(what: str, argument: str, value: object) -> int:
+    """``value`` (a pool's size argument) as an int >= 0, NumPy integers taken as ints; else a
+    ConfigError naming ``argument`` (a float would fail deep in torch, a bool size 0 or 1)."""
+    n = as_int(value)
+    if n is None:
+        raise ConfigError(f"{what}: {argument} must be an int, got {value!r}")
+    if n < 0:
+        raise ConfigError(f"{what}: {argument} must be >= 0, got {value!r}")
+    return n
 
 
 class PoolLayout(str, Enum):
@@ -59,8 +71,8 @@ class ItemPool:
         materialize: bool = True,
         shared: bool = False,
     ) -> None:
-        if num_items < 0:
-            raise ConfigError(f"{name}: num_items must be >= 0, got {num_items}")
+        num_items = check_size(name, "num_items", num_items)
+        item_bytes = check_size(name, "item_bytes", item_bytes)
         if item_bytes <= 0 and layer_ids:
             raise ConfigError(f"{name}: item_bytes must be positive, got {item_bytes}")
         self.name = name

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from asynccache.pools.base import ItemPool, PoolLayout
+from asynccache.pools.base import ItemPool, PoolLayout, check_size
 from asynccache.pools.views import KVViews, StateViews
 from asynccache.spec import HybridSpec
 
@@ -26,7 +26,7 @@ class DeviceKVPool(KVViews, ItemPool):
         super().__init__(
             name="device_kv",
             layer_ids=spec.attention_layer_ids,
-            num_items=num_pages,
+            num_items=check_size("device_kv", "num_pages", num_pages),
             item_bytes=spec.kv_item_bytes,
             layout=PoolLayout.LAYER_FIRST,
             device=device,
@@ -45,7 +45,7 @@ class DeviceMambaPool(StateViews, ItemPool):
         super().__init__(
             name="device_mamba",
             layer_ids=spec.mamba_layer_ids,
-            num_items=num_slots,
+            num_items=check_size("device_mamba", "num_slots", num_slots),
             item_bytes=max(spec.state_item_bytes, 1),
             layout=PoolLayout.LAYER_FIRST,
             device=device,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from asynccache.errors import ConfigError
-from asynccache.pools.base import ItemPool, PoolLayout
+from asynccache.pools.base import ItemPool, PoolLayout, check_size
 from asynccache.pools.views import KVViews, StateViews
 from asynccache.spec import HybridSpec
 
@@ -35,12 +35,9 @@ def resolve_num_items(
     if sum(given) != 1:
         raise ConfigError(f"{what}: give exactly one of size_bytes, {num_items_name}, ratio")
     if num_items is not None:
-        if num_items < 0:
-            raise ConfigError(f"{what}: {num_items_name} must be >= 0")
-        return num_items
+        return check_size(what, num_items_name, num_items)
     if size_bytes is not None:
-        if size_bytes < 0:
-            raise ConfigError(f"{what}: size_bytes must be >= 0")
+        size_bytes = check_size(what, "size_bytes", size_bytes)
         if bytes_per_index <= 0:
             # A pool without layers has zero-byte items: any byte budget would mean unbounded items.
             raise ConfigError(f"{what}: the pool has no layers, so size_bytes cannot size it; give {num_items_name}")

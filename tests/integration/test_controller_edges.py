@@ -358,3 +358,54 @@ async def test_a_close_retried_after_a_cancelled_one_waits_for_the_backend() -> 
     async with asyncio.timeout(5):
         await retry
     assert closed
+
+
+class _FaultedEvent:
+    """A stream's end event whose copies faulted: ``synchronize()`` raises (a CUDA error)."""
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+async def test_a_copy_that_faults_on_its_stream_fails_its_ops_and_close_returns() -> None:
+    """The completion tasks run as on CUDA, and the end events of a step's loads and of a backup
+    report a fault when waited on: the ops fail and give their pages back, the queue goes on,
+    and the cache closes instead of draining a queue nobody runs."""
+    cache = HybridCache(SPEC, config())
+    before = free_counts(cache)
+    ctrl, tree = cache.controller, cache.tree
+    ctrl._cuda = True  # start the completion tasks, as on CUDA
+    async with asyncio.timeout(10):
+        async with cache:
+            tokens = list(range(1, 4 * PAGE + 1))
+            await backed_up(cache, insert(cache, tokens).backup_nodes)
+            cache.flush_device()
+            for issuer in (ctrl._loads, ctrl._writes):
+                real = issuer._finish
+
+                def faulted(ops: Any, merged: Any, event: Any, *, error: Any, real: Any = real) -> None:
+                    real(ops, merged, _FaultedEvent(), error=error)
+
+                issuer._finish = faulted
+            match = tree.match_prefix(tokens)
+            op = ctrl.load(match)
+            assert op is not None
+            ctrl.start_loading()
+            with pytest.raises(TransferError, match="illegal memory access"):
+                await op
+            assert tree.stats().num_active_plans == 0 and match.last_node.loading == 0
+            other = list(range(500, 500 + 2 * PAGE))
+            backup = ctrl.write(insert(cache, other).backup_nodes)
+            assert backup is not None
+            ctrl.start_writing()
+            with pytest.raises(TransferError, match="illegal memory access"):
+                await backup
+            assert tree.match_prefix(other).num_host_tokens == 0
+            assert not any(t.done() for t in ctrl._tasks)  # the completion tasks go on
+            cache.flush_device()
+            cache.flush_host()
+            tree.check_integrity()
+    assert free_counts(cache) == before

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asynccache.errors import AllocationError
+from asynccache.errors import AllocationError, ConfigError
 from asynccache.pools.allocator import IndexAllocator
 
 
@@ -89,6 +89,37 @@ def test_negative_alloc_raises() -> None:
 def test_negative_size_raises() -> None:
     with pytest.raises(ValueError, match="size"):
         IndexAllocator(-1)
+
+
+@pytest.mark.parametrize("bad", [True, 2.0, 2.5, "2"])
+def test_a_count_that_is_not_an_integer_is_refused(bad: object) -> None:
+    """``alloc(True)`` would hand out one index, ``alloc(2.0)`` fail deep in slicing."""
+    alloc = make_allocator(4)
+    with pytest.raises(ConfigError, match=f"cannot allocate {bad!r} indices"):
+        alloc.alloc(bad)  # type: ignore[arg-type]
+    assert alloc.num_free == 4
+    with pytest.raises(ConfigError, match="allocator size"):
+        IndexAllocator(bad)  # type: ignore[arg-type]
+
+
+def test_numpy_integer_counts_are_taken_as_ints() -> None:
+    import numpy as np
+
+    alloc = IndexAllocator(np.int64(4))
+    assert type(alloc.size) is int and alloc.size == 4
+    held = alloc.alloc(np.int32(2))
+    assert held is not None and held.tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("scalar", [1, "numpy"])
+def test_a_scalar_given_to_free_is_refused_by_name(scalar: object) -> None:
+    import numpy as np
+
+    alloc = make_allocator(4)
+    assert alloc.alloc(2) is not None
+    with pytest.raises(AllocationError, match="a tensor or a sequence of indices"):
+        alloc.free(np.int64(1) if scalar == "numpy" else scalar)  # type: ignore[arg-type]
+    assert alloc.num_free == 2
 
 
 def test_double_free_raises_and_frees_nothing_of_that_call() -> None:

@@ -67,6 +67,29 @@ def test_a_pool_too_large_for_the_machine_fails_before_its_free_list_is_built(mo
         HostKVPool(SPEC, num_pages=(64 << 20) // SPEC.kv_page_bytes, pin=False)
 
 
+def test_host_pools_too_large_together_are_refused_before_either_is_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pageable and shared buffers commit nothing until written: each pool alone fits what the
+    machine has, both together do not, and neither is allocated."""
+    kv_bytes, state_bytes = 6 * SPEC.kv_page_bytes, 6 * SPEC.state_bytes
+    monkeypatch.setenv("ASYNCCACHE_HOST_LIMIT_BYTES", str(kv_bytes + state_bytes - 1))
+    made: list[str] = []
+    real = pool_base.allocate_bytes
+
+    def recorded(nbytes: int, **kwargs: Any) -> Any:
+        made.append(kwargs["what"])
+        return real(nbytes, **kwargs)
+
+    monkeypatch.setattr(pool_base, "allocate_bytes", recorded)
+    config = HybridCacheConfig(**BASE, host_kv_bytes=kv_bytes, host_state_bytes=state_bytes, pin_host_memory=False)
+    with pytest.raises(CapacityError, match=f"host_kv_bytes {kv_bytes} \\+ host_state_bytes {state_bytes}"):
+        HybridCache(SPEC, config)
+    assert made == ["device_kv", "device_mamba"]
+    # Either alone fits.
+    HostKVPool(SPEC, size_bytes=kv_bytes, pin=False)
+    cache = HybridCache(SPEC, HybridCacheConfig(**BASE, host_kv_bytes=kv_bytes, pin_host_memory=False))
+    assert cache.host_kv is not None and cache.host_kv.size_bytes == kv_bytes
+
+
 @pytest.mark.parametrize(
     "uri",
     [

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
+import torch
 
-from asynccache.errors import TransferError
+from asynccache.errors import ConfigError, TransferError
 from asynccache.layer_counter import LayerTransferCounter
 
 
@@ -82,3 +84,27 @@ def test_a_failed_counter_reports_every_layer_as_done_for_pollers() -> None:
     counter = LayerTransferCounter([0, 1])
     counter.fail(RuntimeError("boom"))
     assert counter.is_enqueued(0) and counter.is_enqueued(1)
+
+
+async def test_an_integer_layer_id_of_another_type_waits_for_that_layer() -> None:
+    """A model may pass a 0-d tensor or a NumPy integer: it names the same layer (the forward
+    must not read KV that is still being loaded)."""
+    counter = LayerTransferCounter([4])
+    waiters = [asyncio.ensure_future(counter.wait(lid)) for lid in (torch.tensor(4), np.int64(4))]
+    await asyncio.sleep(0)
+    assert not any(w.done() for w in waiters)
+    assert not counter.is_enqueued(torch.tensor(4))
+    counter.mark_enqueued(4)
+    async with asyncio.timeout(1):
+        await asyncio.gather(*waiters)
+    assert counter.is_enqueued(torch.tensor(4))
+
+
+@pytest.mark.parametrize("bad", ["4", 4.0, True, torch.tensor([4, 5])])
+async def test_a_layer_id_that_is_not_an_integer_is_refused(bad: object) -> None:
+    counter = LayerTransferCounter([4])
+    with pytest.raises(ConfigError, match="layer id"):
+        async with asyncio.timeout(1):
+            await counter.wait(bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="layer id"):
+        counter.is_enqueued(bad)  # type: ignore[arg-type]

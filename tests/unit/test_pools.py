@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -313,6 +315,47 @@ def test_negative_sizes_raise(kwargs: dict[str, int]) -> None:
         HostKVPool(make_spec(), **kwargs)
 
 
+@pytest.mark.parametrize("bad", [2.5, 3.0, True, "3"])
+@pytest.mark.parametrize(
+    ("make", "argument"),
+    [
+        pytest.param(lambda spec, v: HostKVPool(spec, size_bytes=v), "size_bytes", id="host_kv-size_bytes"),
+        pytest.param(lambda spec, v: HostKVPool(spec, num_pages=v), "num_pages", id="host_kv-num_pages"),
+        pytest.param(
+            lambda spec, v: HostKVPool(spec, num_pages=v, materialize=False), "num_pages", id="host_kv-accounting"
+        ),
+        pytest.param(lambda spec, v: MambaPoolHost(spec, size_bytes=v), "size_bytes", id="host_mamba-size_bytes"),
+        pytest.param(lambda spec, v: MambaPoolHost(spec, num_slots=v), "num_slots", id="host_mamba-num_slots"),
+        pytest.param(lambda spec, v: DeviceKVPool(spec, v), "num_pages", id="device_kv"),
+        pytest.param(lambda spec, v: DeviceMambaPool(spec, v), "num_slots", id="device_mamba"),
+        pytest.param(
+            lambda spec, v: ItemPool(name="x", layer_ids=(0,), num_items=v, item_bytes=4), "num_items", id="num_items"
+        ),
+        pytest.param(
+            lambda spec, v: ItemPool(name="x", layer_ids=(0,), num_items=2, item_bytes=v), "item_bytes", id="item_bytes"
+        ),
+    ],
+)
+def test_sizes_that_are_not_integers_are_refused_by_name(make: Any, argument: str, bad: object) -> None:
+    """A float would fail deep in torch (or be truncated), and ``True`` size a pool of 0 or 1."""
+    with pytest.raises(ConfigError, match=argument):
+        make(make_spec(), bad)
+
+
+def test_numpy_integer_sizes_are_taken_as_ints() -> None:
+    import numpy as np
+
+    spec = make_spec()
+    pools = (
+        HostKVPool(spec, size_bytes=np.int64(3 * spec.kv_page_bytes)),
+        MambaPoolHost(spec, num_slots=np.int32(3)),
+        DeviceKVPool(spec, np.int64(3)),
+        DeviceMambaPool(spec, np.uint8(3)),
+    )
+    assert all(type(p.num_items) is int and p.num_items == 3 for p in pools)
+    assert all(type(p.size_bytes) is int for p in pools)
+
+
 def test_size_bytes_cannot_size_a_pool_without_layers() -> None:
     spec = make_spec(attention_layer_ids=())  # no attention: KV items are zero bytes
     with pytest.raises(ConfigError, match="num_pages"):
@@ -331,6 +374,15 @@ def test_size_over_available_host_memory_raises(monkeypatch: pytest.MonkeyPatch)
         HostKVPool(spec, num_pages=5)
     with pytest.raises(CapacityError, match="host_mamba"):
         MambaPoolHost(spec, size_bytes=1 << 30)
+
+
+@pytest.mark.parametrize("value", ["1GiB", "1e9", "-1"])
+def test_a_host_limit_that_is_not_a_number_of_bytes_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv(LIMIT_ENV, value)
+    with pytest.raises(ConfigError, match=LIMIT_ENV):
+        HostKVPool(make_spec(), num_pages=1)
 
 
 def test_device_pools_on_cpu_obey_the_host_limit(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,13 +3,14 @@ on CUDA the memory is registered (pinned) and the copy engines read it."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from asynccache import ConfigError, HybridSpec
+from asynccache import ConfigError, HybridSpec, SharedMemoryError
 from asynccache.pools import HostKVPool, MambaPoolHost
 from asynccache.pools.memory import SharedHostMemory, allocate_bytes
 
@@ -52,3 +53,30 @@ def test_shared_pools_are_pinned_on_cuda_and_copy_exactly() -> None:
     pool.buffer.view(-1).copy_(src, non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(pool.buffer.view(-1).cuda(), src)
+
+
+def _open_memfds(what: str) -> int:
+    """Open descriptors of this process on memory files named for ``what``."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += f"asynccache-{what}" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the descriptor listdir itself used, closed meanwhile
+            pass
+    return count
+
+
+def test_a_failed_registration_releases_the_memory_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pinning that fails other than by its error return (no CUDA runtime here) leaves no
+    memory file open: the error is a SharedMemoryError caused by it."""
+
+    def no_runtime() -> None:
+        raise RuntimeError("no CUDA runtime")
+
+    monkeypatch.setattr(torch.cuda, "cudart", no_runtime)
+    for _ in range(3):
+        with pytest.raises(SharedMemoryError, match="leaktest") as info:
+            SharedHostMemory(1 << 16, pin=True, what="leaktest")
+        assert isinstance(info.value.__cause__, RuntimeError)
+        del info
+    assert _open_memfds("leaktest") == 0
