@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from asynccache.checks import as_int
 from asynccache.config import HybridCacheConfig
 from asynccache.controller import HybridCacheController
 from asynccache.errors import ConfigError, SharedMemoryError
@@ -62,8 +63,9 @@ def effective_storage_options(
         from storage_backends.local_disk import LocalDiskBackend
 
         wanted = options.get("max_concurrency") or LocalDiskBackend.default_max_concurrency
+        depth = as_int(wanted)  # a NumPy integer too; anything else is the backend's to refuse
         # an I/O depth set high (max_concurrency=64) is not worth as many interpreters
-        options["read_processes"] = max(1, min(wanted, usable_cores())) if isinstance(wanted, int) else wanted
+        options["read_processes"] = wanted if depth is None else max(1, min(depth, usable_cores()))
     return options
 
 

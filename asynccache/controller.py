@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -41,7 +42,7 @@ import torch
 from asynccache.completion import CompletionQueue, drop_done
 from asynccache.config import HybridCacheConfig
 from asynccache.copy_issue import LoadIssuer, WriteIssuer
-from asynccache.errors import ClosedError, ConfigError, TreeError
+from asynccache.errors import ClosedError, ConfigError, TransferError, TreeError
 from asynccache.layer_counter import LayerTransferCounter
 from asynccache.ops import CacheOperation, OpKind, OpState
 from asynccache.pools.base import ItemPool
@@ -55,6 +56,8 @@ from kernels import LayerCopy, PoolPair, copy_items
 
 if TYPE_CHECKING:
     from asynccache.tree import HybridRadixTree
+
+log = logging.getLogger("asynccache.controller")
 
 __all__ = ["HybridCacheController"]
 
@@ -115,6 +118,7 @@ class HybridCacheController:
         )
         self._tg: asyncio.TaskGroup | None = None
         self._closing: asyncio.Future[None] | None = None
+        self._backend_closing: asyncio.Future[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._loaders: set[asyncio.Task[None]] = set()
         self._prefetcher = Prefetcher(tree, config, self._stats)
@@ -156,18 +160,17 @@ class HybridCacheController:
         tasks and close the backend. Idempotent; concurrent calls wait for the first."""
         if self._closing is not None:
             await asyncio.shield(self._closing)
-            if self.backend is not None:
+            if self._backend_closing is not None:
                 # A first close cancelled while the backend was closing left that close running
-                # on its own: this one still returns only once it is done (it is idempotent;
-                # a failure of it was the first call's to raise).
+                # on its own: this one still returns only once it is done (its failure was the
+                # first call's to raise).
                 with contextlib.suppress(Exception):
-                    await self.backend.aclose()
+                    await asyncio.shield(self._backend_closing)
             return
         self._closing = asyncio.get_running_loop().create_future()
         if self._tg is None:  # never entered: the backend it was given is still closed
             try:
-                if self.backend is not None:
-                    await self.backend.aclose()
+                await self._close_backend()
             finally:
                 self._closing.set_result(None)
             return
@@ -194,10 +197,17 @@ class HybridCacheController:
                 await tg.__aexit__(None, None, None)
             finally:
                 try:
-                    if self.backend is not None:
-                        await self.backend.aclose()
+                    await self._close_backend()
                 finally:  # concurrent and later calls must not wait for ever
                     self._closing.set_result(None)
+
+    async def _close_backend(self) -> None:
+        """Close the backend once, as a task of its own: a close cancelled meanwhile leaves it
+        running, and a later :meth:`aclose` waits for it."""
+        if self.backend is None:
+            return
+        self._backend_closing = asyncio.ensure_future(self.backend.aclose())
+        await asyncio.shield(self._backend_closing)
 
     def _require_started(self) -> asyncio.TaskGroup:
         if self._tg is None:
@@ -367,7 +377,14 @@ class HybridCacheController:
             # A failed step is undone newest first: a later op's nodes may hang below an
             # earlier op's.
             for op in ops if failed is None else reversed(ops):
-                self._ops.complete(op, failed, tiering=self.tiering)
+                try:
+                    self._ops.complete(op, failed, tiering=self.tiering)
+                except Exception as e:  # noqa: BLE001 - every op of the step must still resolve
+                    log.error("completing %r raised: %s", op, e)
+                    op.state = OpState.FAILED
+                    if not op.future.done():
+                        op.future.set_exception(TransferError(f"{op!r} could not be completed: {e}"))
+                        op.future.exception()  # retrieved: a failed op nobody awaits is no error
 
         completion.submit(event, done)
 

@@ -21,6 +21,7 @@ an object name in that pool's own key space, under its namespace.
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -44,6 +45,7 @@ __all__ = [
     "open_backend",
     "known_schemes",
     "longest_hit",
+    "redact_reason",
     "redact_uri",
     "storage_scheme",
 ]
@@ -181,15 +183,31 @@ def register_backend(scheme: str, factory: str | BackendFactory, *, replace: boo
 
 
 def redact_uri(uri: str) -> str:
-    """``uri`` for an error message: without user info and query values, where credentials may
-    be (``s3://KEY:SECRET@bucket/…``, ``?secret_access_key=…``)."""
-    try:
-        parts = urlsplit(uri)
-    except (ValueError, TypeError, AttributeError):
-        return "(not shown: it does not parse)"
-    keys = [k for k, _ in parse_qsl(parts.query, keep_blank_values=True)]
-    query = "&".join(f"{k}=…" for k in keys)
-    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}" + (f"?{query}" if query else "")
+    """``uri`` for an error message: without user info, query values and fragment, where
+    credentials may be (``s3://KEY:SECRET@bucket/…``, ``?secret_access_key=…``). Read as text,
+    not parsed: a secret holding ``/``, ``?`` or ``#`` would end a parser's host part early, so
+    everything up to the last ``@`` is left out."""
+    if not isinstance(uri, str):
+        return f"(a {type(uri).__name__}, not a URI)"
+    scheme, sep, rest = uri.partition("://")
+    if not sep:
+        scheme, rest = "", uri
+    if "@" in rest:
+        before, _, after = rest.rpartition("@")
+        if "?" in before:  # an @ in the query, or a secret holding "?": show the scheme alone
+            return f"{scheme}{sep}…"
+        rest = "…@" + after
+    rest = rest.partition("#")[0]
+    where, has_query, query = rest.partition("?")
+    keys = [k for k, _ in parse_qsl(query, keep_blank_values=True)]
+    shown = f"{scheme}{sep}{where}"
+    return shown + ("?" + "&".join(f"{k}=…" for k in keys) if has_query else "")
+
+
+def redact_reason(error: BaseException) -> str:
+    """A URL parser's error for a message about a URI: without the quoted text it echoes (a
+    query field or port that may be part of a credential)."""
+    return re.sub(r"(['\"]).*?\1", "…", str(error))
 
 
 def storage_scheme(uri: object) -> str:
@@ -200,7 +218,7 @@ def storage_scheme(uri: object) -> str:
     try:
         scheme = urlsplit(uri).scheme
     except ValueError as e:
-        raise ConfigError(f"malformed storage URI {redact_uri(uri)}: {e}") from None
+        raise ConfigError(f"malformed storage URI {redact_uri(uri)}: {redact_reason(e)}") from None
     if not scheme:
         raise ConfigError(f"storage URI {redact_uri(uri)} has no scheme; known schemes: {known_schemes()}")
     return scheme

@@ -62,11 +62,13 @@ def usable_cores() -> int:
 
 def check_common_options(
     *, capacity_bytes: int | None, max_concurrency: int, timeout_s: float
-) -> None:
+) -> tuple[int | None, int]:
+    """The options every backend takes, checked; returns ``capacity_bytes`` and
+    ``max_concurrency`` as Python ints (NumPy integers are taken)."""
     if capacity_bytes is not None:
-        check_int("capacity_bytes", capacity_bytes, minimum=1)
-    check_int("max_concurrency", max_concurrency, minimum=1)
+        capacity_bytes = check_int("capacity_bytes", capacity_bytes, minimum=1)
     check_seconds("timeout_s", timeout_s)
+    return capacity_bytes, check_int("max_concurrency", max_concurrency, minimum=1)
 
 
 def pool_value(pool_name: PoolName | str) -> str:
@@ -121,7 +123,9 @@ class BackendCore(ABC):
         object and request)."""
         if max_concurrency is None:
             max_concurrency = self.default_max_concurrency
-        check_common_options(capacity_bytes=capacity_bytes, max_concurrency=max_concurrency, timeout_s=timeout_s)
+        capacity_bytes, max_concurrency = check_common_options(
+            capacity_bytes=capacity_bytes, max_concurrency=max_concurrency, timeout_s=timeout_s
+        )
         self.uri = uri
         self.namespace = namespace
         self.codec = self._make_codec(namespace)

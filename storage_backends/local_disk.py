@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
 from asynccache.errors import BackendError, ConfigError
-from asynccache.storage import PoolName
+from asynccache.storage import PoolName, redact_reason, redact_uri
 from storage_backends.base import (
     BatchItem,
     ObjectBackend,
@@ -118,16 +118,18 @@ def parse_file_uri(uri: str) -> str:
     try:
         parts = urlsplit(uri)
     except ValueError as e:
-        raise ConfigError(f"malformed file URI {uri!r}: {e}") from None
+        raise ConfigError(f"malformed file URI {redact_uri(uri)}: {redact_reason(e)}") from None
     if parts.scheme != "file":
-        raise ConfigError(f"not a file URI: {uri!r}")
+        raise ConfigError(f"not a file URI: {redact_uri(uri)}")
     if parts.netloc not in ("", "localhost"):
-        raise ConfigError(f"file URI must be file:///absolute/path (no host), got {uri!r}")
+        raise ConfigError(f"file URI must be file:///absolute/path (no host), got {redact_uri(uri)}")
     if parts.query or parts.fragment:
-        raise ConfigError(f"file URI takes no query or fragment (pass options as keyword arguments): {uri!r}")
+        raise ConfigError(
+            f"file URI takes no query or fragment (pass options as keyword arguments): {redact_uri(uri)}"
+        )
     path = unquote(parts.path)
     if not path.startswith("/") or "\0" in path:
-        raise ConfigError(f"file URI must name an absolute path, got {uri!r}")
+        raise ConfigError(f"file URI must name an absolute path, got {redact_uri(uri)}")
     return os.path.normpath(path)
 
 
@@ -206,7 +208,7 @@ class LocalDiskBackend(ObjectBackend):
         #: atomic under the GIL)
         self._written_sizes: dict[str, int] = {}
         self._dirs: set[str] = set()
-        check_int("read_processes", read_processes, minimum=0)
+        read_processes = check_int("read_processes", read_processes, minimum=0)
         if read_processes and (compression != "none" or direct_io is not False):
             raise ConfigError("read_processes reads plain objects through the page cache: it cannot be combined "
                               "with compression or direct_io")
@@ -258,9 +260,12 @@ class LocalDiskBackend(ObjectBackend):
 
     async def _close(self) -> None:
         if self._readers is not None:
+            # Not waiting for a start in progress first: the readers' close stops it (a child
+            # that never answers is killed after their grace), where the start would take its
+            # own, longer timeout.
+            await self._readers.aclose()
             if self._readers_start is not None:
                 await asyncio.wait([self._readers_start])
-            await self._readers.aclose()
         await self._workers.aclose()
 
     async def _object_sizes(self, names: Sequence[str]) -> list[int | None]:

@@ -115,10 +115,12 @@ class ObjectStoreBackend(ObjectBackend):
         **options: Any,
     ) -> None:
         location = parse_s3_uri(uri)
-        check_int("multipart_part_bytes", multipart_part_bytes, minimum=5 << 20)
-        check_int("multipart_threshold_bytes", multipart_threshold_bytes, minimum=multipart_part_bytes)
-        check_int("max_retries", max_retries, minimum=0)
-        check_int("multipart_concurrency", multipart_concurrency, minimum=1)
+        multipart_part_bytes = check_int("multipart_part_bytes", multipart_part_bytes, minimum=5 << 20)
+        multipart_threshold_bytes = check_int(
+            "multipart_threshold_bytes", multipart_threshold_bytes, minimum=multipart_part_bytes
+        )
+        max_retries = check_int("max_retries", max_retries, minimum=0)
+        multipart_concurrency = check_int("multipart_concurrency", multipart_concurrency, minimum=1)
         if inline_bytes is None:
             inline_bytes = self.INLINE_BYTES_FEW_CORES if usable_cores() <= self.INLINE_MAX_CORES else 0
         if not isinstance(inline_bytes, int) or isinstance(inline_bytes, bool) or inline_bytes < 0:

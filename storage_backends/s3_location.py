@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlsplit
 
 from asynccache.errors import ConfigError
-from asynccache.storage import redact_uri
+from asynccache.storage import redact_reason, redact_uri
 
 __all__ = ["S3Location", "check_endpoint", "parse_s3_uri", "store_endpoint"]
 
@@ -48,7 +48,7 @@ def parse_s3_uri(uri: str) -> S3Location:
         parts = urlsplit(uri)
         query = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
     except ValueError as e:
-        raise ConfigError(f"malformed s3 URI {redact_uri(uri)}: {e}") from None
+        raise ConfigError(f"malformed s3 URI {redact_uri(uri)}: {redact_reason(e)}") from None
     if parts.scheme != "s3":
         raise ConfigError(f"not an s3 URI: {redact_uri(uri)}")
     if "@" in parts.netloc or ":" in parts.netloc:
@@ -95,7 +95,7 @@ def check_endpoint(endpoint: str, what: str) -> None:
         ep = urlsplit(endpoint)
         ep.port  # noqa: B018 (parses the port: a bad one raises ValueError)
     except ValueError as e:
-        raise ConfigError(f"{what} is malformed or has an invalid port ({e})") from e
+        raise ConfigError(f"{what} is malformed or has an invalid port ({redact_reason(e)})") from None
     if ep.scheme not in ("http", "https") or not ep.hostname or "@" in ep.netloc or ep.query or ep.fragment:
         raise ConfigError(f"{what} must be http(s)://host[:port] without credentials")
 

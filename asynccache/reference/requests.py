@@ -30,7 +30,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_running", "chunk_size", "max_batch_tokens"):
-            check_int(f"SchedulerConfig.{name}", getattr(self, name), minimum=1)
+            object.__setattr__(self, name, check_int(f"SchedulerConfig.{name}", getattr(self, name), minimum=1))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

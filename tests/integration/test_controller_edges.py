@@ -409,3 +409,46 @@ async def test_a_copy_that_faults_on_its_stream_fails_its_ops_and_close_returns(
             cache.flush_host()
             tree.check_integrity()
     assert free_counts(cache) == before
+
+
+async def test_the_backend_is_closed_once_however_often_the_cache_is() -> None:
+    cache = HybridCache(SPEC, config(storage_uri="memory://closed_once"))
+    backend = cache.controller.backend
+    real, calls = backend.aclose, []
+
+    async def counted() -> None:
+        calls.append(1)
+        await real()
+
+    backend.aclose = counted  # type: ignore[method-assign]
+    async with cache:
+        pass
+    await cache.aclose()
+    await cache.aclose()
+    assert len(calls) == 1
+
+
+async def test_an_operation_whose_completion_raises_fails_and_the_others_of_its_step_complete() -> None:
+    """Completing one backup of a step raises (the tree refuses its finish): that op fails, and
+    the step's other ops complete — none is left pending with its nodes locked."""
+    cache = HybridCache(SPEC, config())
+    async with cache:
+        ctrl, tree = cache.controller, cache.tree
+        first = insert(cache, list(range(1, 2 * PAGE + 1))).backup_nodes
+        second = insert(cache, list(range(500, 500 + 2 * PAGE))).backup_nodes
+        real, refused = tree.finish_backup, []
+
+        def finish_backup(plan: Any) -> Any:
+            if not refused:
+                refused.append(plan)
+                raise TreeError("injected: the tree refuses this finish")
+            return real(plan)
+
+        tree.finish_backup = finish_backup  # type: ignore[method-assign]
+        ops = [ctrl.write(first), ctrl.write(second)]
+        assert all(op is not None for op in ops)
+        ctrl.start_writing()
+        async with asyncio.timeout(5):
+            outcomes = await asyncio.gather(*ops, return_exceptions=True)
+        assert isinstance(outcomes[0], TransferError) and outcomes[1] is None
+        tree.finish_backup = real  # type: ignore[method-assign]

@@ -618,3 +618,24 @@ async def test_ctrl_c_leaves_the_children_to_the_parent(tmp_path: Path) -> None:
     await reads_back(backend, kv, keys)
     assert all(c.process.poll() is None and not c.dead for c in children)
     await backend.aclose()
+
+
+async def test_closing_while_a_start_hangs_takes_the_close_grace_not_the_start_timeout(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A child that never answers its first request (a hung start) is killed by the close after
+    its grace, not after the start's own, longer timeout."""
+    monkeypatch.setattr(reader_processes, "_CHILD", "import time; time.sleep(3600)\n")
+    monkeypatch.setattr(reader_processes, "START_TIMEOUT_S", 20.0)
+    monkeypatch.setattr(reader_processes, "CLOSE_GRACE_S", 0.3, raising=False)
+    backend = LocalDiskBackend(tmp_path.as_uri(), namespace=NAMESPACE, fsync=False, read_processes=1, timeout_s=0.2)
+    backend.close_grace_s = 0.3
+    kv, _ = make_pools(4, shared=True)
+    registering = asyncio.create_task(backend.register_host_pool_v2(PoolName.KV, kv))
+    async with asyncio.timeout(10):
+        while not any(c is not None for c in backend._readers._children):
+            await asyncio.sleep(0.01)  # the child is spawned and does not answer
+    async with asyncio.timeout(5):  # the start alone would take 20 s
+        await backend.aclose()
+        with contextlib.suppress(Exception):
+            await registering

@@ -117,3 +117,41 @@ def test_a_storage_tier_without_a_host_tier_for_kv_and_states_is_refused(host: d
     sizes = {"host_kv_bytes": 64 * SPEC.kv_page_bytes, "host_state_bytes": 4 * SPEC.state_bytes} | host
     with pytest.raises(ConfigError, match=f"needs a host tier to feed it: set {next(iter(host))}$"):
         HybridCache(SPEC, HybridCacheConfig(**BASE, **sizes, storage_uri="memory://x"))
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "s3://AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMI/K7MDENG/bPxRfiCYXq7ZpKEY@bucket/prefix",  # "/" in it
+        "s3://AKIAIOSFODNN7EXAMPLE:wJalr#Xq7ZpKEY@bucket/prefix",
+        "s3://AKIAIOSFODNN7EXAMPLE:wJalr?Xq7ZpKEY@bucket/prefix",
+        "file://AKIAIOSFODNN7EXAMPLE:wJalr/Xq7ZpKEY@/tmp/cache",
+        "s3a://bucket/prefix?endpoint_url=http://AKIAIOSFODNN7EXAMPLE:Xq7ZpKEY@host:9000",
+    ],
+)
+def test_no_error_about_a_storage_uri_shows_its_credentials(uri: str) -> None:
+    """A secret may hold "/", "#" or "?", which end a URL parser's host part early."""
+    from asynccache.storage import open_backend, redact_uri
+
+    for shown in (redact_uri(uri), _refusal(lambda: open_backend(uri, namespace="n"))):
+        assert "Xq7ZpKEY" not in shown and "AKIAIOSFODNN7EXAMPLE" not in shown
+
+
+def _refusal(call: Any) -> str:
+    try:
+        call()
+    except ConfigError as e:
+        return str(e)
+    raise AssertionError("not refused")
+
+
+def test_a_numpy_io_depth_still_caps_the_reader_processes_at_the_cores() -> None:
+    from asynccache.cache import effective_storage_options
+    from storage_backends.base import usable_cores
+
+    config = HybridCacheConfig(
+        **BASE, host_kv_bytes=64 * SPEC.kv_page_bytes, host_state_bytes=4 * SPEC.state_bytes,
+        storage_uri="file:///tmp/x", storage_options={"max_concurrency": np.int64(64)},
+    )  # fmt: skip
+    got = effective_storage_options(config, "cuda")["read_processes"]
+    assert type(got) is int and got == min(64, usable_cores())
