@@ -141,8 +141,14 @@ class ItemPool:
         return buf[li] if self.layout is PoolLayout.LAYER_FIRST else buf[:, li]
 
     def index_bytes(self, index: int) -> torch.Tensor:
-        """``[num_layers, item_bytes]`` uint8 view of one index (contiguous for page_first)."""
+        """``[num_layers, item_bytes]`` uint8 view of one index (contiguous for page_first);
+        :class:`ConfigError` for an index outside ``0..num_items - 1`` (a negative one would
+        count from the end)."""
         buf = self._require_buffer()
+        i = as_int(index)
+        if i is None or not 0 <= i < self.num_items:
+            raise ConfigError(f"{self.name}: index {index!r} outside 0..{self.num_items - 1}")
+        index = i
         return buf[:, index] if self.layout is PoolLayout.LAYER_FIRST else buf[index]
 
     def _require_buffer(self) -> torch.Tensor:

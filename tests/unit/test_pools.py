@@ -135,6 +135,14 @@ def test_layer_items_and_index_bytes_follow_the_strided_formula(layout: str, poo
     assert pool.index_bytes(3).is_contiguous() == (layout == "page_first")
 
 
+@pytest.mark.parametrize("index", [-1, 3, 2.0, True])
+def test_index_bytes_of_an_index_outside_the_pool_is_refused(index: object) -> None:
+    """-1 would be the last item, 3 an IndexError from torch, 2.0 and True not indices."""
+    pool = zeroed(HostKVPool(make_spec(), num_pages=3))
+    with pytest.raises(ConfigError, match="outside 0..2"):
+        pool.index_bytes(index)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 def test_writes_through_index_bytes_are_seen_by_layer_items(layout: str) -> None:
     pool = zeroed(HostKVPool(make_spec(), num_pages=3, layout=layout))
