@@ -136,6 +136,9 @@ class BackendCore(ABC):
         self._capacity = LRUCapacity(capacity_bytes) if capacity_bytes is not None else None
         self._pools: dict[str, tuple[ItemPool, ObjectGeometry]] = {}
         self._counts: Counter[str] = Counter()
+        #: objects whose delete is in flight, and the future that ends with it: a put of one of
+        #: them waits (it would find the old object, count it stored, and lose it to the delete)
+        self._deleting: dict[str, asyncio.Future[None]] = {}
         self._ready = False
         #: the setup attempt in progress (shared by the calls that wait for it), the last
         #: attempt's error and when it failed (``time.monotonic()``)
@@ -287,6 +290,10 @@ class BackendCore(ABC):
         stored stay counted. Failures are counted and reported."""
         if self._capacity is not None and counted is None:
             counted = self._capacity.take(names)
+        gone = asyncio.get_running_loop().create_future()
+        mine = [name for name in names if name not in self._deleting]
+        for name in mine:
+            self._deleting[name] = gone
         try:
             async with asyncio.timeout(self.timeout_s):
                 await self._delete_objects(names, background=background)
@@ -299,6 +306,10 @@ class BackendCore(ABC):
             if self._capacity is not None and counted:
                 self._capacity.restore(counted)
             raise
+        finally:
+            for name in mine:
+                del self._deleting[name]
+            gone.set_result(None)
 
     @contextmanager
     def _busy(self, items: Sequence[BatchItem]) -> Iterator[None]:

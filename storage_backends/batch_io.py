@@ -102,8 +102,10 @@ class BatchIOMixin(BackendCore):
         return done
 
     async def batch_set_v2(self, transfers: Sequence[PoolTransfer]) -> list[list[bool]]:
-        """Write ``host_indices[i]`` under ``keys[i]`` (put-if-absent; an existing object counts
-        as success); success per item. Slots are only read."""
+        """Write ``host_indices[i]`` under ``keys[i]`` (put-if-absent; an object already stored
+        counts as success — on S3 one of a valid size); success per item. A key whose object is
+        being deleted (an eviction victim, or found invalid) is written once the delete is done.
+        Slots are only read."""
         plans = [self._plan(t, distinct_slots=False) for t in transfers]
         items = [item for plan in plans for item in plan.items]
         with self._call():
@@ -122,6 +124,9 @@ class BatchIOMixin(BackendCore):
                 if victims:
                     names = [name for name, _ in victims]
                     await self._remove(names, report, background=True, counted=victims)
+                deleting = {self._deleting[items[i].name] for i in accepted if items[i].name in self._deleting}
+                if deleting:  # an object of the batch is being deleted (evicted, or found invalid)
+                    await asyncio.wait(deleting)
                 outcomes = await self._write_many([items[i] for i in accepted])
             except BaseException:
                 # Cut short (cancelled): some writes may have landed. Count them all as stored,

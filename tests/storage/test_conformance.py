@@ -711,3 +711,34 @@ async def test_objects_whose_eviction_fails_stay_counted(harness: Harness) -> No
     assert backend.statistics().used_bytes == await stored_bytes() == 3 * size
     present = [await harness.raw_get(backend, backend.object_name(PoolName.KV, k)) is not None for k in keys]
     assert present == [False, False, True, True, True]
+
+
+async def test_a_put_of_a_key_being_evicted_waits_for_its_delete(harness: Harness) -> None:
+    """A put of a key whose eviction delete is in flight would find the old object, report it
+    stored and be undone by the delete: it waits for the delete and writes the key again."""
+    keys = make_keys(4, seed="evictrace")
+    probe = harness.open()
+    size = probe.codec.object_bytes(ObjectGeometry.of_pool(PoolName.KV, make_pools(1)[0]), keys[0])
+    backend, _, _ = await opened(harness, capacity_bytes=2 * size)
+    assert await put(backend, kv_transfer(keys[:2], [0, 1])) == [[True] * 2]
+    delete, gate, deleting = backend._delete_objects, asyncio.Event(), asyncio.Event()
+
+    held_name = backend.object_name(PoolName.KV, keys[0])
+
+    async def held(names: list[str], *args: object, **kwargs: object) -> None:
+        if held_name in names:  # the delete of keys[0] lags; any other goes through
+            deleting.set()
+            await gate.wait()
+        await delete(names, *args, **kwargs)
+
+    backend._delete_objects = held  # type: ignore[method-assign]
+    evicting = asyncio.create_task(put(backend, kv_transfer(keys[2:3], [2])))  # evicts keys[0]
+    async with asyncio.timeout(DEADLINE_S):
+        await deleting.wait()
+    again = asyncio.create_task(put(backend, kv_transfer(keys[:1], [0])))  # evicts keys[1]
+    await asyncio.sleep(0.05)
+    gate.set()
+    backend._delete_objects = delete  # type: ignore[method-assign]
+    assert await evicting == [[True]] and await again == [[True]]
+    assert await harness.raw_get(backend, backend.object_name(PoolName.KV, keys[0])) is not None
+    assert await get(backend, kv_transfer(keys[:1], [5])) == [[True]]
