@@ -7,6 +7,8 @@ import math
 import operator
 from typing import Any
 
+import numpy as np
+
 from asynccache.errors import ConfigError
 
 __all__ = ["as_int", "check_int", "check_seconds"]
@@ -35,7 +37,7 @@ def check_seconds(name: str, value: Any, *, zero: bool = False) -> float:
     """``value`` as seconds if it is a finite positive number (or zero, with ``zero``), else a
     ConfigError."""
     seconds = math.nan
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_)):
         try:
             seconds = float(value)
         except OverflowError:  # an int beyond every float: no finite number of seconds

@@ -256,6 +256,8 @@ class ObjectCodec:
         check, off = PayloadChecksum(), hlen
         for piece in iter_chunks(buffers):
             check_stop(stop)
+            if off + piece.nbytes > len(out):  # refused before numpy's broadcast error
+                raise ConfigError(f"slot holds more than the geometry's {geometry.payload_bytes} bytes")
             dst[off : off + piece.nbytes] = piece
             check.update(piece)
             off += piece.nbytes

@@ -185,3 +185,12 @@ def test_checksum_catches_swapped_blocks_and_zeroed_ranges() -> None:
     first = check.digest()
     check.update(data[100:])
     assert check.digest() == base and first == payload_checksum([data[:100]])
+
+
+def test_a_slot_larger_than_the_geometry_is_refused_by_name() -> None:
+    codec, key = ObjectCodec(NAMESPACE), make_keys(1)[0]
+    src, _ = make_pools(2, seed=5)
+    geo = ObjectGeometry.of_pool(PoolName.KV, src)
+    buffers = [*slot_buffers(src, 1), np.zeros(8, dtype=np.uint8)]
+    with pytest.raises(ConfigError, match="more than the geometry"):
+        codec.encode(geo, key, buffers)

@@ -44,3 +44,10 @@ def test_check_seconds_takes_ints_and_floats() -> None:
     assert check_seconds("timeout_s", 10**6) == 1e6
     assert check_seconds("timeout_s", 0, zero=True) == 0.0
     assert check_seconds("timeout_s", np.float64(0.5)) == 0.5
+
+
+def test_check_seconds_takes_numpy_numbers_of_any_width() -> None:
+    assert check_seconds("timeout_s", np.float32(1.5)) == 1.5
+    assert check_seconds("timeout_s", np.int32(2)) == 2.0
+    with pytest.raises(ConfigError, match="timeout_s"):
+        check_seconds("timeout_s", np.bool_(True))
