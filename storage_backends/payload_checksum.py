@@ -73,6 +73,10 @@ class PayloadChecksum:
 
     def update(self, piece: np.ndarray | memoryview | bytes | bytearray) -> None:
         data = piece if isinstance(piece, np.ndarray) else np.frombuffer(piece, dtype=np.uint8)
+        if data.dtype != np.uint8 or data.ndim != 1 or not data.flags.c_contiguous:
+            # the bytes as they lie in memory, in order (a typed or strided view otherwise
+            # would be cut by elements, or refuse the 32-bit view)
+            data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         if not self._num_pending and not data.nbytes % _BLOCK_BYTES:
             if data.nbytes:
                 self._add_blocks(data)

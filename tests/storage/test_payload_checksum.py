@@ -282,3 +282,19 @@ async def test_an_object_of_format_version_1_is_a_miss_and_removed(tmp_path: Pat
     assert backend.statistics().num_corrupt == 1
     assert not path.exists()
     await backend.aclose()
+
+
+def test_a_typed_or_strided_piece_is_checksummed_as_its_bytes() -> None:
+    rng = np.random.default_rng(7)
+    words = rng.integers(0, 2**16, size=6000, dtype=np.uint16)
+    whole = PayloadChecksum()
+    whole.update(words.tobytes())
+    typed = PayloadChecksum()
+    typed.update(words)
+    assert typed.digest() == whole.digest()
+    grid = rng.integers(0, 256, size=(64, 200), dtype=np.uint8)
+    strided = PayloadChecksum()
+    strided.update(grid[:, ::2])
+    copied = PayloadChecksum()
+    copied.update(np.ascontiguousarray(grid[:, ::2]).tobytes())
+    assert strided.digest() == copied.digest()
