@@ -4,10 +4,9 @@ storage backends: integers (not bools) and finite seconds, refused by name as Co
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from typing import Any
-
-import numpy as np
 
 from asynccache.errors import ConfigError
 
@@ -37,7 +36,7 @@ def check_seconds(name: str, value: Any, *, zero: bool = False) -> float:
     """``value`` as seconds if it is a finite positive number (or zero, with ``zero``), else a
     ConfigError."""
     seconds = math.nan
-    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_)):
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):  # NumPy's numbers too
         try:
             seconds = float(value)
         except OverflowError:  # an int beyond every float: no finite number of seconds

@@ -4,9 +4,10 @@ Primitives:
 
 - :class:`OpState` — ``QUEUED → ISSUED → DONE`` (or ``CANCELLED`` / ``FAILED`` before issue).
 - :class:`CacheOperation` — a batch of :class:`PoolTransfer` (one per pool: host indices ↔ device
-  indices, as many of each; else :class:`TransferError` at construction), for loads the transfers that may land after every layer of the step (``deferred``),
-  the tree plan it serves, a priority, and an asyncio future completed when its copy has
-  finished on the device. Awaitable.
+  indices, as many of each; else :class:`TransferError` at construction), for loads the
+  transfers that may land after every layer of the step (``deferred``), the tree plan it
+  serves, a priority, and an asyncio future completed when its copy has finished on the
+  device. Awaitable.
 - :func:`CacheOperation.merge_ops` — concatenate the transfers of many queued operations into
   one per pool, so a scheduler step issues one launch per layer (loads) or one launch for all
   layers (writes) however many requests are involved. The operations must be of one kind.

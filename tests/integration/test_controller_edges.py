@@ -59,6 +59,12 @@ async def backed_up(cache: HybridCache, nodes: Any) -> None:
     await op
 
 
+async def on_host_only(cache: HybridCache, tokens: list[int]) -> None:
+    """``tokens`` inserted, backed up and demoted: a match of them loads from the host."""
+    await backed_up(cache, insert(cache, tokens).backup_nodes)
+    cache.flush_device()
+
+
 async def test_a_state_that_reaches_the_host_during_an_archive_is_archived_too() -> None:
     """An archive of a deeper node is awaiting storage when its ancestor gets a host state: the
     ancestor is not marked archived by it (its state was not written) but archived itself."""
@@ -149,8 +155,7 @@ async def test_a_failed_load_with_data_inserted_below_is_undone() -> None:
     async with cache:
         ctrl, tree = cache.controller, cache.tree
         tokens = list(range(1, 4 * PAGE + 1))
-        await backed_up(cache, insert(cache, tokens).backup_nodes)
-        cache.flush_device()
+        await on_host_only(cache, tokens)
         real = ctrl.layer_copier
 
         def failing(pair: Any, src: Any, dst: Any) -> Any:
@@ -285,8 +290,7 @@ async def test_a_load_issued_while_shutting_down_still_completes_and_frees() -> 
     async with cache:
         ctrl, tree = cache.controller, cache.tree
         tokens = list(range(1, 4 * PAGE + 1))
-        await backed_up(cache, insert(cache, tokens).backup_nodes)
-        cache.flush_device()
+        await on_host_only(cache, tokens)
         op = ctrl.load(tree.match_prefix(tokens))
         assert op is not None
         real, ctrl._tg = ctrl._tg, _ShuttingDown()  # type: ignore[assignment]
@@ -381,8 +385,7 @@ async def test_a_copy_that_faults_on_its_stream_fails_its_ops_and_close_returns(
     async with asyncio.timeout(10):
         async with cache:
             tokens = list(range(1, 4 * PAGE + 1))
-            await backed_up(cache, insert(cache, tokens).backup_nodes)
-            cache.flush_device()
+            await on_host_only(cache, tokens)
             for issuer in (ctrl._loads, ctrl._writes):
                 real = issuer._finish
 
