@@ -24,16 +24,16 @@ __all__ = [
     "CapacityError",
     "ClosedError",
     "ConfigError",
+    "HybridSpec",
+    "LinearGeometry",
     "ObjectFormatError",
     "PinningError",
     "SharedMemoryError",
     "SpecError",
+    "StateComponent",
     "TraceFormatError",
     "TransferError",
     "TreeError",
-    "HybridSpec",
-    "LinearGeometry",
-    "StateComponent",
 ]
 
 __version__ = "0.1.0"

@@ -35,9 +35,15 @@ from typing import Any
 import torch
 
 from asynccache.errors import SpecError
-from asynccache.spec import HybridSpec, LinearGeometry, StateComponent, dtype_from_name, shard_kv_heads
+from asynccache.spec import (
+    HybridSpec,
+    LinearGeometry,
+    StateComponent,
+    dtype_from_name,
+    shard_kv_heads,
+)
 
-__all__ = ["parse_hf_config", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "parse_hf_config"]
 
 #: (number of layers, attention layer ids, recurrent layer ids, recurrent geometry)
 _Parsed = tuple[int, list[int], list[int], LinearGeometry]

@@ -27,7 +27,7 @@ import torch
 from asynccache.errors import TransferError
 from asynccache.storage import PoolName, PoolTransfer
 
-__all__ = ["OpKind", "OpState", "CacheOperation", "MergedTransfer"]
+__all__ = ["CacheOperation", "MergedTransfer", "OpKind", "OpState"]
 
 _ids = itertools.count()
 

@@ -30,7 +30,7 @@ import torch
 from asynccache.errors import SpecError
 from asynccache.presets import PRESETS
 
-__all__ = ["StateComponent", "LinearGeometry", "HybridSpec", "dtype_from_name", "shard_kv_heads", "PRESETS"]
+__all__ = ["PRESETS", "HybridSpec", "LinearGeometry", "StateComponent", "dtype_from_name", "shard_kv_heads"]
 
 #: Component offsets inside one state item are aligned to this many bytes so typed views of
 #: the byte buffer are legal and copies can use wide words.

@@ -36,17 +36,17 @@ if TYPE_CHECKING:
     from asynccache.pools.base import ItemPool
 
 __all__ = [
-    "PoolName",
     "PoolHitPolicy",
+    "PoolName",
     "PoolTransfer",
     "PoolTransferResult",
     "StorageBackend",
-    "register_backend",
-    "open_backend",
     "known_schemes",
     "longest_hit",
+    "open_backend",
     "redact_reason",
     "redact_uri",
+    "register_backend",
     "storage_scheme",
 ]
 

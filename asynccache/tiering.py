@@ -49,7 +49,7 @@ from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer, StorageBac
 if TYPE_CHECKING:
     from asynccache.controller import HybridCacheController
 
-__all__ = ["StorageTier", "PrefetchResult", "RestoreCost", "ReadTimeCorrection", "TailRestore"]
+__all__ = ["PrefetchResult", "ReadTimeCorrection", "RestoreCost", "StorageTier", "TailRestore"]
 
 log = logging.getLogger(__name__)
 

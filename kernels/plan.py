@@ -35,17 +35,17 @@ import torch
 from asynccache.errors import TransferError
 
 __all__ = [
-    "CopyTuning",
-    "CopyPlan",
     "DEFAULT_MAX_CTAS",
     "DEFAULT_TUNING",
-    "INT32_TASK_LIMIT",
-    "DMA_MIN_RUN_BYTES",
     "DMA_BATCH_MAX_COPIES",
-    "dma_run_bytes",
-    "word_bytes_for",
+    "DMA_MIN_RUN_BYTES",
+    "INT32_TASK_LIMIT",
+    "CopyPlan",
+    "CopyTuning",
     "choose_chunk_words",
+    "dma_run_bytes",
     "plan_copy",
+    "word_bytes_for",
 ]
 
 #: Default cap on the CTAs of one copy launch (the controller config may override it per call).

@@ -22,7 +22,7 @@ import torch
 
 from asynccache.pools.base import ItemPool, PoolLayout
 
-__all__ = ["CopyCase", "COPY_CASES", "LAYOUT_PAIRS", "make_item_pool", "index_pairs", "assert_copied", "snapshot"]
+__all__ = ["COPY_CASES", "LAYOUT_PAIRS", "CopyCase", "assert_copied", "index_pairs", "make_item_pool", "snapshot"]
 
 
 @dataclass(frozen=True, slots=True)

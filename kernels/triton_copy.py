@@ -47,7 +47,7 @@ from kernels.api import (
 )
 from kernels.plan import DEFAULT_TUNING, CopyPlan, CopyTuning, plan_copy
 
-__all__ = ["CopyLaunch", "launch_copy", "plan_launch", "copy_direction", "interpreting"]
+__all__ = ["CopyLaunch", "copy_direction", "interpreting", "launch_copy", "plan_launch"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

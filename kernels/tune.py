@@ -31,10 +31,10 @@ from dataclasses import asdict
 import torch
 
 from asynccache.bench import transfer
+from asynccache.pools.base import ItemPool
 from asynccache.spec import HybridSpec
 from kernels import plan as plan_module
 from kernels.plan import CopyTuning
-from asynccache.pools.base import ItemPool
 from kernels.triton_copy import launch_copy
 
 CANDIDATES: tuple[CopyTuning, ...] = tuple(

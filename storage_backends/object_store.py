@@ -78,7 +78,7 @@ from storage_backends.workers import WorkerPool
 if TYPE_CHECKING:
     from obstore.store import S3Store
 
-__all__ = ["S3Location", "parse_s3_uri", "ObjectStoreBackend", "open_object_store"]
+__all__ = ["ObjectStoreBackend", "S3Location", "open_object_store", "parse_s3_uri"]
 
 T = TypeVar("T")
 #: Copy-and-checksum piece of a worker thread: one numpy call per piece runs without the GIL,

@@ -6,7 +6,6 @@ import pytest
 import torch
 import uvloop
 
-
 HAS_CUDA = torch.cuda.is_available()
 
 

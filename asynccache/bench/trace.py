@@ -58,7 +58,7 @@ from asynccache.trace.results import (
     results_to_json,
 )
 
-__all__ = ["add_arguments", "run", "DEFAULT_POLICIES", "load_spec"]
+__all__ = ["DEFAULT_POLICIES", "add_arguments", "load_spec", "run"]
 
 DEFAULT_POLICIES = (
     "ends/lru",

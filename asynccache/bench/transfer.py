@@ -62,17 +62,17 @@ from asynccache.spec import HybridSpec
 from kernels.api import copy_items
 
 __all__ = [
-    "add_arguments",
-    "run",
-    "TransferResult",
-    "PoolPair",
-    "make_pool_pair",
-    "time_median_s",
-    "contiguous_seconds",
-    "scattered_seconds",
-    "gemm_slowdown",
-    "gemm_kernel_footprint",
     "UNCAPPED",
+    "PoolPair",
+    "TransferResult",
+    "add_arguments",
+    "contiguous_seconds",
+    "gemm_kernel_footprint",
+    "gemm_slowdown",
+    "make_pool_pair",
+    "run",
+    "scattered_seconds",
+    "time_median_s",
 ]
 
 KiB = 1024

@@ -7,21 +7,31 @@ Write (:class:`WritePolicy`): ``write_through`` (default), ``write_through_selec
 ``write_back``.
 """
 
-from asynccache.policy.admission import BlockGridAdmission, EndsAdmission, EveryPageAdmission, end_positions
-from asynccache.policy.base import AdmissionContext, AdmissionPolicy, EvictionPolicy, ScoredEviction
+from asynccache.policy.admission import (
+    BlockGridAdmission,
+    EndsAdmission,
+    EveryPageAdmission,
+    end_positions,
+)
+from asynccache.policy.base import (
+    AdmissionContext,
+    AdmissionPolicy,
+    EvictionPolicy,
+    ScoredEviction,
+)
 from asynccache.policy.lru import LRUEviction
 from asynccache.policy.write import WriteMode, WritePolicy
 
 __all__ = [
     "AdmissionContext",
     "AdmissionPolicy",
-    "EvictionPolicy",
-    "ScoredEviction",
+    "BlockGridAdmission",
     "EndsAdmission",
     "EveryPageAdmission",
-    "BlockGridAdmission",
-    "end_positions",
+    "EvictionPolicy",
     "LRUEviction",
+    "ScoredEviction",
     "WriteMode",
     "WritePolicy",
+    "end_positions",
 ]

@@ -21,7 +21,7 @@ from asynccache.policy.base import AdmissionPolicy
 if TYPE_CHECKING:
     from asynccache.tree.results import MatchResult
 
-__all__ = ["EndsAdmission", "EveryPageAdmission", "BlockGridAdmission", "end_positions"]
+__all__ = ["BlockGridAdmission", "EndsAdmission", "EveryPageAdmission", "end_positions"]
 
 
 def _check(prompt_len: int, page_size: int, total_len: int | None) -> None:

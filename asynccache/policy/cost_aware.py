@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from asynccache.tree.node import TreeNode
     from asynccache.tree.results import MatchResult
 
-__all__ = ["NodeValue", "CostAwareEviction", "node_value", "state_class", "STATE_CLASSES"]
+__all__ = ["STATE_CLASSES", "CostAwareEviction", "NodeValue", "node_value", "state_class"]
 
 LEAF, INTERIOR, BRANCH = "leaf", "interior", "branch"
 STATE_CLASSES = (LEAF, INTERIOR, BRANCH)

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from asynccache.tree.node import TreeNode
     from asynccache.tree.results import InsertResult, MatchResult
 
-__all__ = ["UtilityEviction", "REUSE_CLASSES", "reuse_class"]
+__all__ = ["REUSE_CLASSES", "UtilityEviction", "reuse_class"]
 
 #: Classes whose reuse rates are learnt separately (see :func:`reuse_class`).
 REUSE_CLASSES = ("leaf", "interior", "branch")

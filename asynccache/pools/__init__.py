@@ -7,12 +7,12 @@ from asynccache.pools.host import HostKVPool, MambaPoolHost
 from asynccache.pools.memory import pinning_available
 
 __all__ = [
-    "IndexAllocator",
-    "ItemPool",
-    "PoolLayout",
     "DeviceKVPool",
     "DeviceMambaPool",
     "HostKVPool",
+    "IndexAllocator",
+    "ItemPool",
     "MambaPoolHost",
+    "PoolLayout",
     "pinning_available",
 ]

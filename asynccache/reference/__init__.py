@@ -8,4 +8,4 @@
 from asynccache.reference.batch import ForwardBatch, SequenceInput
 from asynccache.reference.model import HybridModel
 
-__all__ = ["HybridModel", "SequenceInput", "ForwardBatch"]
+__all__ = ["ForwardBatch", "HybridModel", "SequenceInput"]

@@ -33,7 +33,7 @@ import torch
 
 from asynccache.errors import ConfigError
 
-__all__ = ["SequenceInput", "ForwardBatch", "Segment", "plan_passes"]
+__all__ = ["ForwardBatch", "Segment", "SequenceInput", "plan_passes"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)

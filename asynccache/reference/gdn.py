@@ -42,9 +42,9 @@ import torch.nn.functional as F
 __all__ = [
     "CHUNK_SIZE",
     "causal_conv1d",
+    "chunk_gated_delta_rule",
     "l2norm",
     "recurrent_gated_delta_rule",
-    "chunk_gated_delta_rule",
     "unit_lower_inverse",
 ]
 

@@ -37,11 +37,16 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 from asynccache.errors import ConfigError
 from asynccache.pools import DeviceKVPool, DeviceMambaPool
 from asynccache.reference.context import PassContext
-from asynccache.reference.gdn import chunk_gated_delta_rule, causal_conv1d, l2norm, recurrent_gated_delta_rule
+from asynccache.reference.gdn import (
+    causal_conv1d,
+    chunk_gated_delta_rule,
+    l2norm,
+    recurrent_gated_delta_rule,
+)
 from asynccache.reference.rope import apply_rope
 from asynccache.spec import HybridSpec
 
-__all__ = ["RMSNorm", "Attention", "GatedDeltaNet", "MLP", "DecoderLayer", "RMS_EPS"]
+__all__ = ["MLP", "RMS_EPS", "Attention", "DecoderLayer", "GatedDeltaNet", "RMSNorm"]
 
 RMS_EPS = 1e-6
 

@@ -52,10 +52,15 @@ from asynccache.reference.batch import ForwardBatch, SequenceInput, plan_passes
 from asynccache.reference.context import build_pass_context
 from asynccache.reference.graphs import LayerGraphs
 from asynccache.reference.layers import DecoderLayer, RMSNorm
-from asynccache.reference.weights import init_random_, load_tensors_, read_safetensors, save_safetensors
+from asynccache.reference.weights import (
+    init_random_,
+    load_tensors_,
+    read_safetensors,
+    save_safetensors,
+)
 from asynccache.spec import HybridSpec
 
-__all__ = ["HybridModel", "SequenceInput", "ForwardBatch", "LAUNCH_WINDOW_LAYERS", "LAUNCH_WINDOW_MIN_TOKENS"]
+__all__ = ["LAUNCH_WINDOW_LAYERS", "LAUNCH_WINDOW_MIN_TOKENS", "ForwardBatch", "HybridModel", "SequenceInput"]
 
 #: On CUDA, a pass of at least ``LAUNCH_WINDOW_MIN_TOKENS`` tokens keeps at most this many layers
 #: launched ahead of the GPU: before launching more, the forward awaits (in a thread, the GIL

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ROPE_THETA", "rope_cos_sin", "apply_rope"]
+__all__ = ["ROPE_THETA", "apply_rope", "rope_cos_sin"]
 
 ROPE_THETA = 1_000_000.0
 

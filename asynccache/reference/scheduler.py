@@ -44,7 +44,7 @@ from asynccache.reference.model import ForwardBatch, HybridModel, SequenceInput
 from asynccache.reference.requests import Phase, Request, RequestResult, SchedulerConfig
 from asynccache.tree import Tier
 
-__all__ = ["Scheduler", "RequestResult", "SchedulerConfig"]
+__all__ = ["RequestResult", "Scheduler", "SchedulerConfig"]
 
 _ids = itertools.count()
 
@@ -170,7 +170,7 @@ class Scheduler:
                 # A step may complete without suspending (CPU copies, nothing to wait for): yield
                 # so submitters, cancellations and background copies run between steps.
                 await asyncio.sleep(0)
-        except Exception as e:  # noqa: BLE001 (any error stops the loop; it goes to the requests)
+        except Exception as e:
             # Fail every request rather than leave callers waiting on a dead loop, and refuse
             # new ones (submit). The error is not raised into the TaskGroup: that would cancel
             # the task that entered the scheduler, which may be awaiting one of these requests;

@@ -37,7 +37,7 @@ from asynccache.reference.batch import ForwardBatch, SequenceInput
 from asynccache.reference.model import HybridModel
 from asynccache.spec import HybridSpec, dtype_from_name
 
-__all__ = ["PrefillResult", "make_prefill_batch", "prefill_tokens_per_s", "main"]
+__all__ = ["PrefillResult", "main", "make_prefill_batch", "prefill_tokens_per_s"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -28,7 +28,7 @@ from torch import nn
 
 from asynccache.errors import ConfigError
 
-__all__ = ["init_random_", "load_tensors_", "save_safetensors", "read_safetensors"]
+__all__ = ["init_random_", "load_tensors_", "read_safetensors", "save_safetensors"]
 
 _RESIDUAL_OUT = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
 _INPUT_PROJ = ("qkv_proj.weight", "in_proj_qkvz.weight", "in_proj_ba.weight", "gate_up_proj.weight", "lm_head.weight")
@@ -102,6 +102,6 @@ def read_safetensors(path: str | PathLike[str], *, device: str | torch.device = 
     where = "cpu" if dev.type == "cpu" else f"{dev.type}:{dev.index or 0}"
     try:
         with safe_open(str(path), framework="pt", device=where) as f:
-            return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+            return {name: f.get_tensor(name) for name in f.keys()}
     except (OSError, SafetensorError) as e:
         raise ConfigError(f"cannot read safetensors checkpoint {path}: {e}") from e

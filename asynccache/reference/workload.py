@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Conversation", "make_conversations", "ProcessedPrefixes"]
+__all__ = ["Conversation", "ProcessedPrefixes", "make_conversations"]
 
 
 @dataclass(slots=True)

@@ -15,7 +15,10 @@
 """
 
 from asynccache.trace.bound import BoundResult, infinite_cache_bound
-from asynccache.trace.controller_replay import ControllerReplay, replay_trace_with_controller
+from asynccache.trace.controller_replay import (
+    ControllerReplay,
+    replay_trace_with_controller,
+)
 from asynccache.trace.flops import FlopModel
 from asynccache.trace.loader import Trace, TraceFormatError, TraceRequest, load_trace
 from asynccache.trace.policies import PolicyCombo, parse_combo

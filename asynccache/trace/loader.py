@@ -32,7 +32,7 @@ import numpy as np
 
 from asynccache.errors import TraceFormatError
 
-__all__ = ["TraceFormatError", "TraceRequest", "Trace", "load_trace", "MOONCAKE_BLOCK_SIZE"]
+__all__ = ["MOONCAKE_BLOCK_SIZE", "Trace", "TraceFormatError", "TraceRequest", "load_trace"]
 
 #: Tokens per hash id in the Mooncake FAST'25 traces.
 MOONCAKE_BLOCK_SIZE = 512

@@ -40,12 +40,12 @@ from asynccache.trace.results import TierBudget
 from asynccache.trace.storage_tier import STORAGE_WRITE_MODES
 
 __all__ = [
+    "ADMISSIONS",
+    "ATTENTION_ONLY",
+    "EVICTIONS",
     "PolicyCombo",
     "make_admission",
     "make_eviction",
-    "ADMISSIONS",
-    "EVICTIONS",
-    "ATTENTION_ONLY",
     "parse_combo",
 ]
 

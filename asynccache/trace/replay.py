@@ -53,12 +53,24 @@ from asynccache.trace.bound import BoundResult, infinite_cache_bound
 from asynccache.trace.budget import ByteBudget
 from asynccache.trace.flops import FlopModel
 from asynccache.trace.loader import Trace
-from asynccache.trace.policies import ATTENTION_ONLY, PolicyCombo, make_admission, make_eviction
+from asynccache.trace.policies import (
+    ATTENTION_ONLY,
+    PolicyCombo,
+    make_admission,
+    make_eviction,
+)
 from asynccache.trace.results import ReplayResult, TierBudget
 from asynccache.trace.storage_index import AccountingStorage
 from asynccache.trace.storage_tier import ReplayStorageTier
 from asynccache.trace.synth import TokenSynthesizer
-from asynccache.tree import HybridRadixTree, InsertResult, MatchResult, SyncTransfer, Tier, TreeNode
+from asynccache.tree import (
+    HybridRadixTree,
+    InsertResult,
+    MatchResult,
+    SyncTransfer,
+    Tier,
+    TreeNode,
+)
 
 __all__ = ["ReplayConfig", "TraceReplay", "replay_trace"]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from asynccache.trace.policies import ATTENTION_ONLY
 from asynccache.trace.results import ReplayResult, format_size
 
-__all__ = ["format_table", "plot_results", "format_markdown_table"]
+__all__ = ["format_markdown_table", "format_table", "plot_results"]
 
 _COLUMNS = (
     ("policy", "<"),

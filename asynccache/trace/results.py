@@ -15,7 +15,7 @@ from typing import Any
 
 from asynccache.errors import ConfigError
 
-__all__ = ["TierBudget", "ReplayResult", "parse_size", "format_size", "results_to_json", "TIERS"]
+__all__ = ["TIERS", "ReplayResult", "TierBudget", "format_size", "parse_size", "results_to_json"]
 
 TIERS = ("device", "host", "storage")
 

@@ -32,7 +32,7 @@ from asynccache.storage import PoolName
 from asynccache.trace.storage_index import AccountingStorage
 from asynccache.tree import HybridRadixTree, MatchResult, TreeNode
 
-__all__ = ["ReplayStorageTier", "STORAGE_WRITE_MODES"]
+__all__ = ["STORAGE_WRITE_MODES", "ReplayStorageTier"]
 
 STORAGE_WRITE_MODES = ("through", "demote")
 

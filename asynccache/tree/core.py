@@ -33,7 +33,7 @@ from kernels.api import all_distinct
 if TYPE_CHECKING:
     from asynccache.tree.results import BackupPlan, LoadPlan
 
-__all__ = ["TreeCore", "WriteBackFn", "POOL_NAMES"]
+__all__ = ["POOL_NAMES", "TreeCore", "WriteBackFn"]
 
 #: ``write_back(nodes) -> bool``: start a device→host backup of ``nodes`` (top-down, ancestors
 #: first) through ``tree.begin_backup``; return whether it was started.

@@ -23,7 +23,7 @@ import torch
 
 from asynccache.errors import ConfigError
 
-__all__ = ["TOKEN_BYTES", "TokenIds", "encode_tokens", "seed_hash", "chain_hashes", "PageHashes"]
+__all__ = ["TOKEN_BYTES", "PageHashes", "TokenIds", "chain_hashes", "encode_tokens", "seed_hash"]
 
 TOKEN_BYTES = 8
 _TOKEN_DTYPE = np.dtype("<i8")
@@ -76,7 +76,7 @@ def chain_hashes(prev: bytes, key: bytes | memoryview, page_size: int, num_pages
 class PageHashes(Sequence[str]):
     """Hex hashes of every full page of a prompt, computed lazily up to the index read."""
 
-    __slots__ = ("_buf", "_num_pages", "_page_size", "_seed", "_raw")
+    __slots__ = ("_buf", "_num_pages", "_page_size", "_raw", "_seed")
 
     def __init__(self, buf: bytes, num_pages: int, page_size: int, seed: bytes) -> None:
         self._buf = buf

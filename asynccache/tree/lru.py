@@ -23,7 +23,7 @@ from asynccache.tree.node import NUM_LRU_LISTS, Resource, Tier
 if TYPE_CHECKING:
     from asynccache.tree.node import TreeNode
 
-__all__ = ["LRUList", "HostLRUList"]
+__all__ = ["HostLRUList", "LRUList"]
 
 
 class _Sentinel:
@@ -36,7 +36,7 @@ class _Sentinel:
 class LRUList:
     """Nodes holding one resource on one tier, least recently used first."""
 
-    __slots__ = ("name", "tier", "resource", "_p", "_n", "_head", "_size")
+    __slots__ = ("_head", "_n", "_p", "_size", "name", "resource", "tier")
 
     def __init__(self, slot: int, *, name: str, tier: Tier, resource: Resource) -> None:
         if not 0 <= slot < NUM_LRU_LISTS:

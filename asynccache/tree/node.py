@@ -27,7 +27,7 @@ import torch
 
 from asynccache.tree.hashing import chain_hashes
 
-__all__ = ["Tier", "Resource", "TreeNode"]
+__all__ = ["Resource", "Tier", "TreeNode"]
 
 
 class Tier(str, Enum):
@@ -53,31 +53,31 @@ class TreeNode:
     """One edge of the radix tree (see the module docstring). Roots have no pages."""
 
     __slots__ = (
-        "node_id",
-        "parent",
-        "children",
-        "key",
-        "start_page",
-        "num_pages",
-        "page_size",
-        "device_kv",
-        "host_kv",
-        "device_state",
-        "host_state",
-        "device_lock",
-        "host_lock",
-        "loading",
-        "hit_count",
-        "last_access",
-        "archived",
+        "__weakref__",
+        "_hashes",
         "alive",
+        "archived",
+        "children",
+        "device_kv",
+        "device_lock",
+        "device_state",
+        "hit_count",
+        "host_kv",
+        "host_lock",
+        "host_state",
+        "key",
+        "last_access",
+        "links",
+        "loading",
+        "node_id",
         "num_device_children",
         "num_host_children",
-        "links",
+        "num_pages",
+        "page_size",
+        "parent",
         "salt",
         "seed_hash",
-        "_hashes",
-        "__weakref__",
+        "start_page",
     )
 
     def __init__(

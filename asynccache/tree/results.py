@@ -20,12 +20,12 @@ import torch
 from asynccache.tree.node import Tier, TreeNode
 
 __all__ = [
-    "MatchResult",
-    "InsertResult",
-    "EvictResult",
-    "LoadPlan",
-    "BackupPlan",
     "Allocation",
+    "BackupPlan",
+    "EvictResult",
+    "InsertResult",
+    "LoadPlan",
+    "MatchResult",
     "ReleasedIndices",
     "TreeStats",
 ]

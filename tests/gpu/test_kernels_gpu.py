@@ -17,7 +17,15 @@ from asynccache.spec import HybridSpec
 from kernels import copy_items
 from kernels.dma_copy import DMA_ENGINES, batch_check, launch_dma
 from kernels.plan import CopyTuning
-from kernels.testing import COPY_CASES, LAYOUT_PAIRS, CopyCase, assert_copied, index_pairs, make_item_pool, snapshot
+from kernels.testing import (
+    COPY_CASES,
+    LAYOUT_PAIRS,
+    CopyCase,
+    assert_copied,
+    index_pairs,
+    make_item_pool,
+    snapshot,
+)
 
 pytestmark = pytest.mark.gpu
 

@@ -14,7 +14,11 @@ import torch
 
 from asynccache.pools import DeviceKVPool, DeviceMambaPool
 from asynccache.reference import ForwardBatch, HybridModel, SequenceInput
-from asynccache.reference.gdn import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
+from asynccache.reference.gdn import (
+    chunk_gated_delta_rule,
+    l2norm,
+    recurrent_gated_delta_rule,
+)
 from asynccache.spec import PRESETS, HybridSpec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

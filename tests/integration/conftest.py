@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "storage"))
-from storage_harness import SeaweedServer  # noqa: E402
+from storage_harness import SeaweedServer
 
 
 @pytest.fixture(scope="session")

@@ -26,10 +26,17 @@ from kernels.dma_plan import (
     progression_rows,
 )
 from kernels.plan import DMA_MIN_RUN_BYTES, dma_run_bytes
-from kernels.testing import LAYOUT_PAIRS, CopyCase, assert_copied, index_pairs, make_item_pool, snapshot
+from kernels.testing import (
+    LAYOUT_PAIRS,
+    CopyCase,
+    assert_copied,
+    index_pairs,
+    make_item_pool,
+    snapshot,
+)
 
 
-def _segments(src: ItemPool, dst: ItemPool, si: torch.Tensor, di: torch.Tensor, lb: int, le: int):  # noqa: ANN202
+def _segments(src: ItemPool, dst: ItemPool, si: torch.Tensor, di: torch.Tensor, lb: int, le: int):
     return plan_segments(
         item_bytes=src.item_bytes,
         src_layer_stride_bytes=src.layer_stride_bytes,

@@ -10,7 +10,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from asynccache.errors import TransferError
-from kernels.plan import DEFAULT_MAX_CTAS, DEFAULT_TUNING, CopyTuning, choose_chunk_words, plan_copy, word_bytes_for
+from kernels.plan import (
+    DEFAULT_MAX_CTAS,
+    DEFAULT_TUNING,
+    CopyTuning,
+    choose_chunk_words,
+    plan_copy,
+    word_bytes_for,
+)
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,15 @@ import kernels.plan
 from asynccache.errors import TransferError
 from asynccache.pools.base import PoolLayout
 from kernels.plan import CopyTuning
-from kernels.testing import COPY_CASES, LAYOUT_PAIRS, CopyCase, assert_copied, index_pairs, make_item_pool, snapshot
+from kernels.testing import (
+    COPY_CASES,
+    LAYOUT_PAIRS,
+    CopyCase,
+    assert_copied,
+    index_pairs,
+    make_item_pool,
+    snapshot,
+)
 
 SMALL_TILE = CopyTuning(num_warps=4, tile_bytes=512, pipeline=True)
 CASES = [c for c in COPY_CASES if c.item_bytes in (1, 6, 4100, 8200, 48, 4112)]

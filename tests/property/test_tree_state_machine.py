@@ -19,13 +19,27 @@ from collections.abc import Sequence
 import hypothesis.strategies as st
 import torch
 from hypothesis import HealthCheck, settings
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
 
 from asynccache.policy import BlockGridAdmission, EndsAdmission, EveryPageAdmission
 from asynccache.pools import DeviceKVPool, DeviceMambaPool, HostKVPool, MambaPoolHost
 from asynccache.pools.base import ItemPool
 from asynccache.spec import HybridSpec
-from asynccache.tree import BackupPlan, HybridRadixTree, LoadPlan, MatchResult, Tier, TreeError, TreeNode
+from asynccache.tree import (
+    BackupPlan,
+    HybridRadixTree,
+    LoadPlan,
+    MatchResult,
+    Tier,
+    TreeError,
+    TreeNode,
+)
 from asynccache.tree.hashing import encode_tokens
 from kernels.api import copy_items
 

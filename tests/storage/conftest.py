@@ -7,7 +7,13 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from storage_harness import DiskHarness, Harness, MemoryHarness, S3Harness, SeaweedServer
+from storage_harness import (
+    DiskHarness,
+    Harness,
+    MemoryHarness,
+    S3Harness,
+    SeaweedServer,
+)
 
 
 def serve(server: SeaweedServer) -> Iterator[SeaweedServer]:

@@ -11,7 +11,14 @@ from asynccache.policy.adaptive import AdaptiveAdmission
 from asynccache.policy.branch import BranchAdmission, branch_position
 from asynccache.policy.cost_aware import _auc
 from asynccache.trace.policies import PolicyCombo, parse_combo
-from asynccache.tree import InsertResult, MatchResult, PageHashes, TreeNode, encode_tokens, seed_hash
+from asynccache.tree import (
+    InsertResult,
+    MatchResult,
+    PageHashes,
+    TreeNode,
+    encode_tokens,
+    seed_hash,
+)
 
 PAGE = 8
 

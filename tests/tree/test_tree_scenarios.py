@@ -8,7 +8,12 @@ import torch
 from tree_builders import PAGE, check_contents, make_tree, put, seq
 
 from asynccache.errors import ConfigError
-from asynccache.policy import BlockGridAdmission, EveryPageAdmission, ScoredEviction, WritePolicy
+from asynccache.policy import (
+    BlockGridAdmission,
+    EveryPageAdmission,
+    ScoredEviction,
+    WritePolicy,
+)
 from asynccache.tree import LRUList, Tier, TreeError, TreeNode
 
 

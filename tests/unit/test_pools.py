@@ -7,7 +7,14 @@ from typing import Any
 import pytest
 import torch
 
-from asynccache import AllocationError, CapacityError, ConfigError, HybridSpec, PinningError, StateComponent
+from asynccache import (
+    AllocationError,
+    CapacityError,
+    ConfigError,
+    HybridSpec,
+    PinningError,
+    StateComponent,
+)
 from asynccache.pools import (
     DeviceKVPool,
     DeviceMambaPool,
