@@ -2,9 +2,10 @@
 
 A request whose prompt runs past its match asks the storage tier (``asynccache.tiering``) for
 the pages it misses. The controller runs each such lookup as a task in its ``TaskGroup`` with
-the match's node pinned (the lookup takes a while, during which other requests evict), and the
-request waits for it no longer than the prefetch policy's deadline: the fetch is never
-cancelled, its data still lands on host for later requests. A split restore's tail
+the nodes holding the match's KV pinned, on the device and the host (the lookup takes a while,
+during which other requests evict, and what it fetches extends that KV), and the request waits
+for it no longer than the prefetch policy's deadline: the fetch is never cancelled, its data
+still lands on host for later requests. A split restore's tail
 (:class:`~asynccache.tiering.TailRestore`) that lands in time is loaded onto the request's own
 device pages and state slots with the step's other loads.
 
@@ -28,6 +29,7 @@ from asynccache.errors import ClosedError, ConfigError
 from asynccache.ops import CacheOperation, OpKind
 from asynccache.stats import StatsRecorder
 from asynccache.storage import PoolName, PoolTransfer
+from asynccache.tiering import held_node
 
 if TYPE_CHECKING:
     from asynccache.tree import HybridRadixTree
@@ -49,16 +51,16 @@ class Prefetcher:
         self.tree = tree
         self.config = config
         self._stats = stats
-        #: storage lookups in flight (each holds its match's node locked until it ends)
+        #: storage lookups in flight (each holds its match's KV locked until it ends)
         self.tasks: set[asyncio.Task[Any]] = set()
 
     def start(
         self, tg: asyncio.TaskGroup, tiering: Any, tokens: Sequence[int], match: Any, *, salt: str, allow_tail: bool
     ) -> asyncio.Task[Any]:
         """``tiering.prefetch`` of what ``tokens`` miss past ``match``, as a task of ``tg``."""
-        # The match's node must outlive the fetch: the task starts later, and storage lookups
-        # take a while, during which other requests evict.
-        node = match.last_node
+        # The KV the match holds must outlive the fetch (the fetched pages extend it): the task
+        # starts later, and storage lookups take a while, during which other requests evict.
+        node = held_node(match)
         self.tree.lock(node)
         self.tree.lock_host(node)
 

@@ -1,7 +1,8 @@
 """What restoring a prefix from storage costs against recomputing it: the storage tier's cost
 model (:class:`RestoreCost`: read bandwidth and a position-aware prefill time) and the
-correction of its read estimates by observed read times (:class:`ReadTimeCorrection`). The
-storage tier (``asynccache.tiering``) plans whole, split and no restores with them.
+correction of its read estimates by observed read times (:class:`ReadTimeCorrection`), and
+the plan they give (:func:`plan_restore`): how much of a stored prefix the storage tier
+(``asynccache.tiering``) restores whole, restores split, or leaves to be recomputed.
 """
 
 from __future__ import annotations
@@ -9,10 +10,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from asynccache.errors import ConfigError
 
-__all__ = ["ReadTimeCorrection", "RestoreCost"]
+if TYPE_CHECKING:
+    from asynccache.spec import HybridSpec
+
+__all__ = ["ReadTimeCorrection", "RestoreCost", "plan_restore"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -107,3 +112,72 @@ class ReadTimeCorrection:
         """``factor ← toward + keep · (factor − toward)`` when the factor is above ``toward``."""
         if self.factor > toward:
             self.factor = toward + keep * (self.factor - toward)
+
+
+def plan_restore(
+    cost: RestoreCost,
+    spec: HybridSpec,
+    *,
+    start_page: int,
+    first_page: int,
+    end_page: int,
+    num_tokens: int,
+    allow_tail: bool,
+    read_factor: float = 1.0,
+    tail_read_factor: float = 1.0,
+) -> tuple[int, int, bool]:
+    """``(begin, end, split_possible)``: the pages to restore of a prefix of ``num_tokens`` tokens
+    whose first ``start_page`` pages (and the state there) are cached, storage holding the KV of
+    pages ``[first_page, end_page)`` and the state at ``end_page`` (``start_page <= first_page``:
+    the cache holds the KV of the pages before ``first_page``). ``(start, start)`` recomputes,
+    ``(start, end)`` restores everything (reads pages ``[first_page, end)`` and the state),
+    ``start < begin < end`` computes the head ``[start, begin)`` while reading the tail
+    ``[begin, end)`` and the state at ``end`` (a tail starts at ``first_page`` or later: storage
+    need not hold the pages before). ``split_possible``: a tail was a candidate.
+
+    Reading ``p`` pages and the state costs ``(p·kv_page_bytes + state_bytes) / read_bw``, the
+    bandwidth divided by ``read_factor`` for whole restores and by ``tail_read_factor`` for tails
+    read beside a head's computation (:class:`ReadTimeCorrection`); computing positions
+    ``[a, b)`` costs :meth:`RestoreCost.compute_s`. Restoring first and computing after costs
+    the sum, which is concave in the depth (reading is linear in it, and a token costs more to
+    compute the deeper it sits), so among such splits only the two ends can win: everything or
+    nothing. Recomputing is always a candidate, so restoring is never chosen when estimated
+    slower. A tail restore overlaps the two and costs the max; the best head balances them
+    (computing grows with the head and reading shrinks, so the crossing is found by bisection).
+    """
+    page, kvb, sb = spec.page_size, spec.kv_page_bytes, spec.state_bytes
+    start, n = start_page, end_page
+    bw_all = cost.read_bytes_per_s / read_factor
+    bw_tail = cost.read_bytes_per_s / tail_read_factor
+    rest_s = cost.compute_s(n * page, num_tokens)  # computed after the stored prefix in every plan
+
+    def head_s(begin: int) -> float:
+        return cost.compute_s(start * page, begin * page)
+
+    def tail_s(begin: int) -> float:
+        return ((n - begin) * kvb + sb) / bw_tail
+
+    def plan_cost(begin: int, end: int) -> float:
+        if end == start:
+            return cost.compute_s(start * page, num_tokens)
+        if begin == start:  # restore everything: the pages the cache lacks, and the state
+            return ((end - min(first_page, end)) * kvb + sb) / bw_all + rest_s
+        return max(head_s(begin), tail_s(begin)) + rest_s
+
+    plans = [(start, start), (start, n)]
+    low = max(start + 1, first_page)  # the first page a tail may begin at
+    if allow_tail and low < n:
+        # The last head b in [low, n) whose computation is not longer than the tail's read
+        # (``low`` itself when even that head takes longer).
+        lo, hi = low - 1, n
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if head_s(mid) <= tail_s(mid):
+                lo = mid
+            else:
+                hi = mid
+        for cand in {lo, lo + 1}:
+            if low <= cand < n:
+                plans.append((cand, n))
+    best = min(plans, key=lambda p: (plan_cost(*p), -p[1], p[0]))
+    return best[0], best[1], len(plans) > 2

@@ -11,16 +11,24 @@
   skipped). Backups run in the controller's TaskGroup, at most
   ``config.max_backups_in_flight`` at once; the queue behind them is bounded too (past it a
   backup is skipped and counted). Host copies stay locked while their bytes are read.
-- **Prefetch** of a miss past the host tier: ``batch_exists_v2`` with KV ``ALL_PAGES`` and the
-  state ``TRAILING_PAGES`` clips the hit to the deepest page whose state is stored; KV pages and
-  then the state are read straight into fresh host slots, which become host-only tree nodes
-  (``tree.insert_host``) that the next match loads back. A failure, timeout or corrupt object is
-  a miss: everything allocated is freed, nothing is inserted.
+- **Prefetch** of a miss past the host tier. The tree holds the KV of the match's first
+  ``num_matched_tokens`` tokens on some tier (the state only at ``num_tokens``), so storage is
+  asked for what lies past them: ``batch_exists_v2`` with KV ``ALL_PAGES`` and the state
+  ``TRAILING_PAGES`` over the pages past the tree's gives the deepest page whose state is
+  stored; failing that, a stored state within the tree's pages (state ``TRAILING_PAGES`` alone).
+  The pages the tree holds stay locked (device and host) from the start to the end of the
+  prefetch, so evictions meanwhile cannot take them. Only the pages past the tree's are read,
+  with the state, into fresh host slots, which become host-only tree nodes below the tree's
+  pages (``tree.insert_host(start_page=…)``) that the next match loads back; host copies stay a
+  contiguous prefix, so tree pages held on the device only are backed up to the host first
+  (``tree.host_gap`` and a controller write). A failure, timeout or corrupt object is a miss:
+  everything allocated is freed, nothing is inserted.
 - **Split restore** (with a :class:`RestoreCost`): restore everything, recompute everything, or
   — when the caller can take it (``allow_tail=True``) — a :class:`TailRestore`: the engine
   computes the head of the prefix itself while the tier reads the tail's KV pages and the state
   at its end into private host slots, so reading and computing overlap. The split balances the
-  two: ``min over b of max(compute(head b), read(tail from b))``. Read estimates are corrected
+  two: ``min over b of max(compute(head b), read(tail from b))``, b not before the first page
+  read from storage (:func:`~asynccache.restore_cost.plan_restore`). Read estimates are corrected
   by the read times observed, separately for whole restores and for tails read beside a head's
   computation (:class:`ReadTimeCorrection`): the two share the host's CPU, so a split overlaps
   less than perfectly, and the model learns by how much. While whole restores are chosen over a
@@ -43,7 +51,7 @@ import torch
 
 from asynccache.completion import drop_done
 from asynccache.errors import ClosedError
-from asynccache.restore_cost import ReadTimeCorrection, RestoreCost
+from asynccache.restore_cost import ReadTimeCorrection, RestoreCost, plan_restore
 from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer, StorageBackend
 
 if TYPE_CHECKING:
@@ -96,13 +104,20 @@ class TailRestore:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PrefetchResult:
-    """``num_tokens``: prefix length now available on host (0 when nothing was fetched);
+    """``num_tokens``: prefix length now cached (the match's when nothing was
+    fetched); ``num_pages_fetched``: KV pages read from storage for it (0 for a state alone);
     ``tail``: a split restore the caller must finish (and release), see :class:`TailRestore`."""
 
     num_tokens: int
     num_pages_fetched: int
     timed_out: bool = False
     tail: TailRestore | None = None
+
+
+def held_node(match: Any) -> Any:
+    """The node whose lock keeps the KV of ``match``'s first ``num_matched_tokens`` tokens."""
+    node = getattr(match, "matched_node", None)
+    return match.last_node if node is None else node
 
 
 def _path_to_root(node: Any) -> list[Any]:
@@ -224,21 +239,26 @@ class StorageTier:
         start_page = match.num_tokens // page
         if len(match.page_hashes) <= start_page or self.controller.pools[PoolName.MAMBA][1] is None:
             return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
-        # The lookup below awaits storage; meanwhile the match's node must not be evicted.
-        self.tree.lock(match.last_node)
-        self.tree.lock_host(match.last_node)
+        # The lookup below awaits storage; meanwhile the KV the match holds (which the fetched
+        # pages extend) must not be evicted.
+        node = held_node(match)
+        self.tree.lock(node)
+        self.tree.lock_host(node)
         try:
             return await self._prefetch(tokens, match, start_page, salt=salt, allow_tail=allow_tail)
         finally:
-            self.tree.unlock(match.last_node)
-            self.tree.unlock_host(match.last_node)
+            self.tree.unlock(node)
+            self.tree.unlock_host(node)
 
     async def _prefetch(
         self, tokens: Any, match: Any, start_page: int, *, salt: str, allow_tail: bool
     ) -> PrefetchResult:
         keys = list(match.page_hashes)
+        # The tree holds the KV of the pages before ``held`` on some tier (the state only at
+        # ``start_page``): storage is asked for what lies past them.
+        held = max(start_page, min(match.num_matched_tokens // self.tree.spec.page_size, len(keys)))
         try:
-            n = await self._deepest_stored(keys)
+            n = await self._deepest_stored(keys, start_page, held)
         except Exception as e:
             self.counts["prefetch_failed"] += 1
             log.warning("storage lookup failed: %s", e)
@@ -246,85 +266,55 @@ class StorageTier:
         if n <= start_page:
             self.counts["prefetch_miss"] += 1
             return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
+        first = min(held, n)  # the first page read from storage
         begin = start_page
         if self.cost is not None:
-            begin, n = self._split_that_pays(start_page, n, num_tokens=len(tokens), allow_tail=allow_tail)
+            stored = n
+            begin, n, split_possible = plan_restore(
+                self.cost,
+                self.tree.spec,
+                start_page=start_page,
+                first_page=first,
+                end_page=n,
+                num_tokens=len(tokens),
+                allow_tail=allow_tail,
+                read_factor=self.read_alone.factor,
+                tail_read_factor=self.read_beside_compute.factor,
+            )
+            if (begin, n) != (start_page, stored):
+                self.counts["prefetch_split"] += 1
+            elif split_possible:
+                # A split was possible but not chosen, so its correction is not observed this
+                # time: let a pessimism learnt from a few slow tails fade toward the whole-read
+                # figure.
+                self.read_beside_compute.relax(self.read_alone.factor)
             if n <= start_page:  # recomputing is estimated faster than restoring
                 return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
         if begin > start_page:
             return self._start_tail(match, keys, begin, n)
-        return await self._fetch(tokens, match, keys, start_page, n, salt=salt)
+        return await self._fetch(tokens, match, keys, first, n, salt=salt)
 
-    async def _deepest_stored(self, keys: list[str]) -> int:
-        """Pages of the longest stored prefix of ``keys`` whose last page has a stored state."""
-        if not keys:
-            return 0
-        exists = await self.backend.batch_exists_v2(
-            keys,
-            [
-                PoolTransfer(pool_name=PoolName.KV, hit_policy=PoolHitPolicy.ALL_PAGES),
-                PoolTransfer(pool_name=PoolName.MAMBA, hit_policy=PoolHitPolicy.TRAILING_PAGES),
-            ],
-        )
-        return exists.num_hit_pages
-
-    def _split_that_pays(self, start_page: int, n: int, *, num_tokens: int, allow_tail: bool) -> tuple[int, int]:
-        """``(begin, end)`` pages to restore: ``(start, start)`` recomputes, ``(start, n)`` restores
-        everything stored, ``start < begin < n`` computes the head ``[start, begin)`` while reading
-        the tail ``[begin, n)`` and the state at ``n``.
-
-        Reading ``p`` pages and the state costs ``(p·kv_page_bytes + state_bytes) / read_bw``;
-        computing positions ``[a, b)`` costs ``RestoreCost.compute_s(a, b)``. Restoring first and
-        computing after costs the sum, which is concave in the depth (reading is linear in it,
-        and a token costs more to compute the deeper it sits), so among such splits only the two
-        ends can win: everything or nothing. Recomputing is always a candidate, so restoring is
-        never chosen when estimated slower. A tail restore overlaps the two and costs the max;
-        the best head balances them (computing grows with the head and reading shrinks, so the
-        crossing is found by bisection). Read times are scaled by the observed corrections
-        (:attr:`read_alone`, :attr:`read_beside_compute`).
-        """
-        assert self.cost is not None
-        cost = self.cost
-        spec = self.tree.spec
-        page, kvb, sb = spec.page_size, spec.kv_page_bytes, spec.state_bytes
-        bw_all = cost.read_bytes_per_s / self.read_alone.factor
-        bw_tail = cost.read_bytes_per_s / self.read_beside_compute.factor
-        rest_s = cost.compute_s(n * page, num_tokens)  # computed after the stored prefix in every plan
-
-        def head_s(begin: int) -> float:
-            return cost.compute_s(start_page * page, begin * page)
-
-        def tail_s(begin: int) -> float:
-            return ((n - begin) * kvb + sb) / bw_tail
-
-        def plan_cost(begin: int, end: int) -> float:
-            if end == start_page:
-                return cost.compute_s(start_page * page, num_tokens)
-            if begin == start_page:  # restore everything (every page is read, see _fetch)
-                return (end * kvb + sb) / bw_all + rest_s
-            return max(head_s(begin), tail_s(begin)) + rest_s
-
-        plans = [(start_page, start_page), (start_page, n)]
-        if allow_tail and n - start_page >= 2:
-            # The last head b in (start, n) whose computation is not longer than the tail's read.
-            lo, hi = start_page, n  # head_s(lo) <= tail_s(lo); the answer is in [lo, hi)
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if head_s(mid) <= tail_s(mid):
-                    lo = mid
-                else:
-                    hi = mid
-            for cand in {lo, lo + 1}:
-                if start_page < cand < n:
-                    plans.append((cand, n))
-        best = min(plans, key=lambda p: (plan_cost(*p), -p[1], p[0]))
-        if best != (start_page, n):
-            self.counts["prefetch_split"] += 1
-        elif len(plans) > 2:
-            # A split was possible but not chosen, so its correction is not observed this time:
-            # let a pessimism learnt from a few slow tails fade toward the whole-read figure.
-            self.read_beside_compute.relax(self.read_alone.factor)
-        return best
+    async def _deepest_stored(self, keys: list[str], start_page: int, held: int) -> int:
+        """The deepest ``n > start_page`` such that storage holds the KV of pages ``[held, n)``
+        and the state at ``n`` (for ``n <= held``: the state alone), else ``start_page``. The
+        KV is looked up past the tree's pages first; a state within them only when that fails."""
+        if held < len(keys):
+            exists = await self.backend.batch_exists_v2(
+                keys[held:],
+                [
+                    PoolTransfer(pool_name=PoolName.KV, hit_policy=PoolHitPolicy.ALL_PAGES),
+                    PoolTransfer(pool_name=PoolName.MAMBA, hit_policy=PoolHitPolicy.TRAILING_PAGES),
+                ],
+            )
+            if exists.num_hit_pages:
+                return held + exists.num_hit_pages
+        if held > start_page:
+            exists = await self.backend.batch_exists_v2(
+                keys[start_page:held],
+                [PoolTransfer(pool_name=PoolName.MAMBA, hit_policy=PoolHitPolicy.TRAILING_PAGES)],
+            )
+            return start_page + exists.num_hit_pages
+        return start_page
 
     def _start_tail(self, match: Any, keys: list[str], begin: int, n: int) -> PrefetchResult:
         """Allocate private host slots for pages ``[begin, n)`` and the state at ``n``, and start
@@ -334,7 +324,7 @@ class StorageTier:
         _, host_kv_pool = ctrl.pools[PoolName.KV]
         _, host_state_pool = ctrl.pools[PoolName.MAMBA]
         assert host_kv_pool is not None and host_state_pool is not None
-        alloc = self.tree.alloc_host(n - begin, 1)  # the match's node is locked (see prefetch)
+        alloc = self.tree.alloc_host(n - begin, 1)  # the match's KV is locked (see prefetch)
         if alloc is None:
             self.counts["prefetch_no_room"] += 1
             return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
@@ -382,39 +372,58 @@ class StorageTier:
             spec = self.tree.spec
             correction.observe(num_pages * spec.kv_page_bytes + spec.state_bytes, elapsed_s, self.cost.read_bytes_per_s)
 
+    async def _head_on_host(self, match: Any, num_pages: int) -> bool:
+        """Give the first ``num_pages`` pages of ``match`` host copies: those the tree holds on
+        the device only are backed up (host copies stay a contiguous prefix, so the fetched
+        pages can only hang below host copies). False when the host has no room."""
+        gap = self.tree.host_gap(held_node(match), num_pages) if num_pages else []
+        if not gap:
+            return True
+        op = self.controller.write(gap, priority=1)
+        if op is None:
+            return False
+        self.controller.start_writing()
+        await op
+        self.counts["prefetch_head_backups"] += 1
+        return True
+
     async def _fetch(
-        self, tokens: Any, match: Any, keys: list[str], start_page: int, n: int, *, salt: str
+        self, tokens: Any, match: Any, keys: list[str], first: int, n: int, *, salt: str
     ) -> PrefetchResult:
+        """Read pages ``[first, n)`` and the state at ``n`` into fresh host slots and insert them
+        below the tree's first ``first`` pages (backed up to the host first where needed)."""
         ctrl = self.controller
         page = self.tree.spec.page_size
         _, host_kv_pool = ctrl.pools[PoolName.KV]
         _, host_state_pool = ctrl.pools[PoolName.MAMBA]
         host_kv = host_slot = None
-        inserted = False  # the match's node is locked throughout (see prefetch)
+        inserted = False  # the match's KV is locked throughout (see prefetch)
         try:
-            # Every page of the prefix is read (pages the tree already holds come back as
-            # duplicates and are freed by insert_host): host-only nodes need all their pages.
-            alloc = self.tree.alloc_host(n, 1)
+            if not await self._head_on_host(match, first):
+                self.counts["prefetch_no_room"] += 1
+                return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
+            alloc = self.tree.alloc_host(n - first, 1)
             if alloc is None:
                 self.counts["prefetch_no_room"] += 1
                 return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
             host_kv, host_slot = alloc.kv_indices, alloc.state_slots
+            transfers = [
+                PoolTransfer(pool_name=PoolName.KV, keys=tuple(keys[first:n]), host_indices=host_kv),
+                PoolTransfer(pool_name=PoolName.MAMBA, keys=(keys[n - 1],), host_indices=host_slot),
+            ]
             t0 = time.perf_counter()
-            results = await self.backend.batch_get_v2(
-                [
-                    PoolTransfer(pool_name=PoolName.KV, keys=tuple(keys[:n]), host_indices=host_kv),
-                    PoolTransfer(pool_name=PoolName.MAMBA, keys=(keys[n - 1],), host_indices=host_slot),
-                ]
-            )
-            if not (all(results[0]) and all(results[1])):
+            results = await self.backend.batch_get_v2(transfers)
+            if not all(all(r) for r in results):
                 self.counts["prefetch_incomplete"] += 1
                 return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
-            self._observe(self.read_alone, n, time.perf_counter() - t0)
-            self.tree.insert_host(tokens[: n * page], host_kv, host_states={n * page: int(host_slot[0])}, salt=salt)
+            self._observe(self.read_alone, n - first, time.perf_counter() - t0)
+            self.tree.insert_host(
+                tokens[: n * page], host_kv, host_states={n * page: int(host_slot[0])}, start_page=first, salt=salt
+            )
             inserted = True
             self.counts["prefetch_hit"] += 1
-            self.counts["prefetch_pages"] += n - start_page
-            return PrefetchResult(num_tokens=n * page, num_pages_fetched=n - start_page)
+            self.counts["prefetch_pages"] += n - first
+            return PrefetchResult(num_tokens=n * page, num_pages_fetched=n - first)
         except Exception as e:
             self.counts["prefetch_failed"] += 1
             log.warning("prefetch from storage failed: %s", e)

@@ -171,7 +171,9 @@ class TraceReplay:
         self.storage_tier: ReplayStorageTier | None = None
         if budget.storage:
             self.storage = AccountingStorage(budget.storage)
-            self.storage_tier = ReplayStorageTier(self.tree, self.storage, write=combo.storage_write)
+            self.storage_tier = ReplayStorageTier(
+                self.tree, self.storage, write=combo.storage_write, backup=self._backup
+            )
         count_states = not self.attention_only
         self.device_budget = ByteBudget(
             tree=self.tree, tier=Tier.DEVICE, budget_bytes=budget.device, count_states=count_states

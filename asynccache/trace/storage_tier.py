@@ -15,20 +15,24 @@ bytes are kept.
   (e.g. at every page) are written straight from the request's snapshots, as *speculative*
   objects (they fill free space and never displace proven data); they never enter the tree
   until a later request fetches one.
-- **Lookup** (:meth:`lookup`): the deepest page ``n`` of a prompt such that every page before it
-  has KV in the tree (any tier) or in storage, and storage has the state at ``n``.
-- **Prefetch** (:meth:`prefetch`): read the pages the tree lacks and the state into fresh host
-  slots and insert them as host-only nodes (``tree.insert_host``); the next match sees them.
+- **Lookup** (:meth:`lookup`): the deepest page ``n`` of a prompt such that the tree holds the
+  KV of its first pages (any tier), storage the KV of the pages past them up to ``n``, and
+  storage the state at ``n``.
+- **Prefetch** (:meth:`prefetch`): read only the pages past the tree's and the state into fresh
+  host slots and insert them as host-only nodes below the tree's pages (``tree.insert_host``
+  with ``start_page``; tree pages on the device only are backed up to the host first, through
+  the ``backup`` callback); the next match sees them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
 from asynccache.errors import ConfigError
 from asynccache.storage import PoolName
+from asynccache.tiering import held_node
 from asynccache.trace.storage_index import AccountingStorage
 from asynccache.tree import HybridRadixTree, MatchResult, TreeNode
 
@@ -38,9 +42,19 @@ STORAGE_WRITE_MODES = ("through", "demote")
 
 
 class ReplayStorageTier:
-    """Synchronous storage tier over an :class:`AccountingStorage` (see the module docstring)."""
+    """Synchronous storage tier over an :class:`AccountingStorage` (see the module docstring).
+    ``backup(nodes)``: the replay's device → host backup (False when the host has no room),
+    which a prefetch uses for tree pages on the device only (without it such a prefix is not
+    extended)."""
 
-    def __init__(self, tree: HybridRadixTree, storage: AccountingStorage, *, write: str = "through") -> None:
+    def __init__(
+        self,
+        tree: HybridRadixTree,
+        storage: AccountingStorage,
+        *,
+        write: str = "through",
+        backup: Callable[[Sequence[TreeNode]], bool] | None = None,
+    ) -> None:
         if write not in STORAGE_WRITE_MODES:
             raise ConfigError(f"unknown storage write mode {write!r}; known: {list(STORAGE_WRITE_MODES)}")
         if tree.host_kv is None or tree.host_mamba is None:
@@ -48,6 +62,7 @@ class ReplayStorageTier:
         self.tree = tree
         self.storage = storage
         self.write = write
+        self.backup = backup
         #: Archive on backup (``write="through"``); off when the controller's tier does it.
         self.archive_backups = write == "through"
         storage.set_object_bytes(PoolName.KV, tree.host_kv.bytes_per_index)
@@ -115,43 +130,51 @@ class ReplayStorageTier:
         page = self.tree.page_size
         hashes = match.page_hashes
         limit = min(max_pages, len(hashes))
-        # As the controller's tier does: the stored prefix counts from page 0 (a restore reads
-        # every page of it, see prefetch).
-        kv_end = 0
+        start = match.num_tokens // page
+        # As the controller's tier does: the tree holds the KV of the first pages (any tier);
+        # storage is asked for the KV past them, and for a state anywhere past ``start``.
+        kv_end = max(start, min(match.num_matched_tokens // page, limit))
         while kv_end < limit and self.storage.contains(PoolName.KV, hashes[kv_end]):
             kv_end += 1
-        start = match.num_tokens // page
         for n in range(kv_end, start, -1):
             if self.storage.contains(PoolName.MAMBA, hashes[n - 1]):
                 return n
         return 0
 
     def prefetch(self, tokens: np.ndarray, match: MatchResult, num_pages: int) -> bool:
-        """Fetch pages ``[0, num_pages)`` and the state at ``num_pages`` into host slots and
-        insert them, as the controller's tier does (host-only nodes need all their pages; those
-        the tree already holds come back as duplicates and are freed by ``insert_host``). False
-        when the host has no room."""
+        """Fetch the pages past the tree's up to ``num_pages`` and the state at ``num_pages`` into
+        host slots and insert them below the tree's pages, as the controller's tier does (tree
+        pages on the device only are backed up first: host copies stay contiguous). False when
+        the host has no room (or a backup is needed and there is no ``backup``)."""
         tree = self.tree
         page = tree.page_size
         hashes = match.page_hashes
-        tree.lock(match.last_node)
-        tree.lock_host(match.last_node)
+        first = min(match.num_matched_tokens // page, num_pages)  # the first page read
+        node = held_node(match)
+        # The tree's pages are combined with the fetched ones: nothing may evict them meanwhile.
+        tree.lock(node)
+        tree.lock_host(node)
         try:
-            alloc = tree.alloc_host(num_pages, 1)
+            gap = tree.host_gap(node, first) if first else []
+            if gap and (self.backup is None or not self.backup(gap)):
+                self.num_prefetch_no_room += 1
+                return False
+            alloc = tree.alloc_host(num_pages - first, 1)
+            if alloc is None:
+                self.num_prefetch_no_room += 1
+                return False
+            self.storage.get(PoolName.KV, hashes[first:num_pages])
+            self.storage.get(PoolName.MAMBA, [hashes[num_pages - 1]])
+            assert alloc.state_slot is not None
+            tree.insert_host(
+                tokens[: num_pages * page],
+                alloc.kv_indices,
+                host_states={num_pages * page: alloc.state_slot},
+                start_page=first,
+                salt=match.salt,
+            )
         finally:
-            tree.unlock(match.last_node)
-            tree.unlock_host(match.last_node)
-        if alloc is None:
-            self.num_prefetch_no_room += 1
-            return False
-        self.storage.get(PoolName.KV, hashes[:num_pages])
-        self.storage.get(PoolName.MAMBA, [hashes[num_pages - 1]])
-        assert alloc.state_slot is not None
-        tree.insert_host(
-            tokens[: num_pages * page],
-            alloc.kv_indices,
-            host_states={num_pages * page: alloc.state_slot},
-            salt=match.salt,
-        )
+            tree.unlock(node)
+            tree.unlock_host(node)
         self.num_prefetches += 1
         return True

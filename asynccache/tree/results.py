@@ -52,6 +52,9 @@ class MatchResult:
     - ``pending_load``: a load already in flight writes into the usable prefix; wait for it.
     - ``num_matched_tokens``: tokens whose KV the tree holds on any tier, state or not (≥
       ``num_tokens``; where the prompt branches off the tree).
+    - ``matched_node``: the node holding the last of those pages (``last_node`` or below it; a
+      node the prompt branches off inside, when it does): locking it keeps the KV of all
+      ``num_matched_tokens`` (``None`` only in a result built by hand: read ``last_node``).
     - ``backup_nodes``: nodes the write policy wants backed up now (selective write-through),
       top-down, ancestors first.
     - ``page_hashes``: hex chained hashes of every full page of the prompt (lazy).
@@ -67,6 +70,7 @@ class MatchResult:
     load_nodes: tuple[TreeNode, ...] = ()
     pending_load: bool = False
     num_matched_tokens: int = 0
+    matched_node: TreeNode | None = None
     backup_nodes: tuple[TreeNode, ...] = ()
     page_hashes: Sequence[str] = ()
     salt: str = ""

@@ -233,6 +233,21 @@ class TransferMixin(TreeCore):
         return released
 
     # ---- backup -------------------------------------------------------------------------------
+    def host_gap(self, node: TreeNode, num_pages: int) -> list[TreeNode]:
+        """The nodes of the path to ``node`` within its first ``num_pages`` pages that have no
+        host copy, top-down: backed up (:meth:`begin_backup`), they give those pages host copies
+        (e.g. for :meth:`insert_host` with ``start_page=num_pages``). A node without a host copy
+        that straddles page ``num_pages`` is split there first, so no page past it is copied.
+        Keep ``node`` locked on both tiers until the backup has begun."""
+        self._check_alive(node)
+        path = self.path_to(node)
+        if not 0 <= num_pages <= (path[-1].end_page if path else 0):
+            raise ConfigError(f"num_pages={num_pages} outside the path to {node}")
+        gap = [n for n in path if n.start_page < num_pages and n.host_kv is None]
+        if gap and gap[-1].end_page > num_pages:
+            gap[-1] = self._split(gap[-1], num_pages - gap[-1].start_page)
+        return gap
+
     def backup_pages_needed(self, nodes: Sequence[TreeNode]) -> tuple[int, int]:
         """(host KV pages, host state slots) that :meth:`begin_backup` of ``nodes`` needs."""
         kv = states = 0

@@ -111,8 +111,12 @@ class HybridRadixTree(EvictionMixin, TransferMixin):
         if root is None:
             root = self._root_for(salt, create=False)
             hashes = PageHashes(buf, num_pages, self.page_size, root.seed_hash)
-            return MatchResult(num_tokens=0, last_node=root, page_hashes=hashes, salt=salt)
+            return MatchResult(num_tokens=0, last_node=root, matched_node=root, page_hashes=hashes, salt=salt)
         path, matched_pages = self._walk(root, buf, num_pages)
+        matched = path[-1] if path else root
+        if matched_pages > matched.end_page:  # the prompt branches off inside the next node
+            b = matched.end_page * self.page_bytes
+            matched = matched.children[buf[b : b + self.page_bytes]]
         cut = len(path)
         while cut and path[cut - 1].device_state is None and path[cut - 1].host_state is None:
             cut -= 1
@@ -171,6 +175,7 @@ class HybridRadixTree(EvictionMixin, TransferMixin):
             load_nodes=load_nodes,
             pending_load=pending,
             num_matched_tokens=matched_pages * self.page_size,
+            matched_node=matched,
             backup_nodes=backup_nodes,
             page_hashes=PageHashes(buf, num_pages, self.page_size, root.seed_hash),
             salt=salt,
@@ -321,7 +326,8 @@ class HybridRadixTree(EvictionMixin, TransferMixin):
         state is kept where the node has no host state yet. With ``start_page > 0``,
         ``host_kv_indices`` cover pages ``[start_page, len(tokens) // page_size)`` only and the
         pages before must already have host copies (keep them locked with ``lock_host``);
-        otherwise ``ConfigError`` and nothing changes.
+        otherwise ``ConfigError`` and nothing changes. States go at ``start_page`` or past it
+        (one at ``start_page`` with no pages: a state for a prefix the host already holds).
         """
         if self.host_kv is None:
             raise ConfigError("insert_host needs a host KV pool")
@@ -332,8 +338,8 @@ class HybridRadixTree(EvictionMixin, TransferMixin):
         offered = self._check_states(host_states, num_pages, "host_states")
         if offered and self.host_mamba is None:
             raise ConfigError("host_states given but the tree has no host state pool")
-        if any(p <= start_page for p in offered):
-            raise ConfigError("host_states positions must lie past start_page")
+        if any(p < start_page for p in offered):
+            raise ConfigError("host_states positions must not lie before start_page")
         root = self._root_for(salt, create=start_page == 0)
         if start_page and not self._held_on_host(root, buf, start_page):
             raise ConfigError(f"the first {start_page} pages are not all on the host")

@@ -15,6 +15,7 @@ from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
 from asynccache.errors import ConfigError
 from asynccache.policy import EveryPageAdmission
+from asynccache.restore_cost import plan_restore
 from asynccache.spec import HybridSpec
 from asynccache.tiering import ReadTimeCorrection, RestoreCost, StorageTier
 
@@ -204,6 +205,33 @@ async def test_a_context_cost_lengthens_the_head() -> None:
             assert cost.compute_s(0, (b + 1) * PAGE) >= read_s(b + 1)
             heads[name] = b
     assert heads["deep"] > heads["flat"]
+
+
+def test_a_plan_counts_the_pages_the_cache_holds() -> None:
+    """Storage is read only past the pages the cache holds (``first_page``): a whole restore
+    costs only those reads, and a tail begins there or later."""
+    spec = HybridSpec.preset("tiny", page_size=PAGE)
+    num_tokens = NUM_PAGES * PAGE + 1
+    # Computing a page costs 1.05 page reads: reading all 32 pages and the state loses...
+    cheap = balanced_cost(spec, 1.05)
+
+    def plan(cost: RestoreCost, start: int, first: int, *, allow_tail: bool, **factors: float) -> tuple[int, int, bool]:
+        return plan_restore(
+            cost, spec, start_page=start, first_page=first, end_page=NUM_PAGES, num_tokens=num_tokens,
+            allow_tail=allow_tail, **factors,
+        )  # fmt: skip
+
+    assert plan(cheap, 0, 0, allow_tail=False) == (0, 0, False)
+    # ...reading the 8 past the 24 the cache holds (and the state) wins.
+    assert plan(cheap, 0, 24, allow_tail=False) == (0, NUM_PAGES, False)
+    # Whole restores observed 10x slower than estimated: a balanced split of a cold prefix
+    # begins early; with 24 pages held (storage need not hold those) it begins at page 24.
+    cost = balanced_cost(spec, 3.0)
+    begin, end, split = plan(cost, 0, 0, allow_tail=True, read_factor=10.0)
+    assert split and 0 < begin < 24 and end == NUM_PAGES
+    assert plan(cost, 0, 24, allow_tail=True, read_factor=10.0) == (24, NUM_PAGES, True)
+    # No tail when storage adds a state alone (every page held).
+    assert not plan(cost, 8, NUM_PAGES, allow_tail=True)[2]
 
 
 def test_restore_cost_compute_time_adds_up_and_grows_with_the_context() -> None:

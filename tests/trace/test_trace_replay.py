@@ -216,25 +216,31 @@ async def test_the_attention_only_reference_moves_no_state_bytes() -> None:
         assert moved["h2d"] % make_spec().kv_page_bytes == 0 and moved["h2d"] > 0
 
 
-def test_a_storage_restore_reads_every_page_of_the_prefix_as_the_controller_does() -> None:
-    """The sync engine's storage tier restores like the controller's: all pages of the stored
-    prefix come from storage (and are counted), including those the tree holds on the device,
-    which come back as duplicates; no host copy is recorded that was not read."""
-    from trace_builders import BLOCK, make_config, make_trace
-
+async def test_a_storage_restore_reads_only_the_pages_past_the_tree_s_in_both_engines() -> None:
+    """The tree holds the first 3 pages of a stored prefix on the device only (``write_back``
+    never backed them up): both engines restore the prefix from those and the stored pages past
+    them, reading only those from storage (the tree's pages are backed up to the host instead:
+    host copies stay contiguous), and agree on every figure."""
     from asynccache.storage import PoolName
-    from asynccache.trace.replay import TraceReplay
+    from asynccache.trace.controller_replay import ControllerReplay
 
     reqs = [(0, [0, 1, 2, 3, 4, 5, 6])]
     reqs += [(1 + k, [1000 + 10 * k + j for j in range(7)]) for k in range(6)]  # push the first out
     reqs += [(20, [0, 1, 2, 100, 101]), (21, [0, 1, 2, 3, 4, 5, 6, 7])]
     trace = make_trace(reqs)
-    replay = TraceReplay(trace, make_config("ends/lru/write_back/through", device_pages=14, host_pages=14, storage_pages=1000))
+    config = make_config("ends/lru/write_back/through", device_pages=14, host_pages=14, storage_pages=1000)
+    replay = TraceReplay(trace, config)
     for i in range(len(trace) - 1):
         replay._request(i)
+    match = replay._begin(len(trace) - 1)[2]
+    assert match.num_tokens == 0 and match.num_matched_tokens == 3 * BLOCK
     before = replay.storage.counters().bytes_read.get(PoolName.KV, 0)
     _, _, from_storage = replay._request(len(trace) - 1)
     read_pages = (replay.storage.counters().bytes_read.get(PoolName.KV, 0) - before) // replay.spec.kv_page_bytes
-    assert from_storage > 0
-    assert read_pages == from_storage // BLOCK  # every restored page was read
+    assert from_storage == 6 * BLOCK
+    assert read_pages == 3  # the pages past the tree's
     replay.tree.check_integrity()
+    sync, ctrl = replay_trace(trace, config), await ControllerReplay(trace, config).arun()
+    assert sync.hit_tokens_by_tier == ctrl.hit_tokens_by_tier and sync.hit_tokens_by_tier["storage"] == 6 * BLOCK
+    assert sync.bytes_moved["storage_read"] == ctrl.bytes_moved["storage_read"]
+    assert sync.bytes_moved["d2h"] == ctrl.bytes_moved["d2h"]

@@ -799,7 +799,7 @@ def test_insert_host_past_a_prefix_already_on_the_host() -> None:
     assert spare is not None
     with pytest.raises(ConfigError, match="not all on the host"):
         tree.insert_host(seq(3, 2 * PAGE), spare, start_page=1)
-    with pytest.raises(ConfigError, match="past start_page"):
+    with pytest.raises(ConfigError, match="before start_page"):
         tree.insert_host(longer, spare, host_states={PAGE: slot}, start_page=4)
     tree.host_kv.free(spare)
     tree.check_integrity()
