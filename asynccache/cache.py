@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -70,6 +70,17 @@ def effective_storage_options(
 
 
 class HybridCache:
+    """Pools (device, and host when the config sizes them), tree, controller and storage
+    backend, made from ``spec`` and ``config`` on ``device``.
+
+    ``admission`` / ``eviction``: the tree's policies (default ``EndsAdmission`` /
+    ``LRUEviction``). ``backend``: a storage backend to use instead of opening
+    ``config.storage_uri``. ``materialize=False``: accounting mode (pools without buffers).
+    ``clock``: the tree's time source, a callable returning seconds (``last_access``, and the
+    ``now`` eviction policies see; default ``time.monotonic``), e.g. a trace's simulated clock;
+    not callable: :class:`ConfigError`.
+    """
+
     def __init__(
         self,
         spec: HybridSpec,
@@ -80,10 +91,13 @@ class HybridCache:
         eviction: Any = None,
         backend: StorageBackend | None = None,
         materialize: bool = True,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         from asynccache.policy import EndsAdmission, LRUEviction, WritePolicy
         from asynccache.tree import HybridRadixTree
 
+        if clock is not None and not callable(clock):
+            raise ConfigError(f"clock must be a callable returning seconds, got {type(clock).__name__}")
         self.spec = spec
         self.config = config
         self.device_kv = DeviceKVPool(spec, config.device_kv_pages, device=device, materialize=materialize)
@@ -131,6 +145,7 @@ class HybridCache:
             admission=admission or EndsAdmission(),
             eviction=eviction or LRUEviction(),
             write_policy=WritePolicy.parse(config.write_policy),
+            clock=clock,
         )
         self.controller = HybridCacheController(
             self.tree,
