@@ -329,7 +329,7 @@ class HybridCacheController:
         The prefetch runs in the controller's TaskGroup; wait for it with :meth:`wait_prefetch`,
         which stops waiting at the prefetch policy's deadline but never cancels the fetch (its
         data still lands on host for later requests). ``allow_tail``: the caller takes a
-        :class:`~asynccache.tiering.TailRestore` in the result (and releases it, also when it
+        :class:`~asynccache.prefetch.TailRestore` in the result (and releases it, also when it
         stopped waiting: see :meth:`wait_prefetch`).
         """
         tg = self._require_started()
@@ -338,7 +338,7 @@ class HybridCacheController:
         return self._prefetcher.start(tg, self.tiering, tokens, match, salt=salt, allow_tail=allow_tail)
 
     def load_tail(self, tail: Any, device_pages: torch.Tensor, state_slots: torch.Tensor) -> CacheOperation:
-        """Queue the load of a landed :class:`~asynccache.tiering.TailRestore` into
+        """Queue the load of a landed :class:`~asynccache.prefetch.TailRestore` into
         ``device_pages`` (one per tail page, in order) and each of ``state_slots`` (the tail's end
         state), for the next :meth:`start_loading`: it is copied layer by layer with the step's
         other loads, so the forward computes layer ``l`` while later layers are still copied.

@@ -5,13 +5,16 @@ the pages it misses. The controller runs each such lookup as a task in its ``Tas
 the nodes holding the match's KV pinned, on the device and the host (the lookup takes a while,
 during which other requests evict, and what it fetches extends that KV), and the request waits
 for it no longer than the prefetch policy's deadline: the fetch is never cancelled, its data
-still lands on host for later requests. A split restore's tail
-(:class:`~asynccache.tiering.TailRestore`) that lands in time is loaded onto the request's own
-device pages and state slots with the step's other loads.
+still lands on host for later requests. A split restore's tail (:class:`TailRestore`) that
+lands in time is loaded onto the request's own device pages and state slots with the step's
+other loads.
 
 - :class:`Prefetcher` — one per controller: ``start`` a prefetch, the ``tasks`` in flight,
   ``wait`` for one within the deadline (a split restore nobody takes is released when it
   arrives), ``tail_load_op``: a landed tail as a load operation.
+- :class:`PrefetchResult` — what a prefetch gives; :class:`TailRestore` — a split restore's
+  tail, read into private host slots; :func:`held_node` — the node whose lock keeps the KV a
+  match holds.
 
 Call from the event-loop thread only.
 """
@@ -19,7 +22,8 @@ Call from the event-loop thread only.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,12 +33,65 @@ from asynccache.errors import ClosedError, ConfigError
 from asynccache.ops import CacheOperation, OpKind
 from asynccache.stats import StatsRecorder
 from asynccache.storage import PoolName, PoolTransfer
-from asynccache.tiering import held_node
 
 if TYPE_CHECKING:
     from asynccache.tree import HybridRadixTree
 
-__all__ = ["Prefetcher"]
+__all__ = ["PrefetchResult", "Prefetcher", "TailRestore", "held_node"]
+
+
+@dataclass(slots=True, kw_only=True, eq=False)
+class TailRestore:
+    """The tail of a stored prefix, read while the engine computes its head.
+
+    Tokens ``[begin_tokens, end_tokens)``: their KV pages land in ``host_kv`` (one host page per
+    page, in order) and the state at ``end_tokens`` in ``host_slot``; ``fetch`` resolves to True
+    when every item arrived intact. The slots are private (not in the tree): the caller copies
+    them to the device and then calls :meth:`release` — also on every path that drops the
+    restore. Releasing before the fetch finished defers the free until it has (a read may still
+    be landing in the slots); the fetch itself is never cancelled.
+    """
+
+    begin_tokens: int
+    end_tokens: int
+    host_kv: torch.Tensor
+    host_slot: torch.Tensor
+    fetch: asyncio.Task[bool]
+    free: Callable[[], None]
+    released: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """The fetch finished and every item arrived intact."""
+        f = self.fetch
+        return f.done() and not f.cancelled() and f.exception() is None and bool(f.result())
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        if self.fetch.done():
+            self.free()
+        else:
+            self.fetch.add_done_callback(lambda _: self.free())
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefetchResult:
+    """``num_tokens``: prefix length now cached (the match's when nothing was
+    fetched); ``num_pages_fetched``: KV pages read from storage for it (0 for a state alone);
+    ``tail``: a split restore the caller must finish (and release), see :class:`TailRestore`."""
+
+    num_tokens: int
+    num_pages_fetched: int
+    timed_out: bool = False
+    tail: TailRestore | None = None
+
+
+def held_node(match: Any) -> Any:
+    """The node whose lock keeps the KV of ``match``'s first ``num_matched_tokens`` tokens."""
+    node = getattr(match, "matched_node", None)
+    return match.last_node if node is None else node
 
 
 def _release_late_tail(task: asyncio.Task[Any]) -> None:

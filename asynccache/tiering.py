@@ -24,7 +24,8 @@
   (``tree.host_gap`` and a controller write). A failure, timeout or corrupt object is a miss:
   everything allocated is freed, nothing is inserted.
 - **Split restore** (with a :class:`RestoreCost`): restore everything, recompute everything, or
-  — when the caller can take it (``allow_tail=True``) — a :class:`TailRestore`: the engine
+  — when the caller can take it (``allow_tail=True``) — a
+  :class:`~asynccache.prefetch.TailRestore`: the engine
   computes the head of the prefix itself while the tier reads the tail's KV pages and the state
   at its end into private host slots, so reading and computing overlap. The split balances the
   two: ``min over b of max(compute(head b), read(tail from b))``, b not before the first page
@@ -43,20 +44,21 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from asynccache.completion import drop_done
 from asynccache.errors import ClosedError
+from asynccache.prefetch import PrefetchResult, TailRestore, held_node
 from asynccache.restore_cost import ReadTimeCorrection, RestoreCost, plan_restore
 from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer, StorageBackend
 
 if TYPE_CHECKING:
     from asynccache.controller import HybridCacheController
 
+# PrefetchResult and TailRestore (asynccache.prefetch), RestoreCost and ReadTimeCorrection
+# (asynccache.restore_cost) are what the tier's prefetch gives and takes: importable from here too.
 __all__ = ["PrefetchResult", "ReadTimeCorrection", "RestoreCost", "StorageTier", "TailRestore"]
 
 log = logging.getLogger(__name__)
@@ -64,60 +66,6 @@ log = logging.getLogger(__name__)
 #: Backups waiting for one of the ``max_backups_in_flight`` places; past this they are skipped
 #: (and counted) rather than queued without bound.
 _MAX_PENDING_BACKUPS = 4096
-
-
-@dataclass(slots=True, kw_only=True, eq=False)
-class TailRestore:
-    """The tail of a stored prefix, read while the engine computes its head.
-
-    Tokens ``[begin_tokens, end_tokens)``: their KV pages land in ``host_kv`` (one host page per
-    page, in order) and the state at ``end_tokens`` in ``host_slot``; ``fetch`` resolves to True
-    when every item arrived intact. The slots are private (not in the tree): the caller copies
-    them to the device and then calls :meth:`release` — also on every path that drops the
-    restore. Releasing before the fetch finished defers the free until it has (a read may still
-    be landing in the slots); the fetch itself is never cancelled.
-    """
-
-    begin_tokens: int
-    end_tokens: int
-    host_kv: torch.Tensor
-    host_slot: torch.Tensor
-    fetch: asyncio.Task[bool]
-    free: Callable[[], None]
-    released: bool = False
-
-    @property
-    def ok(self) -> bool:
-        """The fetch finished and every item arrived intact."""
-        f = self.fetch
-        return f.done() and not f.cancelled() and f.exception() is None and bool(f.result())
-
-    def release(self) -> None:
-        if self.released:
-            return
-        self.released = True
-        if self.fetch.done():
-            self.free()
-        else:
-            self.fetch.add_done_callback(lambda _: self.free())
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PrefetchResult:
-    """``num_tokens``: prefix length now cached (the match's when nothing was
-    fetched); ``num_pages_fetched``: KV pages read from storage for it (0 for a state alone);
-    ``tail``: a split restore the caller must finish (and release), see :class:`TailRestore`."""
-
-    num_tokens: int
-    num_pages_fetched: int
-    timed_out: bool = False
-    tail: TailRestore | None = None
-
-
-def held_node(match: Any) -> Any:
-    """The node whose lock keeps the KV of ``match``'s first ``num_matched_tokens`` tokens."""
-    node = getattr(match, "matched_node", None)
-    return match.last_node if node is None else node
 
 
 def _path_to_root(node: Any) -> list[Any]:

@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from asynccache.errors import ConfigError
+from asynccache.prefetch import held_node
 from asynccache.storage import PoolName
-from asynccache.tiering import held_node
 from asynccache.trace.storage_index import AccountingStorage
 from asynccache.tree import HybridRadixTree, MatchResult, TreeNode
 
