@@ -49,55 +49,44 @@ catches anything a power loss could leave behind an un-fsynced link.
 With ``capacity_bytes`` the backend scans its namespace directory on first use (least recently
 written first) and evicts least-recently-used objects to make room; the accounting covers the
 objects of this namespace written through this process (and those found by the scan).
+
+Primitives:
+
+- :class:`LocalDiskBackend` — the backend: its options, the event loop's side of its
+  primitives, and reads sent to the worker jobs or to the reader processes. What the jobs run
+  (the job runner, the file work: setup, range reads, writes, the scan) is its base,
+  :class:`~storage_backends.disk_jobs.DiskJobsMixin`.
+- :func:`open_local_disk` — the ``file://`` entry of the registry; :func:`parse_file_uri` — the
+  root path a ``file://`` URI names.
+- :data:`READ_RANGE_BYTES`; :data:`STALE_TMP_S` (from :mod:`storage_backends.disk_jobs`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import threading
-import time
-import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
 from asynccache.errors import BackendError, ConfigError
 from asynccache.storage import PoolName, redact_reason, redact_uri
-from storage_backends.base import (
-    BatchItem,
-    ObjectBackend,
-    Outcome,
-    check_int,
-    usable_cores,
-)
+from storage_backends.base import BatchItem, Outcome, check_int, usable_cores
 from storage_backends.compression import check_compression
-from storage_backends.file_io import (
-    DIRECT_ALIGN,
-    groups,
-    probe_direct,
-    pwritev_all,
-    stat_sizes,
-    subdirs,
-    unlink_all,
-)
-from storage_backends.framed_io import read_frame, write_frames
+from storage_backends.disk_jobs import STALE_TMP_S, DiskJobsMixin
+from storage_backends.file_io import DIRECT_ALIGN, stat_sizes, unlink_all
 from storage_backends.object_format import (
     IO_CHUNK_BYTES,
     ObjectCodec,
-    PayloadChecksum,
-    StopRequested,
-    check_stop,
     payload_range,
-    validate_key,
     validate_pool_name,
 )
-from storage_backends.object_reads import ReadUnit, read_object_range
+from storage_backends.object_reads import ReadUnit
 from storage_backends.ranged_reads import item_outcomes, read_units
 from storage_backends.reader_processes import ReaderLost, ReaderProcesses
-from storage_backends.workers import YIELD, JobControl, WorkerPool
+from storage_backends.workers import WorkerPool
 
 if TYPE_CHECKING:
     from asynccache.pools.base import ItemPool
@@ -106,8 +95,6 @@ logger = logging.getLogger("asynccache.storage")
 
 __all__ = ["READ_RANGE_BYTES", "STALE_TMP_S", "LocalDiskBackend", "open_local_disk"]
 
-#: A temporary file older than this is a leftover of a crashed writer.
-STALE_TMP_S = 600.0
 #: Payloads larger than this are read as ranges of this size, several at once (a multiple of
 #: the checksum block).
 READ_RANGE_BYTES = 4 << 20
@@ -141,7 +128,7 @@ def _check_root(root: str) -> None:
         raise ConfigError(f"file:// root {root} is not a directory")
 
 
-class LocalDiskBackend(ObjectBackend):
+class LocalDiskBackend(DiskJobsMixin):
     """Objects as files under ``root`` (see the module docstring). ``fsync`` (default on)
     makes a stored object durable before it becomes visible; other options: those of
     :class:`~storage_backends.base.ObjectBackend`."""
@@ -317,177 +304,11 @@ class LocalDiskBackend(ObjectBackend):
     async def _write_many(self, items: Sequence[BatchItem]) -> list[Outcome]:
         return await self._in_jobs(self._write_file, items, background=True)
 
-    async def _in_jobs(
-        self, fn: Callable[[threading.Event, float, Any], Any], work: Sequence[Any], *, background: bool = False
-    ) -> list[Any]:
-        """Run ``fn(stop, deadline, unit)`` for every unit of ``work`` on at most
-        ``max_concurrency`` worker jobs, each taking the next unit when it finishes one: one
-        thread handoff per job instead of one per unit (a handoff costs as much as reading a
-        page from the page cache on a busy 2-core machine). Each unit has its own deadline,
-        ``timeout_s`` from its start, checked between pieces. A unit's result is what ``fn``
-        returned or the :class:`BackendError` / :class:`OSError` it raised. ``background``
-        jobs (writes) give their thread up between units while a read or a probe waits for one.
-        Once the backend is closing, no unit starts (those fail)."""
-        outcomes: list[Any] = [BackendError("not started: the call was cancelled or the backend closed")] * len(work)
-        lock = threading.Lock()
-        pending = iter(range(len(work)))
-
-        def job(stop: JobControl) -> object:
-            while not (stop.is_set() or self._closed):
-                if background and stop.foreground_waiting():
-                    return YIELD  # queued again behind other background work; resumes here
-                with lock:
-                    i = next(pending, None)
-                if i is None:
-                    return
-                deadline = time.monotonic() + self.timeout_s
-                try:
-                    outcomes[i] = fn(stop, deadline, work[i])
-                except StopRequested:
-                    return
-                except (BackendError, OSError) as e:
-                    outcomes[i] = e
-
-        async def one_job() -> None:
-            with contextlib.suppress(BackendError):  # closed meanwhile: its units stay failed
-                await self._workers.run(job, background=background)
-
-        if work:
-            async with asyncio.TaskGroup() as tg:
-                for _ in range(min(self.max_concurrency, len(work))):
-                    tg.create_task(one_job())
-        return outcomes
-
     async def _delete_objects(self, names: Sequence[str], *, background: bool) -> None:
         await self._workers.run(unlink_all, list(names), background=background)
 
     async def _list_objects(self) -> list[tuple[str, int]]:
         return await self._workers.run(self._scan)
-
-    # ---- blocking parts (worker threads) --------------------------------------------------
-    def _make_root(self, stop: threading.Event) -> None:
-        os.makedirs(self.namespace_dir, exist_ok=True)
-        if self._direct_io_option is False:
-            self.direct_io = False
-            return
-        refused = probe_direct(self.namespace_dir)
-        if refused is not None and self._direct_io_option:
-            raise ConfigError(f"direct_io=True, but {refused} under {self.root}")
-        self.direct_io = refused is None
-
-    def _read_range(
-        self, stop: threading.Event, deadline: float, item: BatchItem, offset: int, length: int
-    ) -> tuple[int | None, int, tuple[int, int]] | bool:
-        """Payload bytes ``[offset, offset + length)`` of ``item`` into their place in its slot.
-        ``False`` when the object is absent; else ``(want, partial, file)``: the checksum the
-        header records (read and checked with the first range — in the same ``preadv`` as the
-        first piece — ``None`` for the others), the range's partial checksum, and the file's
-        ``(device, inode)``. Read directly (``O_DIRECT``) when the backend does and the slot's
-        views allow it."""
-        if self.codec.compression != "none":
-            return read_frame(item.name, self.codec, item, offset, length, stop, deadline)
-        views = payload_range(item.buffers(), offset, offset + length)
-        return read_object_range(
-            item.name, self.codec, item.geometry, item.key, offset, views,
-            piece_bytes=self.read_piece_bytes, stop=stop, deadline=deadline, direct=bool(self.direct_io),
-        )
-
-    def _write_file(self, stop: threading.Event, deadline: float, item: BatchItem) -> bool:
-        path = item.name
-        if os.path.exists(path):
-            self._record_size(path)
-            return False  # put-if-absent; the link below settles races
-        tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-        fd = self._create(tmp)
-        try:
-            try:
-                if self.codec.compression != "none":
-                    size = write_frames(fd, self.codec, item, stop, deadline)
-                else:
-                    size = self._write_payload(fd, stop, deadline, item)
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                self._record_size(path)
-                return False
-            self._record_size(path, size)
-            return True
-        finally:
-            os.unlink(tmp)
-
-    def _stored_size(self, name: str, largest: int) -> int:
-        return self._written_sizes.pop(name, largest)
-
-    def _record_size(self, path: str, size: int | None = None) -> None:
-        """Note the size of the object at ``path`` for the capacity (``None``: one found there,
-        as stored by another writer). Only compressed objects vary in size, and only a capacity
-        counts it."""
-        if self.codec.compression == "none" or self._capacity is None:
-            return
-        if size is None:
-            try:
-                size = os.stat(path).st_size
-            except OSError:
-                return  # removed meanwhile: the largest size stays reserved
-        self._written_sizes[path] = size
-
-    def _write_payload(self, fd: int, stop: threading.Event, deadline: float, item: BatchItem) -> int:
-        geometry, key = item.geometry, item.key
-        check, offset = PayloadChecksum(), self.codec.header_bytes(geometry, key)
-        for group in groups(item.buffers(), IO_CHUNK_BYTES):
-            check_stop(stop, deadline)
-            for view in group:
-                check.update(view)
-            pwritev_all(fd, group, offset)
-            offset += sum(len(v) for v in group)
-        pwritev_all(fd, [memoryview(self.codec.encode_header(geometry, key, check.digest()))], 0)
-        return offset
-
-    def _create(self, tmp: str) -> int:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        directory = os.path.dirname(tmp)
-        if directory not in self._dirs:
-            os.makedirs(directory, exist_ok=True)
-            self._dirs.add(directory)
-        try:
-            return os.open(tmp, flags, 0o644)
-        except FileNotFoundError:  # the shard directory was removed behind our back
-            os.makedirs(directory, exist_ok=True)
-            return os.open(tmp, flags, 0o644)
-
-    def _scan(self, stop: threading.Event) -> list[tuple[str, int]]:
-        """Objects of this namespace, oldest first; removes stale temporary files."""
-        found: list[tuple[float, str, int]] = []
-        now = time.time()
-        for pool_dir in subdirs(self.namespace_dir):
-            for shard_dir in subdirs(pool_dir):
-                try:
-                    entries = list(os.scandir(shard_dir))
-                except FileNotFoundError:  # removed meanwhile (another process)
-                    continue
-                for entry in entries:
-                    check_stop(stop)
-                    if not entry.is_file(follow_symlinks=False):
-                        continue
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except FileNotFoundError:  # removed meanwhile (another process)
-                        continue
-                    if entry.name.endswith(".tmp"):
-                        if now - st.st_mtime > STALE_TMP_S:
-                            unlink_all(stop, [entry.path])
-                        continue
-                    try:
-                        validate_key(entry.name)
-                    except ConfigError:
-                        continue  # not ours
-                    found.append((st.st_mtime, entry.path, st.st_size))
-        found.sort()
-        return [(path, size) for _, path, size in found]
 
 
 def _report_start(task: asyncio.Task[None]) -> None:

@@ -8,17 +8,24 @@ interpreter of its own, run the same :func:`~storage_backends.object_reads.read_
 straight into the host pool's slots: the pool lives in shared memory
 (:class:`~asynccache.pools.memory.SharedHostMemory`), which each child maps once.
 
+Primitives:
+
+- :class:`ReaderProcesses` — the ``n`` children: the shared memories they map (``memory_id``,
+  ``pieces``), their starts in the background (``start``, ``available``), a batch's units spread
+  over them (``read``), and their close (``aclose``).
+- :class:`ReaderLost` — a unit no child read (from :mod:`storage_backends.reader_child`, where a
+  child is started, sent its requests and stopped).
+
 The event loop sends each child chunks of work units (the object's path, geometry, key,
 payload range and the slot's pieces as offsets into a mapped pool), two ahead of its replies,
 and takes each reply when the child's socket is readable — no thread of this process waits. A
 chunk is a few units, so a batch spreads over the children as they finish. A caller cancelled
 meanwhile still waits for the chunks in flight (a child must not write into a slot after the
 call that named it has returned); each unit has its own deadline, ``timeout_s`` from its
-start, and a child that has not replied to a request (a chunk, a mapping) within ``timeout_s``
-for each unit queued ahead of it and for each of its own — stopped, or stuck in a system call —
-is killed. A child that dies fails its chunks' units with :class:`ReaderLost` — the local disk
-reads those with its threads — only once it has exited; a child whose socket fails while it may
-still run is killed first.
+start, and a child that has not replied in time is killed (see ``storage_backends.reader_child``).
+A child that dies fails its chunks' units with :class:`ReaderLost` — the local disk reads those
+with its threads — only once it has exited; a child whose socket fails while it may still run
+is killed first.
 
 A read uses the children that are up when it starts and never waits for a start: a child that
 is not up (dead, or never started) is started in the background, in a task of its own that
@@ -29,11 +36,6 @@ threads, read meanwhile. When no child is up, :meth:`ReaderProcesses.available` 
 threads read the batch). Closing lets each child finish what it holds, and kills one that has
 not exited within ``CLOSE_GRACE_S``. Children ignore SIGINT (Ctrl-C reaches the whole process
 group): the parent decides when they stop.
-
-Children are fresh interpreters (``python -c``, a socket pair between them and this process)
-that import ``storage_backends.object_reads`` and what it needs, no torch: not forks of this
-process, which may hold a CUDA context, and not ``multiprocessing`` children, which would import
-the caller's main module again.
 """
 
 from __future__ import annotations
@@ -43,16 +45,10 @@ import contextlib
 import itertools
 import logging
 import math
-import socket
-import subprocess
-import sys
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -60,6 +56,14 @@ import numpy as np
 from asynccache.errors import BackendError
 from asynccache.pools.memory import SharedHostMemory
 from storage_backends.object_reads import RangeResult, ReadUnit, reply_outcome
+from storage_backends.reader_child import (
+    ReaderChannels,
+    ReaderChild,
+    ReaderLost,
+    kill_child,
+    spawn_child,
+    stop_process,
+)
 from storage_backends.workers import drain_future
 
 log = logging.getLogger("asynccache.storage")
@@ -83,54 +87,8 @@ START_TIMEOUT_S = 30.0
 #: stopped or wedged one) is killed.
 CLOSE_GRACE_S = 5.0
 
-#: Where ``asynccache`` and ``storage_backends`` are. A child imports from them without running
-#: their ``__init__`` (which import torch): it starts in a fraction of a second and small. It
-#: ignores SIGINT from its first line: Ctrl-C reaches the whole process group, and the parent — a
-#: server draining its requests, say — decides when its children stop.
-_PACKAGES_ROOT = str(Path(__file__).resolve().parents[1])
-_CHILD = """\
-import signal
-signal.signal(signal.SIGINT, signal.SIG_IGN)
-import sys, types
-for name in ("asynccache", "storage_backends"):
-    package = types.ModuleType(name)
-    package.__path__ = [sys.argv[1] + "/" + name]
-    sys.modules[name] = package
-from multiprocessing.connection import Connection
-from storage_backends.object_reads import serve_reader
-serve_reader(Connection(int(sys.argv[2])))
-"""
 
-
-# ---- the parent ----------------------------------------------------------------------------------
-class ReaderLost(BackendError):
-    """A unit no reader process read: its child died, could not start, or the readers were
-    closed. Nothing writes into its slot any more, so another reader may take it."""
-
-
-@dataclass(eq=False, slots=True)
-class _Child:
-    """A running child: its replies come in the order of the requests (``pending``)."""
-
-    process: subprocess.Popen[bytes]
-    conn: Connection
-    #: each request's future and, for a read, its number of units
-    pending: deque[tuple[asyncio.Future[Any], int]] = field(default_factory=deque)
-    #: read chunks it may hold, all batches together
-    room: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(CHUNKS_IN_FLIGHT))
-    mapped: set[int] = field(default_factory=set)
-    #: answered its start and mapped the memories: reads may use it
-    up: bool = False
-    watched: bool = False
-    #: takes no more requests: it exited, or was killed and is being reaped (``reaping``)
-    dead: bool = False
-    reaping: asyncio.Task[None] | None = None
-
-    def queued_units(self) -> int:
-        return sum(units for _, units in self.pending)
-
-
-class ReaderProcesses:
+class ReaderProcesses(ReaderChannels):
     """``n`` child processes that read plain objects into shared host memory (see the module
     docstring). :meth:`read` takes the units of one batch and returns each unit's result — what
     :func:`~storage_backends.object_reads.read_object_range` returns, or the exception it raised."""
@@ -139,7 +97,7 @@ class ReaderProcesses:
         self.n = n
         self._codec_args = (namespace, header_align, piece_bytes)  # a child's init, with timeout_s
         self._timeout_s = timeout_s
-        self._children: list[_Child | None] = [None] * n
+        self._children: list[ReaderChild | None] = [None] * n
         #: a slot's start, running as a task of its own: no caller's cancellation loses the child
         self._starting: list[asyncio.Task[None] | None] = [None] * n
         self._failed_at: list[float | None] = [None] * n  # when each slot's last start failed
@@ -282,7 +240,7 @@ class ReaderProcesses:
                 tg.create_task(drive(slot))
         return results
 
-    async def _ready(self, slot: int) -> _Child | None:
+    async def _ready(self, slot: int) -> ReaderChild | None:
         """Child ``slot`` with every memory mapped, if it is up; else ``None`` (it is started in
         the background)."""
         async with self._slot_locks[slot]:
@@ -295,7 +253,7 @@ class ReaderProcesses:
             await self._map(child)
             return child
 
-    async def _map(self, child: _Child) -> None:
+    async def _map(self, child: ReaderChild) -> None:
         """Map every memory in ``child`` and unmap those whose pool is gone."""
         for mem_id, (_, size, ref) in list(self._memories.items()):
             memory = ref()
@@ -327,11 +285,11 @@ class ReaderProcesses:
         it — in the step the spawn returns. A failure is logged, and the slot waits
         ``RETRY_START_S``."""
         loop = asyncio.get_running_loop()
-        child: _Child | None = None
+        child: ReaderChild | None = None
         try:
             old = self._children[slot]
             if old is not None:
-                await asyncio.to_thread(_stop_process, old)
+                await asyncio.to_thread(stop_process, old)
             if self._closed:
                 return
             child = await asyncio.to_thread(self._spawn)
@@ -355,112 +313,9 @@ class ReaderProcesses:
         finally:
             self._starting[slot] = None
 
-    def _spawn(self) -> _Child:
-        try:
-            ours, theirs = socket.socketpair()
-        except OSError as e:
-            raise BackendError(f"cannot start a reader process: {e}") from None
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, "-c", _CHILD, _PACKAGES_ROOT, str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-            )
-        except OSError as e:
-            ours.close()
-            raise BackendError(f"cannot start a reader process: {e}") from None
-        finally:
-            theirs.close()
-        conn = Connection(ours.detach())
-        child = _Child(process=proc, conn=conn)
-        try:
-            conn.send(("init", *self._codec_args, self._timeout_s))
-        except OSError as e:  # it exited at once
-            _stop_process(child, timeout_s=0.0)
-            raise BackendError(f"cannot start a reader process: {e}") from None
-        return child
-
-    def _send(self, child: _Child, msg: tuple[Any, ...], *, kill_after_s: float | None = None) -> asyncio.Future[Any]:
-        """Send ``msg``; the future gets the child's reply (or a :class:`ReaderLost` if it
-        died). A child that has not replied within ``kill_after_s`` — by default ``timeout_s``
-        for each read unit queued ahead of this message and for each of its own (one for a
-        message that is not a read) — is killed: its requests fail once the end of its socket
-        shows that it has exited, and the kernel closes a dying process's files only after
-        unmapping its memory, so by then it writes into no slot."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Any] = loop.create_future()
-        if child.dead:
-            fut.set_exception(ReaderLost("reader process exited"))
-            return fut
-        units = len(msg[1]) if msg[0] == "read" else 0
-        if kill_after_s is None:
-            kill_after_s = self._timeout_s * (child.queued_units() + max(units, 1))
-        try:
-            child.conn.send(msg)
-        except OSError as e:  # this message never reached it whole; it may still be running
-            fut.set_exception(ReaderLost(f"reader process lost: {e}"))
-            self._abandon(child, loop, f"reader process lost: {e}")
-            return fut
-        child.pending.append((fut, units))
-        kill = loop.call_later(kill_after_s, _kill_unanswered, child, kill_after_s)
-        fut.add_done_callback(lambda _: kill.cancel())
-        if not child.watched:
-            loop.add_reader(child.conn.fileno(), self._on_readable, child, loop)
-            child.watched = True
-        return fut
-
-    def _on_readable(self, child: _Child, loop: asyncio.AbstractEventLoop) -> None:
-        try:
-            reply = child.conn.recv()
-        except EOFError:  # its end closed: it exited, or is exiting past its last write
-            self._lost(child, loop, "reader process exited")
-            return
-        except OSError as e:
-            self._abandon(child, loop, f"reader process lost: {e}")
-            return
-        fut, _ = child.pending.popleft()
-        if not fut.done():
-            fut.set_result(reply)
-        if not child.pending:
-            loop.remove_reader(child.conn.fileno())
-            child.watched = False
-
-    def _lost(self, child: _Child, loop: asyncio.AbstractEventLoop, why: str) -> None:
-        """The child is gone: every request it had fails (it writes into no slot any more)."""
-        child.dead = True
-        if child.watched:
-            loop.remove_reader(child.conn.fileno())
-            child.watched = False
-        while child.pending:
-            fut, _ = child.pending.popleft()
-            if not fut.done():
-                fut.set_exception(ReaderLost(why))
-
-    def _abandon(self, child: _Child, loop: asyncio.AbstractEventLoop, why: str) -> None:
-        """The child's socket failed, but the child may still be running — and writing into the
-        slots of the chunks it holds: kill it, and fail its requests only once it has exited."""
-        if child.reaping is not None:
-            return
-        child.dead = True
-        if child.watched:
-            loop.remove_reader(child.conn.fileno())
-            child.watched = False
-        _kill(child)
-
-        async def reap() -> None:
-            await asyncio.to_thread(child.process.wait)
-            self._lost(child, loop, why)
-
-        child.reaping = loop.create_task(reap(), name="asynccache-reader-reap")
-
-    async def _request(self, child: _Child, msg: tuple[Any, ...], *, kill_after_s: float | None = None) -> Any:
-        """``msg``'s reply (a child that does not answer in time is killed, see :meth:`_send`,
-        and the request fails). A cancelled caller still waits for the reply or the end."""
-        fut = self._send(child, msg, kill_after_s=kill_after_s)
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            await drain_future(fut)
-            raise
+    def _spawn(self) -> ReaderChild:
+        """A new child, sent its init (see :func:`~storage_backends.reader_child.spawn_child`)."""
+        return spawn_child(("init", *self._codec_args, self._timeout_s), room=CHUNKS_IN_FLIGHT)
 
     async def aclose(self) -> None:
         """Stop the children: each finishes the requests it holds and exits; one that has not
@@ -476,7 +331,7 @@ class ReaderProcesses:
         def kill_all() -> None:  # those of starts still in progress included
             for child in self._children:
                 if child is not None:
-                    _kill(child)
+                    kill_child(child)
 
         kill = loop.call_later(CLOSE_GRACE_S, kill_all)
         try:
@@ -494,25 +349,4 @@ class ReaderProcesses:
             self._lost(child, loop, "the backend was closed")
         self._memories.clear()
         self._ids = weakref.WeakKeyDictionary()  # a read planned after this gets new ids (and fails: closed)
-        await asyncio.gather(*(asyncio.to_thread(_stop_process, c, CLOSE_GRACE_S) for c in children))
-
-
-def _kill(child: _Child) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        child.process.kill()
-
-
-def _kill_unanswered(child: _Child, after_s: float) -> None:
-    if not child.dead:
-        log.warning("reader process %d did not answer within %.1f s: killed", child.process.pid, after_s)
-        _kill(child)
-
-
-def _stop_process(child: _Child, timeout_s: float = 5.0) -> None:
-    child.conn.close()  # a child still waiting for work sees the end and exits
-    try:
-        child.process.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        child.process.kill()
-        child.process.wait()
-
+        await asyncio.gather(*(asyncio.to_thread(stop_process, c, CLOSE_GRACE_S) for c in children))

@@ -6,6 +6,14 @@ host → device load-back, page and slot allocation), ``start_loading()``, one b
 then for finished requests ``tree.insert`` of their KV pages and admitted states and the
 write-policy's backups (``start_writing()``).
 
+Primitives:
+
+- :class:`Scheduler` — its lifecycle, ``submit`` / ``generate``, and the loop: each step's batch
+  (chunked prefill and decode), the seeding of working slots, and the split restores' tails.
+  Admission is its base :class:`~asynccache.reference.admit.AdmitMixin`'s, the end of a request
+  (finished or cancelled) its base :class:`~asynccache.reference.finish.FinishMixin`'s.
+- :class:`SchedulerConfig`, :class:`RequestResult` — from :mod:`asynccache.reference.requests`.
+
 A request whose prefix the storage tier restores split (a ``TailRestore``: the tail read from
 storage while the head is computed) prefills up to the tail, waits for the read if it has not
 landed yet, and goes on from the tail's end: the step that continues from there loads the
@@ -33,31 +41,20 @@ import contextlib
 import itertools
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from asynccache.cache import HybridCache
 from asynccache.errors import CapacityError, ConfigError, SchedulerError
 from asynccache.layer_counter import LayerTransferCounter
+from asynccache.reference.admit import AdmitMixin
+from asynccache.reference.finish import FinishMixin
 from asynccache.reference.model import ForwardBatch, HybridModel, SequenceInput
 from asynccache.reference.requests import Phase, Request, RequestResult, SchedulerConfig
-from asynccache.tree import Tier
 
 __all__ = ["RequestResult", "Scheduler", "SchedulerConfig"]
 
 _ids = itertools.count()
-
-
-def _path_device_pages(node: Any) -> torch.Tensor:
-    """Device KV pages of every node from the root to ``node``, in token order."""
-    parts = []
-    while node is not None and node.parent is not None:
-        assert node.device_kv is not None, "a matched prefix node has no device pages"
-        parts.append(node.device_kv)
-        node = node.parent
-    parts.reverse()
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
 
 class _SeedingCounter:
@@ -80,7 +77,7 @@ class _SeedingCounter:
                 items[dst : dst + 1].copy_(items[src : src + 1])
 
 
-class Scheduler:
+class Scheduler(AdmitMixin, FinishMixin):
     """Serve requests with continuous batching through a :class:`HybridCache`.
 
     ``async with Scheduler(model, cache) as s: result = await s.generate(prompt, 32)``.
@@ -238,123 +235,6 @@ class Scheduler:
         self._loading_slots.clear()
         return late
 
-    # ---- admission ---------------------------------------------------------------------
-    async def _admit(self) -> None:
-        while self._waiting and len(self._running) < self.config.max_running:
-            req = self._waiting[0]
-            if not await self._try_admit(req):
-                return
-            self._waiting.pop(0)
-            self._running.append(req)
-
-    async def _try_admit(self, req: Request) -> bool:
-        tree, ctrl = self.cache.tree, self.cache.controller
-        key = req.prompt[:-1]
-        match = tree.match_prefix(key, salt=req.salt) if self.config.use_cache else None
-        by_tier = {"device": 0, "host": 0, "storage": 0}
-        tail = None
-        if match is not None and ctrl.tiering is not None and req.storage_tokens is None:
-            before = match.num_tokens
-            task = ctrl.prefetch(key, match, salt=req.salt, allow_tail=True)
-            req.storage_tokens = 0
-            if task is not None:
-                res = await ctrl.wait_prefetch(task, len(key))
-                tail = res.tail if res is not None else None
-                match = tree.match_prefix(key, salt=req.salt)
-                req.storage_tokens = max(0, match.num_tokens - before)
-                if tail is not None and tail.begin_tokens <= match.num_tokens:
-                    tail.release()  # the tree caught up meanwhile (another request restored it)
-                    tail = None
-        num_cached = match.num_tokens if match is not None else 0
-        by_tier["storage"] = min(req.storage_tokens or 0, num_cached)
-        if match is None:
-            return self._allocate(req, None, num_cached, tail, by_tier)
-        # Pin the match on both tiers while making room: under write_back, allocating device
-        # slots writes device states back to the host, which may evict host copies — the
-        # match's own included, unless it is locked there too.
-        tree.lock(match.last_node)
-        tree.lock_host(match.last_node)
-        try:
-            return self._allocate(req, match, num_cached, tail, by_tier)
-        finally:
-            tree.unlock_host(match.last_node)
-
-    def _allocate(self, req: Request, match: Any, num_cached: int, tail: Any, by_tier: dict[str, int]) -> bool:
-        """Allocate a matched request's slots and pages and queue its load (``match`` locked on
-        the device by the caller; the lock is the request's once admitted); False, with
-        everything undone, when there is no room."""
-        tree, ctrl, page = self.cache.tree, self.cache.controller, self.spec.page_size
-        # Pages for every position this request will compute: [num_cached, total_len - 1).
-        last_pos = req.total_len - 1
-        num_pages_total = -(-last_pos // page)
-        snap_positions = self._snapshot_positions(req, num_cached, tail)
-        # The working and snapshot slots first, then the load's pages, then the request's own:
-        # the load's pages come off the free list in one piece (one copy a layer) when they
-        # were freed together.
-        slot_alloc = tree.alloc_device(0, 1 + len(snap_positions))
-        op = page_alloc = None
-        state_to: tuple[int, ...] = ()
-        if slot_alloc is not None:
-            if match is not None and match.needs_load:
-                # A boundary state loaded from the host lands in the working slot too (with
-                # the node's copy): nothing to seed from the node's slot then.
-                if match.state_tier is Tier.HOST:
-                    state_to = (int(slot_alloc.state_slots[0]),)
-                op = ctrl.load(match, state_to=state_to)
-            if op is not None or match is None or not match.needs_load:
-                page_alloc = tree.alloc_device(num_pages_total - num_cached // page, 0)
-        if page_alloc is None:
-            if op is not None:
-                ctrl.cancel(op)
-            if slot_alloc is not None:
-                ctrl._free(slot_alloc.kv_indices, slot_alloc.state_slots, device=True)
-            if match is not None:
-                tree.unlock(match.last_node)
-            if tail is not None:
-                tail.release()
-            return False
-        assert slot_alloc is not None
-        own, slots = page_alloc.kv_indices, slot_alloc.state_slots
-        if match is not None and num_cached:
-            node = match.last_node
-            prefix_pages = _path_device_pages(node)  # every page of the prefix, on device after the load
-            assert prefix_pages.numel() == num_cached // page
-            assert node.device_state is not None
-            if state_to:
-                self._loading_slots[node.device_state] = state_to[0]
-            else:
-                req.seed_slot = node.device_state
-            req.kv_pages = torch.cat([prefix_pages, own])
-            # A hit that needed any host load (KV pages, or only the boundary state) counts on
-            # the host tier; what the prefetch brought counts on storage.
-            loaded = num_cached if match.state_tier is Tier.HOST else match.num_host_tokens
-            by_tier["host"] = max(0, loaded - by_tier["storage"])
-            by_tier["device"] = num_cached - by_tier["host"] - by_tier["storage"]
-            req.locked_node = node
-        else:
-            if match is not None:
-                tree.unlock(match.last_node)
-            req.kv_pages = own
-        req.own_pages = own
-        req.load_op = op
-        req.state_slot = int(slots[0])
-        req.snapshots = dict(zip(snap_positions, (int(s) for s in slots[1:]), strict=True))
-        req.num_cached = req.num_computed = num_cached
-        req.cached_by_tier = by_tier
-        req.tail = tail
-        req.phase = Phase.PREFILL
-        return True
-
-    def _snapshot_positions(self, req: Request, num_cached: int, tail: Any = None) -> list[int]:
-        """Page-aligned positions the admission policy keeps, past the cached prefix (and not
-        inside a tail restore: only its end, whose state the restore brings)."""
-        computed_len = req.total_len - 1  # the last sampled token is never computed
-        positions = self.cache.tree.admission.state_positions(
-            len(req.prompt), total_len=computed_len, page_size=self.spec.page_size
-        )
-        skipped = range(tail.begin_tokens + 1, tail.end_tokens) if tail is not None else range(0)
-        return sorted(p for p in positions if num_cached < p <= computed_len and p not in skipped)
-
     # ---- split restores ----------------------------------------------------------------
     async def _resume_tails(self) -> None:
         """Apply the tail restores whose head is computed and whose read has landed; when no
@@ -431,87 +311,3 @@ class Scheduler:
             if budget <= 0:
                 break
         return seqs, reqs
-
-    # ---- completion --------------------------------------------------------------------
-    def _finish(self, req: Request) -> None:
-        tree, page = self.cache.tree, self.spec.page_size
-        tokens = req.prompt + req.output[:-1]
-        full = len(tokens) // page
-        assert req.kv_pages is not None and req.own_pages is not None
-        states = {p: s for p, s in req.snapshots.items() if p <= full * page}
-        result = None
-        if self.config.use_cache:
-            result = tree.insert(tokens[: full * page], req.kv_pages[:full], states=states, salt=req.salt)
-            # Pages past the last full page and snapshot slots the insert did not cover are ours.
-            n_prefix = req.num_cached // page
-            tail = req.own_pages[max(0, full - n_prefix) :]
-            leftover = [s for p, s in req.snapshots.items() if p not in states]
-        else:
-            tail = req.own_pages
-            leftover = list(req.snapshots.values())
-        if tail.numel():
-            self.cache.device_kv.free(tail)
-        slots = leftover + [req.state_slot]
-        self.cache.device_mamba.free(torch.tensor(slots, dtype=torch.int64))
-        if req.locked_node is not None:
-            tree.unlock(req.locked_node)
-            req.locked_node = None
-        if result is not None and result.backup_nodes:
-            self.cache.controller.write(result.backup_nodes)
-        req.phase = Phase.DONE
-        self._running.remove(req)
-        now = time.perf_counter()
-        assert req.first_token_at is not None and req.first_logits is not None
-        if not req.future.done():
-            req.future.set_result(
-                RequestResult(
-                    request_id=req.request_id,
-                    prompt_tokens=len(req.prompt),
-                    cached_tokens=req.num_cached + req.num_restored,
-                    cached_by_tier=dict(req.cached_by_tier),
-                    output_ids=list(req.output),
-                    ttft_s=req.first_token_at - req.submitted,
-                    latency_s=now - req.submitted,
-                    first_logits=req.first_logits,
-                )
-            )
-
-    def _reap_cancelled(self) -> None:
-        self._cancel_all([r for r in self._waiting + self._running if r.cancelled])
-
-    def _cancel_all(self, reqs: list[Request]) -> None:
-        """Cancel ``reqs``, the running ones newest first: a queued load may build on an older
-        request's (a shared prefix), and the older one cannot be cancelled while it does."""
-        running = [r for r in reversed(self._running) if r in reqs]
-        for req in [r for r in reqs if r not in running] + running:
-            self._cancel(req)
-
-    def _cancel(self, req: Request) -> None:
-        """Free everything a request holds (between steps: no forward is using it). Its load,
-        if still queued, is cancelled; one that cannot be (issued, or built on by another)
-        copies into the request's working slot, so the slots are freed once it has completed."""
-        if req in self._waiting:
-            self._waiting.remove(req)
-        if req in self._running:
-            self._running.remove(req)
-            own = req.own_pages
-            slots = torch.tensor([*req.snapshots.values(), req.state_slot], dtype=torch.int64)
-
-            def free(_: object = None) -> None:
-                if own is not None and own.numel():
-                    self.cache.device_kv.free(own)
-                self.cache.device_mamba.free(slots)
-
-            op, req.load_op = req.load_op, None
-            if op is None or op.future.done() or self.cache.controller.cancel(op):
-                free()
-            else:
-                op.future.add_done_callback(free)
-            if req.locked_node is not None:
-                self.cache.tree.unlock(req.locked_node)
-        if req.tail is not None:
-            req.tail.release()
-            req.tail = None
-        req.phase = Phase.DONE
-        if not req.future.done():
-            req.future.cancel()

@@ -6,7 +6,8 @@ its KV pages and its states live (device, host), what may be evicted, and how mu
 request can reuse. It is plain synchronous code: it never awaits and never copies bytes — the
 controller moves the bytes and reports back through the load / backup protocol.
 
-Operations (this module; eviction in ``evict``, copies in ``transfer``, bookkeeping in ``core``):
+Operations (this module; eviction in ``evict``, copies in ``transfer``, split and cascade in
+``core``, locks in ``locks``, bookkeeping in ``bookkeeping``):
 
 - :meth:`HybridRadixTree.match_prefix` — walk page-aligned keys, cut back to the deepest state.
 - :meth:`HybridRadixTree.insert` — device pages and states of a finished (or prefilled) request.

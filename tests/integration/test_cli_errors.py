@@ -191,9 +191,9 @@ def test_multiturn_storage_option_refused_at_first_use_is_a_usage_error(
 ) -> None:
     """``direct_io=true`` where the filesystem refuses O_DIRECT is found when the store is
     opened: one error line and status 2, not a run of misses with status 0."""
-    from storage_backends import local_disk
+    from storage_backends import disk_jobs
 
-    monkeypatch.setattr(local_disk, "probe_direct", lambda path: "O_DIRECT refused")
+    monkeypatch.setattr(disk_jobs, "probe_direct", lambda path: "O_DIRECT refused")
     out = tmp_path / "r.json"
     argv = [*TINY_MULTITURN, "--modes", "kv+mamba+storage", "--storage-option", "direct_io=true", "--json", str(out)]
     assert main(argv) == 2

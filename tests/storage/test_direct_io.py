@@ -21,7 +21,7 @@ from storage_harness import (
 from asynccache.errors import ConfigError
 from asynccache.pools.memory import HOST_ALIGN, allocate_bytes
 from asynccache.storage import PoolName
-from storage_backends import local_disk, object_reads
+from storage_backends import disk_jobs, local_disk, object_reads
 from storage_backends.file_io import (
     DIRECT_ALIGN,
     aligned_empty,
@@ -132,7 +132,7 @@ async def test_a_flipped_bit_read_directly_is_a_miss(tmp_path: Path) -> None:
 
 
 async def test_filesystems_without_direct_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(local_disk, "probe_direct", lambda directory: "the filesystem refuses O_DIRECT (test)")
+    monkeypatch.setattr(disk_jobs, "probe_direct", lambda directory: "the filesystem refuses O_DIRECT (test)")
     auto = LocalDiskBackend((tmp_path / "a").as_uri(), namespace=NAMESPACE, direct_io=None)
     kv, mamba = make_pools(num_items=4, seed=13)
     await auto.register_host_pool_v2(PoolName.KV, kv)

@@ -29,7 +29,7 @@ from storage_harness import (
 
 from asynccache.errors import BackendError, ConfigError
 from asynccache.storage import PoolName
-from storage_backends import local_disk, object_reads
+from storage_backends import disk_jobs, local_disk, object_reads
 from storage_backends.local_disk import STALE_TMP_S, LocalDiskBackend
 from storage_backends.object_format import payload_range
 from storage_backends.ranged_reads import item_outcomes, read_units
@@ -56,7 +56,7 @@ async def test_disk_full_skips_the_backup_and_leaves_nothing(tmp_path: Path, mon
     def no_space(fd: int, views: list[memoryview], offset: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(local_disk, "pwritev_all", no_space)
+    monkeypatch.setattr(disk_jobs, "pwritev_all", no_space)
     with caplog.at_level(logging.WARNING, logger="asynccache.storage"):
         assert await backend.batch_set_v2([kv_transfer(keys[1:], [1, 2])]) == [[False, False]]
     assert "2 of 2 items failed" in caplog.text and "No space left" in caplog.text
@@ -397,7 +397,7 @@ async def test_objects_removed_during_the_scan_are_skipped(tmp_path: Path, monke
         with real_scandir(path) as entries:
             return Listing(Vanishing(e) for e in entries)
 
-    monkeypatch.setattr(local_disk.os, "scandir", scandir)
+    monkeypatch.setattr(disk_jobs.os, "scandir", scandir)
     backend, _, _ = await open_disk(tmp_path, capacity_bytes=1 << 30)
     res = await backend.batch_exists_v2(keys[2:], [kv_transfer([])])
     monkeypatch.undo()

@@ -33,9 +33,9 @@ from asynccache.cache import HybridCache, effective_storage_options
 from asynccache.config import HybridCacheConfig
 from asynccache.errors import ConfigError
 from asynccache.storage import PoolName
-from storage_backends import reader_processes
+from storage_backends import reader_child, reader_processes
 from storage_backends.local_disk import LocalDiskBackend
-from storage_backends.reader_processes import _CHILD, _PACKAGES_ROOT
+from storage_backends.reader_child import _CHILD, _PACKAGES_ROOT
 
 
 async def open_procs(root: Path, *, shared: bool = True, **options: object):
@@ -291,7 +291,7 @@ async def test_children_that_cannot_start_leave_the_reads_to_the_threads(tmp_pat
         tries.append(1)
         raise OSError(24, "Too many open files")
 
-    monkeypatch.setattr(reader_processes.socket, "socketpair", no_fds)
+    monkeypatch.setattr(reader_child.socket, "socketpair", no_fds)
     for _ in range(2):  # dead children's units, then every unit, go to the threads: all hits
         kv.buffer[8:12].fill_(0)
         await reads_back(backend, kv, keys)
@@ -302,7 +302,7 @@ async def test_children_that_cannot_start_leave_the_reads_to_the_threads(tmp_pat
     await reads_back(backend, kv, keys)
     assert len(tries) == 2 and not any(readers._starting)  # not tried again so soon
     monkeypatch.setattr(reader_processes, "RETRY_START_S", 0.0)
-    monkeypatch.setattr(reader_processes.socket, "socketpair", socketpair)
+    monkeypatch.setattr(reader_child.socket, "socketpair", socketpair)
     await reads_back(backend, kv, keys)
     async with asyncio.timeout(10):
         while not all(readers._is_up(slot) for slot in range(2)):
@@ -331,7 +331,7 @@ async def test_registering_a_shared_pool_starts_the_children_and_maps_it(tmp_pat
 async def test_a_child_that_never_answers_its_start_is_killed_and_the_threads_read(tmp_path: Path, monkeypatch) -> None:
     """A child stuck before it answers (a hung import, say) is killed after
     ``START_TIMEOUT_S``: registration returns, and the reads go to the threads."""
-    monkeypatch.setattr(reader_processes, "_CHILD", "import time; time.sleep(3600)\n")
+    monkeypatch.setattr(reader_child, "_CHILD", "import time; time.sleep(3600)\n")
     monkeypatch.setattr(reader_processes, "START_TIMEOUT_S", 0.5)
     backend = LocalDiskBackend(tmp_path.as_uri(), namespace=NAMESPACE, read_processes=1, fsync=False, timeout_s=0.1)
     kv, mamba = make_pools(16, seed=3, shared=True)
@@ -365,7 +365,7 @@ async def test_a_cache_whose_entry_is_cancelled_stops_its_reader_processes(tmp_p
 
 def slow_children(monkeypatch: pytest.MonkeyPatch, seconds_per_unit: float) -> None:
     """Children that take ``seconds_per_unit`` over each unit they read."""
-    monkeypatch.setattr(reader_processes, "_CHILD", _CHILD.replace(
+    monkeypatch.setattr(reader_child, "_CHILD", _CHILD.replace(
         "from storage_backends.object_reads import serve_reader",
         "import time\nimport storage_backends.object_reads as reads\nread = reads.read_object_range\n"
         f"def slow(*a, **k):\n    time.sleep({seconds_per_unit!r})\n    return read(*a, **k)\n"
@@ -491,7 +491,7 @@ async def test_a_child_whose_restart_hangs_holds_up_no_read(tmp_path: Path, monk
     first, second = readers._children
     second.process.kill()
     second.process.wait()
-    monkeypatch.setattr(reader_processes, "_CHILD", "import time; time.sleep(3600)\n")
+    monkeypatch.setattr(reader_child, "_CHILD", "import time; time.sleep(3600)\n")
     spawns = count_calls(monkeypatch, "_spawn")
     first_reads = count_calls(monkeypatch, "_send", lambda child, msg: child is first and msg[0] == "read")
     for _ in range(3):  # the first finds child 1 dead, the next ones start it again
@@ -506,7 +506,7 @@ async def test_a_child_whose_restart_hangs_holds_up_no_read(tmp_path: Path, monk
     await reads_back(backend, kv, keys)
     assert len(spawns) == 1  # not tried again so soon
     monkeypatch.setattr(reader_processes, "RETRY_START_S", 0.0)
-    monkeypatch.setattr(reader_processes, "_CHILD", _CHILD)
+    monkeypatch.setattr(reader_child, "_CHILD", _CHILD)
     await reads_back(backend, kv, keys)
     async with asyncio.timeout(10):
         while not (readers._children[1].up and not readers._children[1].dead):
@@ -625,7 +625,7 @@ async def test_closing_while_a_start_hangs_takes_the_close_grace_not_the_start_t
 ) -> None:
     """A child that never answers its first request (a hung start) is killed by the close after
     its grace, not after the start's own, longer timeout."""
-    monkeypatch.setattr(reader_processes, "_CHILD", "import time; time.sleep(3600)\n")
+    monkeypatch.setattr(reader_child, "_CHILD", "import time; time.sleep(3600)\n")
     monkeypatch.setattr(reader_processes, "START_TIMEOUT_S", 20.0)
     monkeypatch.setattr(reader_processes, "CLOSE_GRACE_S", 0.3, raising=False)
     backend = LocalDiskBackend(tmp_path.as_uri(), namespace=NAMESPACE, fsync=False, read_processes=1, timeout_s=0.2)

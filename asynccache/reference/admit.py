@@ -1,0 +1,168 @@
+"""Admission of the reference scheduler's waiting requests (see ``asynccache.reference.scheduler``).
+
+Primitives:
+
+- :class:`AdmitMixin` — admits waiting requests, oldest first, while fewer than ``max_running``
+  run: the prefix match (of ``prompt[:-1]``), the storage prefetch within the policy's deadline
+  (the tail of a split restore kept for later), the match pinned on both tiers while room is
+  made, then the working and snapshot slots, the host → device load and the request's own pages.
+  Without room everything is undone and the request waits. A base of
+  :class:`~asynccache.reference.scheduler.Scheduler`; not used on its own.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from asynccache.reference.requests import Phase, Request, SchedulerConfig
+from asynccache.tree import Tier
+
+if TYPE_CHECKING:
+    from asynccache.cache import HybridCache
+    from asynccache.spec import HybridSpec
+
+__all__ = ["AdmitMixin"]
+
+
+def _path_device_pages(node: Any) -> torch.Tensor:
+    """Device KV pages of every node from the root to ``node``, in token order."""
+    parts = []
+    while node is not None and node.parent is not None:
+        assert node.device_kv is not None, "a matched prefix node has no device pages"
+        parts.append(node.device_kv)
+        node = node.parent
+    parts.reverse()
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+
+
+class AdmitMixin:
+    """The admission of :class:`~asynccache.reference.scheduler.Scheduler` (see the module
+    docstring); not used on its own."""
+
+    # Set by Scheduler's constructor.
+    cache: HybridCache
+    spec: HybridSpec
+    config: SchedulerConfig
+    _waiting: list[Request]
+    _running: list[Request]
+    _loading_slots: dict[int, int]
+
+    # ---- admission ---------------------------------------------------------------------
+    async def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.config.max_running:
+            req = self._waiting[0]
+            if not await self._try_admit(req):
+                return
+            self._waiting.pop(0)
+            self._running.append(req)
+
+    async def _try_admit(self, req: Request) -> bool:
+        tree, ctrl = self.cache.tree, self.cache.controller
+        key = req.prompt[:-1]
+        match = tree.match_prefix(key, salt=req.salt) if self.config.use_cache else None
+        by_tier = {"device": 0, "host": 0, "storage": 0}
+        tail = None
+        if match is not None and ctrl.tiering is not None and req.storage_tokens is None:
+            before = match.num_tokens
+            task = ctrl.prefetch(key, match, salt=req.salt, allow_tail=True)
+            req.storage_tokens = 0
+            if task is not None:
+                res = await ctrl.wait_prefetch(task, len(key))
+                tail = res.tail if res is not None else None
+                match = tree.match_prefix(key, salt=req.salt)
+                req.storage_tokens = max(0, match.num_tokens - before)
+                if tail is not None and tail.begin_tokens <= match.num_tokens:
+                    tail.release()  # the tree caught up meanwhile (another request restored it)
+                    tail = None
+        num_cached = match.num_tokens if match is not None else 0
+        by_tier["storage"] = min(req.storage_tokens or 0, num_cached)
+        if match is None:
+            return self._allocate(req, None, num_cached, tail, by_tier)
+        # Pin the match on both tiers while making room: under write_back, allocating device
+        # slots writes device states back to the host, which may evict host copies — the
+        # match's own included, unless it is locked there too.
+        tree.lock(match.last_node)
+        tree.lock_host(match.last_node)
+        try:
+            return self._allocate(req, match, num_cached, tail, by_tier)
+        finally:
+            tree.unlock_host(match.last_node)
+
+    def _allocate(self, req: Request, match: Any, num_cached: int, tail: Any, by_tier: dict[str, int]) -> bool:
+        """Allocate a matched request's slots and pages and queue its load (``match`` locked on
+        the device by the caller; the lock is the request's once admitted); False, with
+        everything undone, when there is no room."""
+        tree, ctrl, page = self.cache.tree, self.cache.controller, self.spec.page_size
+        # Pages for every position this request will compute: [num_cached, total_len - 1).
+        last_pos = req.total_len - 1
+        num_pages_total = -(-last_pos // page)
+        snap_positions = self._snapshot_positions(req, num_cached, tail)
+        # The working and snapshot slots first, then the load's pages, then the request's own:
+        # the load's pages come off the free list in one piece (one copy a layer) when they
+        # were freed together.
+        slot_alloc = tree.alloc_device(0, 1 + len(snap_positions))
+        op = page_alloc = None
+        state_to: tuple[int, ...] = ()
+        if slot_alloc is not None:
+            if match is not None and match.needs_load:
+                # A boundary state loaded from the host lands in the working slot too (with
+                # the node's copy): nothing to seed from the node's slot then.
+                if match.state_tier is Tier.HOST:
+                    state_to = (int(slot_alloc.state_slots[0]),)
+                op = ctrl.load(match, state_to=state_to)
+            if op is not None or match is None or not match.needs_load:
+                page_alloc = tree.alloc_device(num_pages_total - num_cached // page, 0)
+        if page_alloc is None:
+            if op is not None:
+                ctrl.cancel(op)
+            if slot_alloc is not None:
+                ctrl._free(slot_alloc.kv_indices, slot_alloc.state_slots, device=True)
+            if match is not None:
+                tree.unlock(match.last_node)
+            if tail is not None:
+                tail.release()
+            return False
+        assert slot_alloc is not None
+        own, slots = page_alloc.kv_indices, slot_alloc.state_slots
+        if match is not None and num_cached:
+            node = match.last_node
+            prefix_pages = _path_device_pages(node)  # every page of the prefix, on device after the load
+            assert prefix_pages.numel() == num_cached // page
+            assert node.device_state is not None
+            if state_to:
+                self._loading_slots[node.device_state] = state_to[0]
+            else:
+                req.seed_slot = node.device_state
+            req.kv_pages = torch.cat([prefix_pages, own])
+            # A hit that needed any host load (KV pages, or only the boundary state) counts on
+            # the host tier; what the prefetch brought counts on storage.
+            loaded = num_cached if match.state_tier is Tier.HOST else match.num_host_tokens
+            by_tier["host"] = max(0, loaded - by_tier["storage"])
+            by_tier["device"] = num_cached - by_tier["host"] - by_tier["storage"]
+            req.locked_node = node
+        else:
+            if match is not None:
+                tree.unlock(match.last_node)
+            req.kv_pages = own
+        req.own_pages = own
+        req.load_op = op
+        req.state_slot = int(slots[0])
+        req.snapshots = dict(zip(snap_positions, (int(s) for s in slots[1:]), strict=True))
+        req.num_cached = req.num_computed = num_cached
+        req.cached_by_tier = by_tier
+        req.tail = tail
+        req.phase = Phase.PREFILL
+        return True
+
+    def _snapshot_positions(self, req: Request, num_cached: int, tail: Any = None) -> list[int]:
+        """Page-aligned positions the admission policy keeps, past the cached prefix (and not
+        inside a tail restore: only its end, whose state the restore brings)."""
+        computed_len = req.total_len - 1  # the last sampled token is never computed
+        positions = self.cache.tree.admission.state_positions(
+            len(req.prompt), total_len=computed_len, page_size=self.spec.page_size
+        )
+        skipped = range(tail.begin_tokens + 1, tail.end_tokens) if tail is not None else range(0)
+        return sorted(p for p in positions if num_cached < p <= computed_len and p not in skipped)

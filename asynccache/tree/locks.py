@@ -1,0 +1,126 @@
+"""Pins of the tree's nodes: path locks, the pins of in-flight copies, in-flight ownership.
+
+Primitives:
+
+- :class:`TreeLocks` — ``lock`` / ``unlock`` and ``lock_host`` / ``unlock_host``: a node and its
+  ancestors pinned on the device (on the host), their data never evicted and the nodes never
+  deleted until the matching unlock; ``check_alive``, before locking several nodes; ``_pin``, the
+  per-node pin of an in-flight copy (both tiers, and ``loading`` for a load);
+  ``claim_in_flight`` / ``release_in_flight`` / ``in_flight_owned``: the pool indices in-flight
+  operations own, which ``check_integrity`` does not report as leaked. The locked-page totals
+  follow every pin. Not used on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from asynccache.pools.base import ItemPool
+from asynccache.tree.bookkeeping import TreeBookkeeping
+from asynccache.tree.errors import TreeError
+from asynccache.tree.node import TreeNode
+
+__all__ = ["TreeLocks"]
+
+
+class TreeLocks(TreeBookkeeping):
+    """Locks, pins and in-flight claims of :class:`~asynccache.tree.HybridRadixTree`; not used on
+    its own."""
+
+    # ---- locks -----------------------------------------------------------------------------
+    def _check_alive(self, node: TreeNode) -> None:
+        if not node.alive and node.parent is not None:
+            raise TreeError(f"{node} was deleted from the tree")
+
+    def check_alive(self, nodes: Iterable[TreeNode]) -> None:
+        """Raise :class:`TreeError` if a node was deleted: before locking several, so that a
+        stale list leaves none of them locked."""
+        for node in nodes:
+            self._check_alive(node)
+
+    def lock(self, node: TreeNode) -> None:
+        """Pin ``node`` and its ancestors on the device: their device data is never evicted and
+        the nodes are never deleted until :meth:`unlock`. Locking a root does nothing."""
+        self._check_alive(node)
+        while node.parent is not None:
+            if node.device_lock == 0 and node.device_kv is not None:
+                self._device_locked_pages += node.num_pages
+            node.device_lock += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one :meth:`lock` of ``node``. Raises :class:`TreeError` below zero."""
+        path = self.path_to(node)
+        if any(n.device_lock <= 0 for n in path):
+            raise TreeError(f"unlock of {node} without a matching lock")
+        for n in path:
+            n.device_lock -= 1
+            if n.device_lock == 0 and n.device_kv is not None:
+                self._device_locked_pages -= n.num_pages
+
+    def lock_host(self, node: TreeNode) -> None:
+        """Pin ``node`` and its ancestors on the host (host copies kept, nodes not deleted)."""
+        self._check_alive(node)
+        while node.parent is not None:
+            if node.host_lock == 0 and node.host_kv is not None:
+                self._host_locked_pages += node.num_pages
+            node.host_lock += 1
+            node = node.parent
+
+    def unlock_host(self, node: TreeNode) -> None:
+        """Undo one :meth:`lock_host`. Raises :class:`TreeError` below zero."""
+        path = self.path_to(node)
+        if any(n.host_lock <= 0 for n in path):
+            raise TreeError(f"unlock_host of {node} without a matching lock_host")
+        for n in path:
+            n.host_lock -= 1
+            if n.host_lock == 0 and n.host_kv is not None:
+                self._host_locked_pages -= n.num_pages
+
+    def _pin(self, node: TreeNode, delta: int, *, loading: bool) -> None:
+        """Per-node pin of an in-flight copy: device and host lock (and ``loading``) += delta."""
+        before_d, before_h = node.device_lock, node.host_lock
+        node.device_lock += delta
+        node.host_lock += delta
+        if loading:
+            node.loading += delta
+        if node.device_kv is not None and (before_d == 0) != (node.device_lock == 0):
+            self._device_locked_pages += node.num_pages if before_d == 0 else -node.num_pages
+        if node.host_kv is not None and (before_h == 0) != (node.host_lock == 0):
+            self._host_locked_pages += node.num_pages if before_h == 0 else -node.num_pages
+
+    # ---- in-flight ownership -----------------------------------------------------------------
+    def claim_in_flight(self, pool: str | ItemPool, indices: torch.Tensor | Iterable[int]) -> None:
+        """Record that an in-flight operation owns ``indices`` of ``pool`` (so
+        ``check_integrity`` does not report them as leaked). Raises :class:`TreeError` when an
+        index is already claimed."""
+        name = self._pool_name(pool)
+        values = _as_ints(indices)
+        claimed = self._in_flight[name]
+        if len(set(values)) != len(values) or any(v in claimed for v in values):
+            raise TreeError(f"{name}: indices claimed twice")
+        claimed.update(values)
+
+    def release_in_flight(self, pool: str | ItemPool, indices: torch.Tensor | Iterable[int]) -> None:
+        """Undo :meth:`claim_in_flight`. Raises :class:`TreeError` for unclaimed indices."""
+        name = self._pool_name(pool)
+        values = _as_ints(indices)
+        claimed = self._in_flight[name]
+        if any(v not in claimed for v in values):
+            raise TreeError(f"{name}: releasing indices that were not claimed")
+        claimed.difference_update(values)
+
+    def in_flight_owned(self, pool: str) -> frozenset[int]:
+        """Indices of ``pool`` claimed by in-flight operations."""
+        return frozenset(self._in_flight[self._pool_name(pool)])
+
+
+def _as_ints(indices: torch.Tensor | Iterable[int]) -> list[int]:
+    if isinstance(indices, torch.Tensor):
+        return [int(v) for v in indices.reshape(-1).tolist()]
+    if isinstance(indices, np.ndarray):
+        return [int(v) for v in indices.reshape(-1).tolist()]
+    return [int(v) for v in indices]
