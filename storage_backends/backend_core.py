@@ -277,17 +277,18 @@ class BackendCore(ABC):
     async def _remove(
         self,
         names: Sequence[str],
-        report: BatchReport,
+        report: BatchReport | None,
         *,
         background: bool,
         counted: Sequence[tuple[str, int]] | None = None,
-    ) -> None:
+    ) -> BaseException | None:
         """Delete objects: invalid ones found by a read or a probe (``background=False``: the
         call waits for it, so it goes before write-back like the read itself), or eviction
         victims (``background=True``, ``counted``: the entries ``reserve`` took out of the
         capacity index). They leave the index at once — no concurrent writer chooses them again
         — and go back into it when the delete fails or is cut short: objects that may still be
-        stored stay counted. Failures are counted and reported."""
+        stored stay counted. A failure is counted, reported to ``report`` (``None``: the caller
+        reports it) and returned; ``None`` once the objects are gone."""
         if self._capacity is not None and counted is None:
             counted = self._capacity.take(names)
         gone = asyncio.get_running_loop().create_future()
@@ -301,7 +302,9 @@ class BackendCore(ABC):
             if self._capacity is not None and counted:
                 self._capacity.restore(counted)
             self._count_failure(e)
-            report.fail(names[0], e)
+            if report is not None:
+                report.fail(names[0], e)
+            return e
         except BaseException:  # cancelled: whether the objects are gone is not known
             if self._capacity is not None and counted:
                 self._capacity.restore(counted)
@@ -310,6 +313,7 @@ class BackendCore(ABC):
             for name in mine:
                 del self._deleting[name]
             gone.set_result(None)
+        return None
 
     @contextmanager
     def _busy(self, items: Sequence[BatchItem]) -> Iterator[None]:

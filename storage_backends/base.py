@@ -32,7 +32,8 @@ Re-exported here, where backends import them from:
 Failure model: a missing object is a miss; an invalid object (truncated, corrupted, foreign,
 other format version) is a miss and is removed before the call returns; an I/O error, a
 timeout or a backend that is down is a miss (or a skipped write) counted in the statistics and
-reported with one warning per batch. A first-use setup that failed makes every call a miss for
+reported with one warning per batch; so is a write that a failed eviction left no room for
+(see :mod:`storage_backends.batch_io`). A first-use setup that failed makes every call a miss for
 ``setup_retry_s`` before it is tried again (see :mod:`storage_backends.backend_core`). Malformed
 calls (bad keys, unregistered pools, mismatched lengths) raise
 :class:`~asynccache.errors.ConfigError` before any I/O.

@@ -682,35 +682,84 @@ async def test_invalid_objects_are_removed_without_waiting_behind_a_write_back(h
     assert await write_back == [[True] * 40]
 
 
-async def test_objects_whose_eviction_fails_stay_counted(harness: Harness) -> None:
-    """An eviction victim whose delete fails is still stored, so it stays in the capacity's
-    count (and is the next victim): the count never falls below what is stored."""
-    keys = make_keys(5, seed="evictfail")
+async def stored_bytes(harness: Harness, backend: ObjectBackend) -> int:
+    total = 0
+    for name in await harness.raw_names():
+        data = await harness.raw_get(backend, name)
+        total += 0 if data is None else len(data)
+    return total
+
+
+async def refused_delete(names: list[str], *args: object, **kwargs: object) -> None:
+    raise BackendError("delete refused")
+
+
+async def test_a_put_whose_eviction_fails_is_skipped_and_the_store_stays_within_capacity(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An eviction victim whose delete fails is still stored: it stays in the capacity's count
+    (and is the next victim), and the object it was to make room for is not written — a skipped
+    write, counted as rejected and reported — so deletes that keep failing never let the store
+    grow past its capacity. Objects that fit without eviction are still written."""
+    keys = make_keys(8, seed="evictfail")
     probe = harness.open()
     size = probe.codec.object_bytes(ObjectGeometry.of_pool(PoolName.KV, make_pools(1)[0]), keys[0])
     backend, _, _ = await opened(harness, capacity_bytes=3 * size)
-
-    async def stored_bytes() -> int:
-        total = 0
-        for name in await harness.raw_names():
-            data = await harness.raw_get(backend, name)
-            total += 0 if data is None else len(data)
-        return total
-
-    assert await put(backend, kv_transfer(keys[:3], [0, 1, 2])) == [[True] * 3]
+    assert await put(backend, kv_transfer(keys[:1], [0])) == [[True]]
     delete = backend._delete_objects
+    backend._delete_objects = refused_delete  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="asynccache.storage"):
+        # two fit as they are; the third needs keys[0] evicted, which fails: skipped
+        assert await put(backend, kv_transfer(keys[1:4], [1, 2, 3])) == [[True, True, False]]
+        assert "1 of 3 items failed" in caplog.text and "no room" in caplog.text and "delete refused" in caplog.text
+        for i in range(4, 7):  # deletes keep failing: every new object is skipped
+            assert await put(backend, kv_transfer(keys[i : i + 1], [i])) == [[False]]
+    assert backend.statistics().used_bytes == await stored_bytes(harness, backend) == 3 * size
+    stats = backend.statistics()
+    assert (stats.num_rejected, stats.num_evictions, stats.num_failures, stats.num_writes) == (4, 0, 4, 3)
+    assert await get(backend, kv_transfer(keys[3:7], [3, 4, 5, 6])) == [[False] * 4]  # not stored
+    backend._delete_objects = delete  # type: ignore[method-assign]
+    assert await put(backend, kv_transfer(keys[7:8], [7])) == [[True]]  # evicts keys[0], still the LRU
+    assert backend.statistics().used_bytes == await stored_bytes(harness, backend) == 3 * size
+    present = [await harness.raw_get(backend, backend.object_name(PoolName.KV, k)) is not None for k in keys]
+    assert present == [False, True, True, False, False, False, False, True]
+    assert backend.statistics().num_evictions == 1
 
-    async def refused(names: list[str], *args: object, **kwargs: object) -> None:
+
+async def test_a_put_that_counted_on_another_calls_failed_eviction_is_skipped(harness: Harness) -> None:
+    """Room freed by one call's eviction may be reserved by a concurrent call (a large victim
+    makes room for several small objects). That call writes only once the eviction's delete is
+    done: when it fails, the victim is still stored, and both calls' new objects are skipped."""
+    keys = make_keys(4, seed="evictshare")
+    probe = harness.open()
+    kv, mamba = make_pools(1)
+    large = probe.codec.object_bytes(ObjectGeometry.of_pool(PoolName.KV, kv), keys[0])
+    small = probe.codec.object_bytes(ObjectGeometry.of_pool(PoolName.MAMBA, mamba), keys[1])
+    assert large >= 2 * small  # the large victim's room takes both small objects
+    backend, _, _ = await opened(harness, capacity_bytes=large + small)
+    assert await put(backend, kv_transfer(keys[:1], [0])) == [[True]]  # the least recently used
+    assert await put(backend, mamba_transfer(keys[1:2], [1])) == [[True]]
+    deleting, gate = asyncio.Event(), asyncio.Event()
+
+    async def held(names: list[str], *args: object, **kwargs: object) -> None:
+        deleting.set()
+        await gate.wait()
         raise BackendError("delete refused")
 
-    backend._delete_objects = refused  # type: ignore[method-assign]
-    assert await put(backend, kv_transfer(keys[3:4], [3])) == [[True]]  # written; its victim stays
-    assert backend.statistics().used_bytes == await stored_bytes() == 4 * size
-    backend._delete_objects = delete  # type: ignore[method-assign]
-    assert await put(backend, kv_transfer(keys[4:5], [4])) == [[True]]  # evicts down to the capacity
-    assert backend.statistics().used_bytes == await stored_bytes() == 3 * size
-    present = [await harness.raw_get(backend, backend.object_name(PoolName.KV, k)) is not None for k in keys]
-    assert present == [False, False, True, True, True]
+    backend._delete_objects = held  # type: ignore[method-assign]
+    evicting = asyncio.create_task(put(backend, mamba_transfer(keys[2:3], [2])))  # evicts keys[0]
+    try:
+        async with asyncio.timeout(DEADLINE_S):
+            await deleting.wait()
+        sharing = asyncio.create_task(put(backend, mamba_transfer(keys[3:4], [3])))  # fits in the room freed
+        await asyncio.sleep(0.05)
+        assert not sharing.done()  # waits for the delete its room rests on
+    finally:
+        gate.set()
+    assert await evicting == [[False]] and await sharing == [[False]]
+    stats = backend.statistics()
+    assert stats.used_bytes == await stored_bytes(harness, backend) == large + small
+    assert (stats.num_rejected, stats.num_evictions) == (2, 0)
 
 
 async def test_a_put_of_a_key_being_evicted_waits_for_its_delete(harness: Harness) -> None:
