@@ -48,7 +48,10 @@ catches anything a power loss could leave behind an un-fsynced link.
 
 With ``capacity_bytes`` the backend scans its namespace directory on first use (least recently
 written first) and evicts least-recently-used objects to make room; the accounting covers the
-objects of this namespace written through this process (and those found by the scan).
+objects of this namespace written through this process (and those found by the scan). The scan
+of a large namespace may take longer than ``timeout_s``: it fails only when it finds nothing new
+for that long (one shard directory), and calls are misses until it is done
+(``storage_backends.first_use``).
 """
 
 from __future__ import annotations
@@ -108,6 +111,9 @@ __all__ = ["READ_RANGE_BYTES", "STALE_TMP_S", "LocalDiskBackend", "open_local_di
 
 #: A temporary file older than this is a leftover of a crashed writer.
 STALE_TMP_S = 600.0
+#: The first-use scan reports its progress after every this many files of a shard directory
+#: (and after each directory): a scan fails only when it reports nothing for ``timeout_s``.
+SCAN_REPORT_EVERY = 1024
 #: Payloads larger than this are read as ranges of this size, several at once (a multiple of
 #: the checksum block).
 READ_RANGE_BYTES = 4 << 20
@@ -361,8 +367,8 @@ class LocalDiskBackend(ObjectBackend):
     async def _delete_objects(self, names: Sequence[str], *, background: bool) -> None:
         await self._workers.run(unlink_all, list(names), background=background)
 
-    async def _list_objects(self) -> list[tuple[str, int]]:
-        return await self._workers.run(self._scan)
+    async def _list_objects(self, progress: Callable[[int], None]) -> list[tuple[str, int]]:
+        return await self._workers.run(self._scan, progress)
 
     # ---- blocking parts (worker threads) --------------------------------------------------
     def _make_root(self, stop: threading.Event) -> None:
@@ -459,8 +465,10 @@ class LocalDiskBackend(ObjectBackend):
             os.makedirs(directory, exist_ok=True)
             return os.open(tmp, flags, 0o644)
 
-    def _scan(self, stop: threading.Event) -> list[tuple[str, int]]:
-        """Objects of this namespace, oldest first; removes stale temporary files."""
+    def _scan(self, stop: threading.Event, progress: Callable[[int], None] | None = None) -> list[tuple[str, int]]:
+        """Objects of this namespace, oldest first; removes stale temporary files. Reports the
+        objects found so far to ``progress`` after each shard directory and every
+        ``SCAN_REPORT_EVERY`` files."""
         found: list[tuple[float, str, int]] = []
         now = time.time()
         for pool_dir in subdirs(self.namespace_dir):
@@ -469,8 +477,10 @@ class LocalDiskBackend(ObjectBackend):
                     entries = list(os.scandir(shard_dir))
                 except FileNotFoundError:  # removed meanwhile (another process)
                     continue
-                for entry in entries:
+                for n, entry in enumerate(entries, 1):
                     check_stop(stop)
+                    if progress is not None and n % SCAN_REPORT_EVERY == 0:
+                        progress(len(found))
                     if not entry.is_file(follow_symlinks=False):
                         continue
                     try:
@@ -486,6 +496,8 @@ class LocalDiskBackend(ObjectBackend):
                     except ConfigError:
                         continue  # not ours
                     found.append((st.st_mtime, entry.path, st.st_size))
+                if progress is not None:
+                    progress(len(found))
         found.sort()
         return [(path, size) for _, path, size in found]
 
