@@ -15,20 +15,26 @@ Primitives:
   by it).
 - :func:`pool_value` — a pool name as the string the backend's tables are keyed by.
 
-First-use setup (``_prepare``, then with a capacity the listing of the stored objects) runs as
-one task of the backend that concurrent first calls share, bounded by ``timeout_s``. When it
-fails, the calls that waited for it and the calls of the next ``setup_retry_s`` are misses (and
-skipped writes), every item counted and reported; the first call after that tries again.
+First-use setup (``_prepare``, bounded by ``timeout_s``, then with a capacity the listing of
+the stored objects into the capacity index) runs as one task of the backend that the calls
+share (:mod:`storage_backends.first_use`). The listing is bounded by its progress, not its
+length: it fails only when ``timeout_s`` passes without a new page or directory (from the
+setup's start to the first one, then between two), so a large namespace that takes minutes to
+list is listed to its end. A call waits for the setup at most ``timeout_s`` after it started;
+the calls after that are misses (and skipped writes) at once, counted and reported, until the
+setup is done — no write takes room before the index knows what is stored. When it fails, the
+calls that waited for it and the calls of the next ``setup_retry_s`` are misses, every item
+counted and reported; the first call after that tries again. ``aclose`` cancels a setup in
+progress (a listing stops between files).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
@@ -39,8 +45,13 @@ from asynccache.errors import BackendError, ConfigError
 from asynccache.pools.base import ItemPool
 from asynccache.storage import PoolName
 from storage_backends.capacity import LRUCapacity
+from storage_backends.first_use import (
+    FirstUseSetup,
+    SetupProgress,
+    list_bounded_by_progress,
+)
 from storage_backends.object_format import ObjectCodec, ObjectGeometry, slot_buffers
-from storage_backends.reporting import BatchReport, describe_error
+from storage_backends.reporting import BatchReport
 from storage_backends.workers import PriorityLimiter
 
 __all__ = [
@@ -140,11 +151,8 @@ class BackendCore(ABC):
         #: them waits (it would find the old object, count it stored, and lose it to the delete)
         self._deleting: dict[str, asyncio.Future[None]] = {}
         self._ready = False
-        #: the setup attempt in progress (shared by the calls that wait for it), the last
-        #: attempt's error and when it failed (``time.monotonic()``)
-        self._setup: asyncio.Task[BaseException | None] | None = None
-        self._setup_error: BaseException | None = None
-        self._setup_failed_at = 0.0
+        #: the first-use setup's attempts (shared by the calls that come while one runs)
+        self._setup = FirstUseSetup(uri)
         #: set by ``aclose``: no call starts, and the calls in flight start no more items
         self._closed = False
         self._closing: asyncio.Task[None] | None = None
@@ -172,7 +180,7 @@ class BackendCore(ABC):
     async def _delete_objects(self, names: Sequence[str], *, background: bool) -> None: ...
 
     @abstractmethod
-    async def _list_objects(self) -> list[tuple[str, int]]: ...
+    async def _list_objects(self, progress: Callable[[int], None]) -> list[tuple[str, int]]: ...
 
     async def _prepare(self) -> None:
         """First-use setup (create directories, connect); default: nothing."""
@@ -209,55 +217,38 @@ class BackendCore(ABC):
         return BackendError(f"storage {self.uri}: backend is closed")
 
     async def _ensure_ready(self, call: str, num_items: int) -> bool:
-        """Set the backend up at its first use (see the module docstring). ``False`` when that
-        failed, now or within ``setup_retry_s``: every item of the call is counted as failed
-        and reported (a read's items are also counted as misses by the caller). A closed
-        backend raises."""
+        """Set the backend up at its first use (see the module docstring). ``False`` when it is
+        not (yet) set up: every item of the call is counted as failed and reported (a read's
+        items are also counted as misses by the caller). A closed backend raises."""
         if self._closed:
             raise self._closed_error()
         if self._ready:
             return True
-        error = self._setup_error
-        since_s = time.monotonic() - self._setup_failed_at
-        attempted = error is None or since_s >= self.setup_retry_s
-        if attempted:
-            if self._setup is None or self._setup.done():
-                self._setup = asyncio.get_running_loop().create_task(self._set_up(), name=f"setup {self.uri}")
-            task = self._setup
-            # ``wait``, not ``shield``: a caller cancelled here leaves the attempt to the
-            # others, and an attempt that ``aclose`` cancels fails the call rather than looking
-            # like a cancellation of its caller
-            await asyncio.wait([task])
-            # an error other than the store's (a usage error) raises here, in every caller
-            error = self._closed_error() if task.cancelled() else task.result()
-            if error is None:
-                return True
-        assert error is not None
-        why = f"not ready: {describe_error(error)}"
-        if attempted:
-            self._count_failure(error, count=num_items)
+        not_ready = await self._setup.join(self._set_up, retry_s=self.setup_retry_s, closed=self._closed_error)
+        if not_ready is None:
+            return True
+        if not_ready.of_this_call:
+            self._count_failure(not_ready.error, count=num_items)
         else:  # not a timeout of this call
             self._counts["num_failures"] += num_items
-            why += f" (the setup failed {since_s:.1f} s ago; it is tried again {self.setup_retry_s:g} s after a failure)"
         report = BatchReport(self, call, num_items)
-        report.fail(self.uri, why, count=num_items)
+        report.fail(self.uri, f"not ready: {not_ready.why}", count=num_items)
         report.emit()
         return False
 
-    async def _set_up(self) -> BaseException | None:
-        """One setup attempt (the task ``_ensure_ready`` shares), bounded by ``timeout_s`` as a
-        whole, so a store that hangs costs the calls waiting for it one ``timeout_s``: ``None``
-        once the backend is ready, else the error (also kept for the calls of the back-off)."""
+    async def _set_up(self, progress: SetupProgress) -> BaseException | None:
+        """One setup attempt (see ``storage_backends.first_use``): ``_prepare`` bounded by
+        ``timeout_s``, then with a capacity the listing of the stored objects, bounded by its
+        progress (``timeout_s`` without a new page or directory). ``None`` once the backend is
+        ready, else the store's error."""
         try:
             async with asyncio.timeout(self.timeout_s):
                 await self._prepare()
-                entries = await self._list_objects() if self._capacity is not None else []
+            if self._capacity is not None:
+                entries = await list_bounded_by_progress(self._list_objects, progress, self.timeout_s)
+                self._capacity.load(entries)
         except (BackendError, OSError, TimeoutError) as e:
-            self._setup_error, self._setup_failed_at = e, time.monotonic()
             return e
-        if self._capacity is not None:
-            self._capacity.load(entries)
-        self._setup_error = None
         self._ready = True
         return None
 
@@ -277,17 +268,18 @@ class BackendCore(ABC):
     async def _remove(
         self,
         names: Sequence[str],
-        report: BatchReport,
+        report: BatchReport | None,
         *,
         background: bool,
         counted: Sequence[tuple[str, int]] | None = None,
-    ) -> None:
+    ) -> BaseException | None:
         """Delete objects: invalid ones found by a read or a probe (``background=False``: the
         call waits for it, so it goes before write-back like the read itself), or eviction
         victims (``background=True``, ``counted``: the entries ``reserve`` took out of the
         capacity index). They leave the index at once — no concurrent writer chooses them again
         — and go back into it when the delete fails or is cut short: objects that may still be
-        stored stay counted. Failures are counted and reported."""
+        stored stay counted. A failure is counted, reported to ``report`` (``None``: the caller
+        reports it) and returned; ``None`` once the objects are gone."""
         if self._capacity is not None and counted is None:
             counted = self._capacity.take(names)
         gone = asyncio.get_running_loop().create_future()
@@ -301,7 +293,9 @@ class BackendCore(ABC):
             if self._capacity is not None and counted:
                 self._capacity.restore(counted)
             self._count_failure(e)
-            report.fail(names[0], e)
+            if report is not None:
+                report.fail(names[0], e)
+            return e
         except BaseException:  # cancelled: whether the objects are gone is not known
             if self._capacity is not None and counted:
                 self._capacity.restore(counted)
@@ -310,6 +304,7 @@ class BackendCore(ABC):
             for name in mine:
                 del self._deleting[name]
             gone.set_result(None)
+        return None
 
     @contextmanager
     def _busy(self, items: Sequence[BatchItem]) -> Iterator[None]:

@@ -32,8 +32,11 @@ Re-exported here, where backends import them from:
 Failure model: a missing object is a miss; an invalid object (truncated, corrupted, foreign,
 other format version) is a miss and is removed before the call returns; an I/O error, a
 timeout or a backend that is down is a miss (or a skipped write) counted in the statistics and
-reported with one warning per batch. A first-use setup that failed makes every call a miss for
-``setup_retry_s`` before it is tried again (see :mod:`storage_backends.backend_core`). Malformed
+reported with one warning per batch; so is a write that a failed eviction left no room for
+(see :mod:`storage_backends.batch_io`). A first-use setup that failed makes every call a miss for
+``setup_retry_s`` before it is tried again, and one still running ``timeout_s`` after it started
+(a long listing) makes every call a miss until it is done (see
+:mod:`storage_backends.first_use`). Malformed
 calls (bad keys, unregistered pools, mismatched lengths) raise
 :class:`~asynccache.errors.ConfigError` before any I/O.
 """
@@ -94,9 +97,11 @@ class ObjectBackend(ExistsSearchMixin, BatchIOMixin):
     - ``_delete_objects(names, background=...)`` (an object already gone is fine):
       ``background=True`` for eviction victims (part of a write-back), ``False`` for invalid
       objects that a read or a probe found and waits to have removed — a backend that serves
-      reads before writes serves those deletes like reads; ``_list_objects()`` →
+      reads before writes serves those deletes like reads; ``_list_objects(progress)`` →
       ``(name, size)`` of this namespace, least recently used first (only called when a
-      capacity is set).
+      capacity is set), calling ``progress(found)`` with the number of objects found so far
+      after each page or directory (from the event loop or any one worker thread): the listing
+      fails only when ``timeout_s`` passes without a report.
 
     ``_read_many`` / ``_write_many`` run the item primitives for a whole batch (by default one
     task per item, ``max_concurrency`` at a time, each within ``timeout_s``); a backend whose
@@ -127,8 +132,7 @@ class ObjectBackend(ExistsSearchMixin, BatchIOMixin):
         await asyncio.shield(self._closing)
 
     async def _shut_down(self) -> None:
-        if self._setup is not None:
-            self._setup.cancel()  # the calls waiting for it fail (closed)
+        self._setup.cancel()  # the calls waiting for it fail (closed)
         # The calls in flight finish the items they have — within a grace period: one held by
         # something stuck (a reader process that stopped answering, with a long ``timeout_s``)
         # ends when releasing the resources stops what it waits for, and is waited for then.

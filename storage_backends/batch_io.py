@@ -13,6 +13,13 @@ Primitives:
   and probes, no item started once the backend is closing; a backend whose items are cheap
   overrides them to move several items per job.
 
+Capacity: a write waits until the deletes its room rests on have settled — its own eviction
+victims' and any other call's in flight when it reserved (a victim larger than the object it
+made room for leaves room that another call may take). A delete that failed leaves its objects
+stored and counted: while the index counts more than ``capacity_bytes``, the batch's new objects
+are skipped, last first, until it does not — skipped writes (``False``), counted as rejected and
+reported — so deletes that keep failing never let the store outgrow its capacity.
+
 A call returns only once no worker touches any of its slots: the item primitives never touch
 a slot after they return or raise, also when cancelled.
 """
@@ -28,7 +35,7 @@ import torch
 from asynccache.errors import BackendError, ConfigError, ObjectFormatError
 from asynccache.storage import PoolTransfer
 from storage_backends.backend_core import BackendCore, BatchItem, Outcome
-from storage_backends.reporting import BatchReport
+from storage_backends.reporting import BatchReport, describe_error
 
 __all__ = ["BatchIOMixin"]
 
@@ -120,13 +127,23 @@ class BatchIOMixin(BackendCore):
         with self._busy(items):  # before reserving: no item of the batch is a victim
             reserved, victims = self._reserve(items, sizes, report)
             accepted = list(reserved)
+            # The room reserved counts the objects out of the index as gone: its writes wait
+            # until the deletes in flight (these victims', and other calls') have settled.
+            settling = set(self._deleting.values()) if any(reserved.values()) else set()
+            evicted: BaseException | None = None
             try:
                 if victims:
                     names = [name for name, _ in victims]
-                    await self._remove(names, report, background=True, counted=victims)
+                    evicted = await self._remove(names, None, background=True, counted=victims)
+                    if evicted is None:
+                        self._counts["num_evictions"] += len(victims)
                 deleting = {self._deleting[items[i].name] for i in accepted if items[i].name in self._deleting}
-                if deleting:  # an object of the batch is being deleted (evicted, or found invalid)
-                    await asyncio.wait(deleting)
+                # an object of the batch is being deleted (evicted, or found invalid)
+                if deleting | settling:
+                    await asyncio.wait(deleting | settling)
+                accepted = self._skip_beyond_capacity(items, accepted, reserved, report, evicted)
+                if evicted is not None and len(accepted) == len(reserved):
+                    report.fail(victims[0][0], evicted)  # written all the same: room was found
                 outcomes = await self._write_many([items[i] for i in accepted])
             except BaseException:
                 # Cut short (cancelled): some writes may have landed. Count them all as stored,
@@ -177,8 +194,37 @@ class BatchIOMixin(BackendCore):
                 continue
             reserved[i] = size
             victims.extend(room)
-        self._counts["num_evictions"] += len(victims)
         return reserved, victims
+
+    def _skip_beyond_capacity(
+        self,
+        items: Sequence[BatchItem],
+        accepted: list[int],
+        reserved: dict[int, int],
+        report: BatchReport,
+        evicted: BaseException | None,
+    ) -> list[int]:
+        """The accepted items to write, once the deletes the reservations rest on have settled.
+        While the index counts more than the capacity (a delete failed: its objects are stored
+        and counted again), the batch's new objects are skipped, last first, until it does not:
+        their reservations released, each counted as rejected (no room) and reported."""
+        cap = self._capacity
+        if cap is None or not cap.excess_bytes:
+            return accepted
+        if evicted is not None:
+            why = f"no room: deleting the eviction victims failed ({describe_error(evicted)})"
+        else:
+            why = f"no room: {cap.used_bytes} bytes counted, capacity {cap.capacity_bytes} (deletes failed)"
+        skipped: set[int] = set()
+        for i in reversed(accepted):
+            if not cap.excess_bytes:
+                break
+            if reserved[i]:  # an object the index holds takes no room
+                cap.release(reserved[i])
+                skipped.add(i)
+                self._counts["num_rejected"] += 1
+                report.fail(items[i].name, why)
+        return [i for i in accepted if i not in skipped]
 
     def _stored_size(self, name: str, largest: int) -> int:
         """The size of the object under ``name`` after a write of this batch stored it or found

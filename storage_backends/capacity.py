@@ -6,7 +6,13 @@ Primitives:
   object (choosing least-recently-used victims), then ``commit`` or ``release`` the
   reservation; ``busy`` marks objects being read or written, which are never chosen; ``load``
   adds the objects found on first use, ``touch`` / ``discard`` follow reads and absent objects;
-  ``take`` takes objects out to delete them and ``restore`` puts back those whose delete failed.
+  ``take`` takes objects out to delete them and ``restore`` puts back those whose delete failed;
+  ``excess_bytes`` is what the index counts beyond the capacity.
+
+The index counts more than the capacity only when deletes failed (their objects are counted
+again) or the first-use scan found more: the room the reservations took is then not there, and
+the writer skips new objects until the index is back within the capacity (see
+:mod:`storage_backends.batch_io`), so the store does not outgrow it through this process.
 
 The index is the backend's view of its namespace: it covers the objects written through this
 process and those its first-use scan found, so it may hold objects another process removed
@@ -97,6 +103,11 @@ class LRUCapacity:
                 self.discard(name)
         self.used_bytes += size
         return victims
+
+    @property
+    def excess_bytes(self) -> int:
+        """Bytes counted beyond the capacity (0 when within it)."""
+        return max(0, self.used_bytes - self.capacity_bytes)
 
     def commit(self, name: str, size: int, reserved: int) -> None:
         """An object of ``size`` bytes exists under ``name``, for which ``reserved`` bytes were

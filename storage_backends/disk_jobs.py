@@ -48,6 +48,9 @@ __all__ = ["STALE_TMP_S", "DiskJobsMixin"]
 
 #: A temporary file older than this is a leftover of a crashed writer.
 STALE_TMP_S = 600.0
+#: The first-use scan reports its progress after every this many files of a shard directory
+#: (and after each directory): a scan fails only when it reports nothing for ``timeout_s``.
+SCAN_REPORT_EVERY = 1024
 
 
 class DiskJobsMixin(ObjectBackend):
@@ -202,8 +205,10 @@ class DiskJobsMixin(ObjectBackend):
             os.makedirs(directory, exist_ok=True)
             return os.open(tmp, flags, 0o644)
 
-    def _scan(self, stop: threading.Event) -> list[tuple[str, int]]:
-        """Objects of this namespace, oldest first; removes stale temporary files."""
+    def _scan(self, stop: threading.Event, progress: Callable[[int], None] | None = None) -> list[tuple[str, int]]:
+        """Objects of this namespace, oldest first; removes stale temporary files. Reports the
+        objects found so far to ``progress`` after each shard directory and every
+        ``SCAN_REPORT_EVERY`` files."""
         found: list[tuple[float, str, int]] = []
         now = time.time()
         for pool_dir in subdirs(self.namespace_dir):
@@ -212,8 +217,10 @@ class DiskJobsMixin(ObjectBackend):
                     entries = list(os.scandir(shard_dir))
                 except FileNotFoundError:  # removed meanwhile (another process)
                     continue
-                for entry in entries:
+                for n, entry in enumerate(entries, 1):
                     check_stop(stop)
+                    if progress is not None and n % SCAN_REPORT_EVERY == 0:
+                        progress(len(found))
                     if not entry.is_file(follow_symlinks=False):
                         continue
                     try:
@@ -229,5 +236,7 @@ class DiskJobsMixin(ObjectBackend):
                     except ConfigError:
                         continue  # not ours
                     found.append((st.st_mtime, entry.path, st.st_size))
+                if progress is not None:
+                    progress(len(found))
         found.sort()
         return [(path, size) for _, path, size in found]

@@ -48,7 +48,10 @@ catches anything a power loss could leave behind an un-fsynced link.
 
 With ``capacity_bytes`` the backend scans its namespace directory on first use (least recently
 written first) and evicts least-recently-used objects to make room; the accounting covers the
-objects of this namespace written through this process (and those found by the scan).
+objects of this namespace written through this process (and those found by the scan). The scan
+of a large namespace may take longer than ``timeout_s``: it fails only when it finds nothing new
+for that long (one shard directory), and calls are misses until it is done
+(``storage_backends.first_use``).
 
 Primitives:
 
@@ -67,7 +70,7 @@ import asyncio
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
@@ -307,8 +310,8 @@ class LocalDiskBackend(DiskJobsMixin):
     async def _delete_objects(self, names: Sequence[str], *, background: bool) -> None:
         await self._workers.run(unlink_all, list(names), background=background)
 
-    async def _list_objects(self) -> list[tuple[str, int]]:
-        return await self._workers.run(self._scan)
+    async def _list_objects(self, progress: Callable[[int], None]) -> list[tuple[str, int]]:
+        return await self._workers.run(self._scan, progress)
 
 
 def _report_start(task: asyncio.Task[None]) -> None:

@@ -8,7 +8,7 @@ and small caches). Several backends share one store by passing the same ``object
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -63,7 +63,7 @@ class MemoryBackend(ObjectBackend):
         for name in names:
             self.objects.pop(name, None)
 
-    async def _list_objects(self) -> list[tuple[str, int]]:
+    async def _list_objects(self, progress: Callable[[int], None]) -> list[tuple[str, int]]:
         mine = f"{self._prefix}{self.codec.digest_hex}/"
         return [(n, len(d)) for n, d in self.objects.items() if n.startswith(mine)]
 

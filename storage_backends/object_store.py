@@ -54,7 +54,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -345,11 +345,12 @@ class ObjectStoreBackend(ObjectBackend):
         except self._errors as e:
             raise backend_error(e) from e
 
-    async def _list_objects(self) -> list[tuple[str, int]]:
+    async def _list_objects(self, progress: Callable[[int], None]) -> list[tuple[str, int]]:
         found: list[tuple[Any, str, int]] = []
         try:
             async for batch in self._obstore.list(self._store, prefix=self.codec.digest_hex, chunk_size=1000):
                 found.extend((m["last_modified"], m["path"], int(m["size"])) for m in batch)
+                progress(len(found))
         except self._errors as e:
             raise backend_error(e) from e
         found.sort()

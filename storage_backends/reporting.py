@@ -32,10 +32,11 @@ class BackendStatistics:
     """Counters since the backend was opened. ``num_hits``/``num_misses`` count items of
     ``batch_get_v2`` (a corrupt or failed item is also a miss); ``num_writes`` objects stored,
     ``num_write_skips`` objects already present (put-if-absent), ``num_rejected`` writes skipped
-    for lack of room; ``num_failures`` items of any call that failed on an I/O error, a timeout
-    or a backend that is not set up (each key of a failed probe window; a failed delete counts
-    once), ``num_timeouts`` of them on a timeout; ``used_bytes`` is ``None`` when no capacity is
-    tracked."""
+    for lack of room (an object larger than the capacity, or room that failed deletes did not
+    free), ``num_evictions`` objects deleted to make room; ``num_failures`` items of any call
+    that failed on an I/O error, a timeout or a backend that is not set up (each key of a failed
+    probe window; a failed delete counts once), ``num_timeouts`` of them on a timeout;
+    ``used_bytes`` is ``None`` when no capacity is tracked."""
 
     uri: str
     num_hits: int = 0

@@ -7,6 +7,7 @@ import logging
 import struct
 import time
 import zlib
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -559,6 +560,107 @@ async def test_a_failed_setup_counts_and_reports_every_item(harness: Harness, ca
     assert backend.statistics().num_failures == 9 + 3
 
 
+def slow_listing(backend: ObjectBackend, *, pages: int | None, page_s: float, hang_after: int | None = None) -> dict[str, int]:
+    """Make ``backend``'s listing of its stored objects find ``pages`` pages (``None``: pages
+    without end), ``page_s`` apart, each reported, before the real listing — or stop answering
+    after ``hang_after`` pages. ``state`` counts the listings started, finished and stopped."""
+    state = {"started": 0, "finished": 0, "stopped": 0}
+    real = backend._list_objects
+
+    async def slow(progress: Callable[[int], None]) -> list[tuple[str, int]]:
+        state["started"] += 1
+        try:
+            page = 0
+            while pages is None or page < pages:
+                if page == hang_after:
+                    await asyncio.Event().wait()
+                await asyncio.sleep(page_s)
+                page += 1
+                progress(page)
+            found = await real(progress)
+        except asyncio.CancelledError:
+            state["stopped"] += 1
+            raise
+        state["finished"] += 1
+        return found
+
+    backend._list_objects = slow  # type: ignore[method-assign]
+    return state
+
+
+async def test_a_listing_longer_than_timeout_s_runs_to_its_end_while_calls_are_misses(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With a capacity, the first use lists the stored objects. A listing that takes longer
+    than ``timeout_s`` in all but keeps finding objects runs to its end: the first call waits
+    for it at most ``timeout_s``, the calls after it are misses (and skipped writes) at once,
+    counted and reported, and once it is done the backend serves what it listed."""
+    timeout_s = 0.5
+    keys = make_keys(4, seed="longlist")
+    writer, _, _ = await opened(harness)
+    assert await put(writer, kv_transfer(keys[:3], [0, 1, 2])) == [[True] * 3]
+    backend, kv, _ = await opened(harness, capacity_bytes=1 << 30, timeout_s=timeout_s)
+    state = slow_listing(backend, pages=8, page_s=timeout_s / 2)  # 4 × timeout_s in all
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="asynccache.storage"):
+        assert await get(backend, kv_transfer(keys[:3], [3, 4, 5])) == [[False] * 3]
+        assert timeout_s * 0.9 <= time.monotonic() - t0 < 2 * timeout_s  # waited, at most timeout_s
+        t1 = time.monotonic()
+        assert await hit_pages(backend, keys, kv_transfer(keys)) == 0
+        assert await put(backend, kv_transfer(keys[3:], [3])) == [[False]]
+        assert time.monotonic() - t1 < timeout_s / 2  # misses at once
+    assert "listing the stored objects" in caplog.text
+    stats = backend.statistics()
+    assert (stats.num_misses, stats.num_failures, stats.num_timeouts) == (3, 3 + 4 + 1, 3)
+    async with asyncio.timeout(DEADLINE_S):
+        while not state["finished"]:
+            await asyncio.sleep(0.05)
+    assert await get(backend, kv_transfer(keys[:3], [3, 4, 5])) == [[True] * 3]
+    assert [slot(kv, i) for i in (3, 4, 5)] == [slot(kv, i) for i in (0, 1, 2)]
+    assert backend.statistics().used_bytes == await stored_bytes(harness, backend)
+    assert await put(backend, kv_transfer(keys[3:], [3])) == [[True]]
+    assert state["started"] == 1
+
+
+async def test_a_listing_that_stops_answering_fails_timeout_s_after_its_last_page(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A listing that stops finding anything (a store that hangs) fails ``timeout_s`` after the
+    last page it found; the back-off follows, then another attempt."""
+    timeout_s = 0.5
+    backend, _, _ = await opened(harness, capacity_bytes=1 << 30, timeout_s=timeout_s)
+    backend.setup_retry_s = 3600.0
+    listing = backend._list_objects
+    state = slow_listing(backend, pages=4, page_s=timeout_s / 2, hang_after=2)
+    keys = make_keys(2, seed="hunglist")
+    assert await get(backend, kv_transfer(keys, [0, 1])) == [[False] * 2]
+    await asyncio.sleep(timeout_s + 0.2)  # two pages (timeout_s), then timeout_s of silence
+    with caplog.at_level(logging.WARNING, logger="asynccache.storage"):
+        assert await get(backend, kv_transfer(keys, [0, 1])) == [[False] * 2]
+    assert "nothing new for 0.5 s (2 found)" in caplog.text and "the setup failed" in caplog.text
+    assert state == {"started": 1, "finished": 0, "stopped": 1}
+    backend._list_objects = listing  # type: ignore[method-assign]
+    backend.setup_retry_s = 0.0  # the store answers again: the next call sets the backend up
+    assert await put(backend, kv_transfer(keys, [0, 1])) == [[True] * 2]
+
+
+async def test_aclose_stops_a_listing_in_progress(harness: Harness) -> None:
+    """``aclose`` does not wait for a first-use listing (however long ``timeout_s``): it stops
+    it, and the calls waiting for it are misses."""
+    backend, _, _ = await opened(harness, capacity_bytes=1 << 30, timeout_s=DEADLINE_S)
+    state = slow_listing(backend, pages=None, page_s=0.05)  # never done, never silent
+    keys = make_keys(2, seed="closelist")
+    waiting = asyncio.create_task(get(backend, kv_transfer(keys, [0, 1])))
+    await asyncio.sleep(0.2)
+    assert not waiting.done() and state["started"] == 1
+    t0 = time.monotonic()
+    async with asyncio.timeout(DEADLINE_S):
+        await backend.aclose()
+    assert time.monotonic() - t0 < 2.0
+    assert await waiting == [[False] * 2]
+    assert state == {"started": 1, "finished": 0, "stopped": 1}
+
+
 # ---- lifecycle ---------------------------------------------------------------------------------
 def slow_reads(backend: ObjectBackend, delay_s: float) -> list[int]:
     """Make every object read of ``backend`` take ``delay_s`` longer (with reader processes:
@@ -682,35 +784,84 @@ async def test_invalid_objects_are_removed_without_waiting_behind_a_write_back(h
     assert await write_back == [[True] * 40]
 
 
-async def test_objects_whose_eviction_fails_stay_counted(harness: Harness) -> None:
-    """An eviction victim whose delete fails is still stored, so it stays in the capacity's
-    count (and is the next victim): the count never falls below what is stored."""
-    keys = make_keys(5, seed="evictfail")
+async def stored_bytes(harness: Harness, backend: ObjectBackend) -> int:
+    total = 0
+    for name in await harness.raw_names():
+        data = await harness.raw_get(backend, name)
+        total += 0 if data is None else len(data)
+    return total
+
+
+async def refused_delete(names: list[str], *args: object, **kwargs: object) -> None:
+    raise BackendError("delete refused")
+
+
+async def test_a_put_whose_eviction_fails_is_skipped_and_the_store_stays_within_capacity(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An eviction victim whose delete fails is still stored: it stays in the capacity's count
+    (and is the next victim), and the object it was to make room for is not written — a skipped
+    write, counted as rejected and reported — so deletes that keep failing never let the store
+    grow past its capacity. Objects that fit without eviction are still written."""
+    keys = make_keys(8, seed="evictfail")
     probe = harness.open()
     size = probe.codec.object_bytes(ObjectGeometry.of_pool(PoolName.KV, make_pools(1)[0]), keys[0])
     backend, _, _ = await opened(harness, capacity_bytes=3 * size)
-
-    async def stored_bytes() -> int:
-        total = 0
-        for name in await harness.raw_names():
-            data = await harness.raw_get(backend, name)
-            total += 0 if data is None else len(data)
-        return total
-
-    assert await put(backend, kv_transfer(keys[:3], [0, 1, 2])) == [[True] * 3]
+    assert await put(backend, kv_transfer(keys[:1], [0])) == [[True]]
     delete = backend._delete_objects
+    backend._delete_objects = refused_delete  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="asynccache.storage"):
+        # two fit as they are; the third needs keys[0] evicted, which fails: skipped
+        assert await put(backend, kv_transfer(keys[1:4], [1, 2, 3])) == [[True, True, False]]
+        assert "1 of 3 items failed" in caplog.text and "no room" in caplog.text and "delete refused" in caplog.text
+        for i in range(4, 7):  # deletes keep failing: every new object is skipped
+            assert await put(backend, kv_transfer(keys[i : i + 1], [i])) == [[False]]
+    assert backend.statistics().used_bytes == await stored_bytes(harness, backend) == 3 * size
+    stats = backend.statistics()
+    assert (stats.num_rejected, stats.num_evictions, stats.num_failures, stats.num_writes) == (4, 0, 4, 3)
+    assert await get(backend, kv_transfer(keys[3:7], [3, 4, 5, 6])) == [[False] * 4]  # not stored
+    backend._delete_objects = delete  # type: ignore[method-assign]
+    assert await put(backend, kv_transfer(keys[7:8], [7])) == [[True]]  # evicts keys[0], still the LRU
+    assert backend.statistics().used_bytes == await stored_bytes(harness, backend) == 3 * size
+    present = [await harness.raw_get(backend, backend.object_name(PoolName.KV, k)) is not None for k in keys]
+    assert present == [False, True, True, False, False, False, False, True]
+    assert backend.statistics().num_evictions == 1
 
-    async def refused(names: list[str], *args: object, **kwargs: object) -> None:
+
+async def test_a_put_that_counted_on_another_calls_failed_eviction_is_skipped(harness: Harness) -> None:
+    """Room freed by one call's eviction may be reserved by a concurrent call (a large victim
+    makes room for several small objects). That call writes only once the eviction's delete is
+    done: when it fails, the victim is still stored, and both calls' new objects are skipped."""
+    keys = make_keys(4, seed="evictshare")
+    probe = harness.open()
+    kv, mamba = make_pools(1)
+    large = probe.codec.object_bytes(ObjectGeometry.of_pool(PoolName.KV, kv), keys[0])
+    small = probe.codec.object_bytes(ObjectGeometry.of_pool(PoolName.MAMBA, mamba), keys[1])
+    assert large >= 2 * small  # the large victim's room takes both small objects
+    backend, _, _ = await opened(harness, capacity_bytes=large + small)
+    assert await put(backend, kv_transfer(keys[:1], [0])) == [[True]]  # the least recently used
+    assert await put(backend, mamba_transfer(keys[1:2], [1])) == [[True]]
+    deleting, gate = asyncio.Event(), asyncio.Event()
+
+    async def held(names: list[str], *args: object, **kwargs: object) -> None:
+        deleting.set()
+        await gate.wait()
         raise BackendError("delete refused")
 
-    backend._delete_objects = refused  # type: ignore[method-assign]
-    assert await put(backend, kv_transfer(keys[3:4], [3])) == [[True]]  # written; its victim stays
-    assert backend.statistics().used_bytes == await stored_bytes() == 4 * size
-    backend._delete_objects = delete  # type: ignore[method-assign]
-    assert await put(backend, kv_transfer(keys[4:5], [4])) == [[True]]  # evicts down to the capacity
-    assert backend.statistics().used_bytes == await stored_bytes() == 3 * size
-    present = [await harness.raw_get(backend, backend.object_name(PoolName.KV, k)) is not None for k in keys]
-    assert present == [False, False, True, True, True]
+    backend._delete_objects = held  # type: ignore[method-assign]
+    evicting = asyncio.create_task(put(backend, mamba_transfer(keys[2:3], [2])))  # evicts keys[0]
+    try:
+        async with asyncio.timeout(DEADLINE_S):
+            await deleting.wait()
+        sharing = asyncio.create_task(put(backend, mamba_transfer(keys[3:4], [3])))  # fits in the room freed
+        await asyncio.sleep(0.05)
+        assert not sharing.done()  # waits for the delete its room rests on
+    finally:
+        gate.set()
+    assert await evicting == [[False]] and await sharing == [[False]]
+    stats = backend.statistics()
+    assert stats.used_bytes == await stored_bytes(harness, backend) == large + small
+    assert (stats.num_rejected, stats.num_evictions) == (2, 0)
 
 
 async def test_a_put_of_a_key_being_evicted_waits_for_its_delete(harness: Harness) -> None:

@@ -410,6 +410,49 @@ async def test_objects_removed_during_the_scan_are_skipped(tmp_path: Path, monke
     await backend.aclose()
 
 
+async def test_a_scan_longer_than_timeout_s_runs_to_its_end_and_aclose_stops_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first-use scan of a large namespace (here: slow directory listings, as on a network
+    filesystem) may take longer than ``timeout_s`` in all: it reports each shard directory it
+    has listed, so it runs to its end while calls are misses, and the backend then serves what
+    it found. ``aclose`` stops a scan in progress between files."""
+    writer, _, _ = await open_disk(tmp_path)
+    keys = make_keys(8, seed="slowscan")
+    assert await writer.batch_set_v2([kv_transfer(keys, range(8))]) == [[True] * 8]
+    await writer.aclose()
+    stored = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
+    real_scandir = os.scandir
+    delay_s = {"shard": 0.15}  # per shard directory: 8 of them, 1.2 s in all
+
+    def slow_scandir(path: str) -> object:
+        if os.path.basename(os.path.dirname(path)) == "kv":  # a shard directory of the kv pool
+            time.sleep(delay_s["shard"])
+        return real_scandir(path)
+
+    monkeypatch.setattr(local_disk.os, "scandir", slow_scandir)
+    backend, _, _ = await open_disk(tmp_path, capacity_bytes=1 << 30, timeout_s=0.3)
+    t0 = time.monotonic()
+    assert await backend.batch_get_v2([kv_transfer(keys[:2], [0, 1])]) == [[False] * 2]
+    assert time.monotonic() - t0 < 1.0  # waited for the setup at most timeout_s
+    async with asyncio.timeout(20):
+        while await backend.batch_get_v2([kv_transfer(keys[:2], [0, 1])]) != [[True] * 2]:
+            await asyncio.sleep(0.05)
+    assert backend.statistics().used_bytes == stored
+    await backend.aclose()
+
+    delay_s["shard"] = 0.5
+    closing, _, _ = await open_disk(tmp_path, capacity_bytes=1 << 30, timeout_s=20.0)
+    waiting = asyncio.create_task(closing.batch_get_v2([kv_transfer(keys[:2], [0, 1])]))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()
+    t0 = time.monotonic()
+    await closing.aclose()
+    assert time.monotonic() - t0 < 2.0  # the scan stopped after the directory it was listing
+    assert await waiting == [[False] * 2]
+    monkeypatch.undo()
+
+
 async def test_exists_on_slow_metadata_stops_at_its_timeout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     backend, _, _ = await open_disk(tmp_path, timeout_s=0.2)
     keys = make_keys(200, seed="slowstat")
