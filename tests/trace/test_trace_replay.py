@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from trace_builders import BLOCK, make_config, make_spec, make_trace, mixed_trace
@@ -9,6 +11,7 @@ from trace_builders import BLOCK, make_config, make_spec, make_trace, mixed_trac
 from asynccache.errors import ConfigError
 from asynccache.trace.bound import infinite_cache_bound
 from asynccache.trace.loader import Trace
+from asynccache.trace.policies import parse_combo
 from asynccache.trace.replay import ReplayConfig, TraceReplay, replay_trace
 from asynccache.trace.results import TierBudget
 
@@ -151,6 +154,27 @@ def test_budgets_are_kept_in_bytes() -> None:
         replay._request(i)
         assert replay.device_budget.used_bytes() <= config.budget.device
         assert replay.host_budget is not None and replay.host_budget.used_bytes() <= config.budget.host
+
+
+@pytest.mark.parametrize("drop", ["mamba_layer_ids", "attention_layer_ids"])
+def test_a_spec_without_kv_or_without_states_is_refused(drop: str) -> None:
+    """A spec of attention layers alone (no state bytes) or of recurrent layers alone (no KV
+    bytes) is a valid spec, but no replay of it can budget both: refused by name."""
+    spec = dataclasses.replace(make_spec(), **{drop: ()})
+    with pytest.raises(ConfigError, match="needs both attention KV and recurrent state"):
+        ReplayConfig(spec=spec, budget=TierBudget(device=1 << 30), combo=parse_combo("ends/lru"))
+
+
+def test_a_page_shorter_than_a_block_id_is_refused() -> None:
+    """Ids up to 300 take two tokens in the tiny spec's vocabulary of 256 (blocks 1 and 2 start
+    [0, 1] and [0, 2]): with one-token pages the second request matched a page of block 1 in
+    block 2, one token above the infinite-cache bound. Two-token pages tell them apart."""
+    trace = make_trace([(0, [0, 1]), (1, [0, 2]), (2, [300])], partial=3)
+    with pytest.raises(ConfigError, match="shorter than the 2 tokens that spell a block id"):
+        TraceReplay(trace, make_config("attention-only/lru", device_pages=BIG, spec=make_spec(page_size=1)))
+    config = make_config("attention-only/lru", device_pages=BIG, spec=make_spec(page_size=2))
+    bound = infinite_cache_bound(trace, page_size=2)
+    assert hits_per_request(trace, config) == bound.per_request.tolist() == [0, BLOCK, 0]
 
 
 def test_storage_needs_a_host_tier() -> None:
