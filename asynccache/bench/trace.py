@@ -57,6 +57,7 @@ from asynccache.trace.results import (
     parse_size,
     results_to_json,
 )
+from asynccache.trace.synth import make_synthesizer
 
 __all__ = ["DEFAULT_POLICIES", "add_arguments", "load_spec", "run"]
 
@@ -87,7 +88,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--spec", default="qwen3-next-80b", help=f"preset ({', '.join(PRESETS)}) or an HF config path")
     p.add_argument(
-        "--page-size", type=positive_int, default=None, help="tokens per page (default: --block-size)"
+        "--page-size",
+        type=positive_int,
+        default=None,
+        help="tokens per page (default: --block-size); it must divide the block size and hold the tokens that "
+        "spell a block id",
     )
     p.add_argument("--block-size", type=positive_int, default=MOONCAKE_BLOCK_SIZE, help="tokens per trace hash id (default 512)")
     p.add_argument(
@@ -201,8 +206,10 @@ def run(args: argparse.Namespace) -> int:
     device = parse_size(args.device_budget)
     hosts = _parse_list(args.budgets, "--budgets")
     storages = _parse_list(args.storage_budgets, "--storage-budgets")
-    _check_policies(combos, spec, TierBudget(device=device, host=hosts[0], storage=storages[0]), args.active_params)
+    configs = _replay_configs(spec, combos, device, hosts, storages, args.active_params)
+    _check_policies(combos, spec, configs[0].budget, args.active_params)
     trace = load_trace(args.trace, block_size=args.block_size, limit=args.limit)
+    make_synthesizer(trace, spec)  # a page no replay of this trace can use, refused before any replay
     bound = infinite_cache_bound(trace, page_size=spec.page_size)
     cells = [
         _Cell(
@@ -211,15 +218,12 @@ def run(args: argparse.Namespace) -> int:
             limit=args.limit,
             spec_name=args.spec,
             page_size=args.page_size,
-            budget=TierBudget(device=device, host=h, storage=s),
-            combo=c,
+            budget=config.budget,
+            combo=config.combo,
             active_params=args.active_params,
             engine=args.engine,
         )
-        for s in storages
-        for h in hosts
-        for c in combos
-        if not (s and c.admission == ATTENTION_ONLY)  # the reference has no storage tier
+        for config in configs
     ]
     print(
         f"trace {trace.name}: {len(trace):,} requests over {trace.duration_s:,.0f} s, "
@@ -251,6 +255,33 @@ def run(args: argparse.Namespace) -> int:
         plot_results(results, args.plot, bound=bound.hit_rate, title=title)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _replay_configs(
+    spec: HybridSpec,
+    combos: list[PolicyCombo],
+    device: int,
+    hosts: list[int],
+    storages: list[int],
+    active_params: float | None,
+) -> list[ReplayConfig]:
+    """Every cell's config, built (and so checked) before the trace is read: a spec or budget
+    that a replay would refuse is refused before any replay runs."""
+    configs = [
+        ReplayConfig(
+            spec=spec, budget=TierBudget(device=device, host=h, storage=s), combo=c, active_params=active_params
+        )
+        for s in storages
+        for h in hosts
+        for c in combos
+        if not (s and c.admission == ATTENTION_ONLY)  # the reference has no storage tier
+    ]
+    if not configs:
+        raise ConfigError(
+            "no replay to run: the attention-only reference is replayed without storage only "
+            "(add 0 to --storage-budgets, or a hybrid policy to --policies)"
+        )
+    return configs
 
 
 def _check_policies(combos: list[PolicyCombo], spec: HybridSpec, budget: TierBudget, active_params: float | None) -> None:
@@ -287,8 +318,12 @@ def _run_cells(cells: list[_Cell], bound: BoundResult, *, jobs: int) -> list[Rep
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
             futures: dict[Future[ReplayResult], int] = {pool.submit(_run_cell, c, bound): i for i, c in enumerate(cells)}
-            for fut in as_completed(futures):
-                report(futures[fut], fut.result())
+            try:
+                for fut in as_completed(futures):
+                    report(futures[fut], fut.result())
+            except BaseException:
+                pool.shutdown(cancel_futures=True)  # a failed replay: start no queued one
+                raise
     return [r for r in results if r is not None]
 
 
