@@ -171,6 +171,16 @@ def _parse_list(text: str, what: str) -> list[int]:
     return [parse_size(t) for t in items]
 
 
+def _plot_title(doc: dict[str, Any]) -> str:
+    """``trace (N requests), spec`` from a result file's metadata (each optional, but typed)."""
+    trace, spec, n = doc.get("trace", ""), doc.get("spec", ""), doc.get("num_requests", 0)
+    if not (isinstance(trace, str) and isinstance(spec, str)):
+        raise ConfigError(f"trace and spec must be strings, got {trace!r} and {spec!r}")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ConfigError(f"num_requests must be an integer >= 0, got {n!r}")
+    return f"{trace} ({n:,} requests), {spec}"
+
+
 def _from_json(args: argparse.Namespace) -> int:
     try:
         doc = json.loads(Path(args.from_json).read_text())
@@ -179,13 +189,13 @@ def _from_json(args: argparse.Namespace) -> int:
     try:
         bound = float(doc["bound"])
         results = [ReplayResult.from_json(r, bound=bound) for r in doc["results"]]
+        title = _plot_title(doc)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ConfigError(f"{args.from_json} is not a result of this benchmark ({type(e).__name__}: {e})") from None
     if args.plot and not results:
         raise ConfigError(f"--plot: {args.from_json} holds no results, nothing to plot")
     print(format_markdown_table(results) if args.markdown else format_table(results, bound=bound))
     if args.plot:
-        title = f"{doc.get('trace', '')} ({doc.get('num_requests', 0):,} requests), {doc.get('spec', '')}"
         plot_results(results, args.plot, bound=bound, title=title)
         print(f"wrote {args.plot}")
     return 0

@@ -68,6 +68,22 @@ def test_the_page_size_follows_the_block_size_by_default(tmp_path: Path, capsys:
     assert "(page 8," in capsys.readouterr().out
 
 
+_RESULT = {
+    "admission": "ends", "eviction": "lru", "write_policy": "write_through, disk through",
+    "budget_bytes": {"device": 65536, "host": 1048576, "storage": 0}, "hit_rate": 0.25, "fraction_of_bound": 0.5,
+    "flops_saved": 1.0, "flops_total": 4.0, "hit_rate_by_tier": {"device": 0.25, "host": 0.0, "storage": 0.0},
+    "hit_tokens": 25, "prompt_tokens": 100, "num_requests": 30, "bytes_moved": {"h2d": 0, "d2h": 0},
+    "evictions": {"device_kv": 0}, "peak_bytes": {"device": 4096}, "extra": {}, "wall_s": 0.1,
+}  # fmt: skip
+
+
+def test_a_result_file_of_the_right_types_is_re_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path, png = tmp_path / "r.json", tmp_path / "r.png"
+    path.write_text(json.dumps({"bound": 0.5, "results": [_RESULT], "trace": "t", "num_requests": 30, "spec": "tiny"}))
+    assert main(["bench", "trace", "--from-json", str(path), "--plot", str(png)]) == 0
+    assert "ends + lru" in capsys.readouterr().out and png.exists()
+
+
 @pytest.mark.parametrize(
     ("text", "plot", "needle"),
     [
@@ -77,12 +93,27 @@ def test_the_page_size_follows_the_block_size_by_default(tmp_path: Path, capsys:
         ('{"bound": "x", "results": []}', False, "is not a result of this benchmark"),
         ('{"bound": 0.5, "results": [{}]}', False, "is not a result of this benchmark"),
         ('{"bound": 0.5, "results": []}', True, "nothing to plot"),
+        ("HIT_TOKENS_STR", False, "'hit_tokens' must be an integer"),
+        ("BUDGET_STR", False, "'budget_bytes' must be an object of integers"),
+        ("NUM_REQUESTS_NULL", True, "num_requests must be an integer"),
+        ("SPEC_NUMBER", True, "trace and spec must be strings"),
     ],
 )
 def test_from_json_that_cannot_be_re_reported_is_one_error_line(
     tmp_path: Path, text: str | None, plot: bool, needle: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "r.json"
+    if text is not None and text.isupper():  # a valid result file with one value of a wrong type
+        doc = {"bound": 0.5, "results": [_RESULT], "trace": "t", "num_requests": 30, "spec": "tiny"}
+        if text == "HIT_TOKENS_STR":
+            doc["results"] = [{**_RESULT, "hit_tokens": "1000"}]
+        elif text == "BUDGET_STR":
+            doc["results"] = [{**_RESULT, "budget_bytes": {"device": "64KiB"}}]
+        elif text == "NUM_REQUESTS_NULL":
+            doc["num_requests"] = None
+        else:
+            doc["spec"] = 80
+        text = json.dumps(doc)
     if text is not None:
         path.write_text(text)
     argv = ["bench", "trace", "--from-json", str(path)] + (["--plot", str(tmp_path / "r.png")] if plot else [])
