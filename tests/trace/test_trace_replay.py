@@ -212,6 +212,24 @@ async def test_controller_engine_with_storage_serves_from_storage() -> None:
     assert r.hit_tokens_by_tier == {"device": 0, "host": 0, "storage": 3 * BLOCK}
 
 
+async def test_demote_writes_to_storage_only_what_the_host_evicts_in_both_engines() -> None:
+    """``storage_write=demote``: a host that evicts nothing sends nothing to storage (the
+    controller's tier archived every host write, so demote behaved as write-through there); a
+    host that evicts sends its victims, alike in both engines."""
+    from asynccache.trace.controller_replay import ControllerReplay
+
+    roomy = make_config("ends/lru/write_through/demote", device_pages=7, host_pages=BIG, storage_pages=BIG)
+    trace = make_trace([(0, A), (1, B), (2, A_NEXT)])
+    for r in (replay_trace(trace, roomy), await ControllerReplay(trace, roomy).arun()):
+        assert r.hit_tokens_by_tier["host"] == 3 * BLOCK
+        assert r.bytes_moved["storage_write"] == 0, r.extra["engine"]
+    tight = make_config("ends/lru/write_back/demote", device_pages=7, host_pages=7, storage_pages=BIG)
+    trace = make_trace([(0, A), (1, B), (2, [20, 21, 22, 23]), (3, A_NEXT)])
+    sync, ctrl = replay_trace(trace, tight), await ControllerReplay(trace, tight).arun()
+    assert ctrl.bytes_moved["storage_write"] == sync.bytes_moved["storage_write"] > 0
+    assert ctrl.hit_tokens_by_tier == sync.hit_tokens_by_tier == {"device": 0, "host": 0, "storage": 3 * BLOCK}
+
+
 async def test_a_branch_state_split_off_an_archived_node_reaches_storage_in_both_engines() -> None:
     """B branches off A, whose node is already in storage: the branch point's state is new and
     must be archived (it was not: the split node inherited 'archived'), so that C, after
