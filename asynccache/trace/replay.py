@@ -340,8 +340,7 @@ class TraceReplay:
             c = self.storage.counters()
             moved["storage_write"] = sum(c.bytes_written.values())
             moved["storage_read"] = sum(c.bytes_read.values())
-            moved["d2h"] += self.storage_tier.staged_state_bytes + self.storage_tier.restore_copy_bytes
-            moved["d2h_kv"] += self.storage_tier.restore_copy_bytes
+            moved["d2h"] += self.storage_tier.staged_state_bytes
             evictions["storage_objects"] = sum(c.num_evicted.values())
             peak["storage"] = c.capacity_bytes if c.bytes_evicted else c.used_bytes
             extra["storage_objects"] = c.num_objects

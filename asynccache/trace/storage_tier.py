@@ -19,8 +19,6 @@ bytes are kept.
   has KV in the tree (any tier) or in storage, and storage has the state at ``n``.
 - **Prefetch** (:meth:`prefetch`): read the pages the tree lacks and the state into fresh host
   slots and insert them as host-only nodes (``tree.insert_host``); the next match sees them.
-  Host copies form a prefix from the root, so pages of the path that the tree holds on the
-  device only are copied to the host (device → host bytes, not storage reads).
 """
 
 from __future__ import annotations
@@ -57,7 +55,6 @@ class ReplayStorageTier:
         self.num_prefetches = 0
         self.num_prefetch_no_room = 0
         self.staged_state_bytes = 0  # device → host bytes of storage-only snapshots
-        self.restore_copy_bytes = 0  # device → host bytes of tree pages under a restored path
 
     # ---- writing -----------------------------------------------------------------------
     def _path_keys(self, node: TreeNode) -> list[str]:
@@ -118,10 +115,9 @@ class ReplayStorageTier:
         page = self.tree.page_size
         hashes = match.page_hashes
         limit = min(max_pages, len(hashes))
-        # The tree holds the KV of the pages before its matched end on some tier: storage must
-        # supply the pages after it only (the controller's tier still checks from page 0:
-        # docs/followups.md, item 7).
-        kv_end = min(match.num_matched_tokens // page, limit)
+        # As the controller's tier does: the stored prefix counts from page 0 (a restore reads
+        # every page of it, see prefetch).
+        kv_end = 0
         while kv_end < limit and self.storage.contains(PoolName.KV, hashes[kv_end]):
             kv_end += 1
         start = match.num_tokens // page
@@ -131,34 +127,31 @@ class ReplayStorageTier:
         return 0
 
     def prefetch(self, tokens: np.ndarray, match: MatchResult, num_pages: int) -> bool:
-        """Fetch the pages the tree lacks (from the matched end up to ``num_pages``) and the
-        state at ``num_pages`` into host slots and insert the path with host copies (host copies
-        form a prefix from the root: a page the tree holds on the device only is copied to the
-        host, counted in :attr:`restore_copy_bytes`; one already on the host comes back as a
-        duplicate, freed by ``insert_host``). False when the host pools lack free slots."""
+        """Fetch pages ``[0, num_pages)`` and the state at ``num_pages`` into host slots and
+        insert them, as the controller's tier does (host-only nodes need all their pages; those
+        the tree already holds come back as duplicates and are freed by ``insert_host``). False
+        when the host has no room."""
         tree = self.tree
         page = tree.page_size
         hashes = match.page_hashes
-        have = min(match.num_matched_tokens // page, num_pages)  # pages the tree holds
-        host_kv, host_mamba = tree.host_kv, tree.host_mamba
-        assert host_kv is not None and host_mamba is not None
-        # Free slots only: evicting for room could drop the pages past the usable prefix that
-        # the restore builds on (the replay's pools keep headroom beyond the budgets).
-        alloc = tree.alloc_host(num_pages, 1) if host_kv.num_free >= num_pages and host_mamba.num_free else None
+        tree.lock(match.last_node)
+        tree.lock_host(match.last_node)
+        try:
+            alloc = tree.alloc_host(num_pages, 1)
+        finally:
+            tree.unlock(match.last_node)
+            tree.unlock_host(match.last_node)
         if alloc is None:
             self.num_prefetch_no_room += 1
             return False
-        self.storage.get(PoolName.KV, hashes[have:num_pages])
+        self.storage.get(PoolName.KV, hashes[:num_pages])
         self.storage.get(PoolName.MAMBA, [hashes[num_pages - 1]])
         assert alloc.state_slot is not None
-        result = tree.insert_host(
+        tree.insert_host(
             tokens[: num_pages * page],
             alloc.kv_indices,
             host_states={num_pages * page: alloc.state_slot},
             salt=match.salt,
         )
-        # Host copies kept for pages the tree held: copies of device-only pages.
-        copied = result.num_new_pages - (num_pages - have)
-        self.restore_copy_bytes += copied * self.storage.object_bytes(PoolName.KV)
         self.num_prefetches += 1
         return True
