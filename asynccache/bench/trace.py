@@ -57,6 +57,7 @@ from asynccache.trace.results import (
     parse_size,
     results_to_json,
 )
+from asynccache.trace.synth import make_synthesizer
 
 __all__ = ["DEFAULT_POLICIES", "add_arguments", "load_spec", "run"]
 
@@ -87,7 +88,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--spec", default="qwen3-next-80b", help=f"preset ({', '.join(PRESETS)}) or an HF config path")
     p.add_argument(
-        "--page-size", type=positive_int, default=None, help="tokens per page (default: --block-size)"
+        "--page-size",
+        type=positive_int,
+        default=None,
+        help="tokens per page (default: --block-size); it must divide the block size and hold the tokens that "
+        "spell a block id",
     )
     p.add_argument("--block-size", type=positive_int, default=MOONCAKE_BLOCK_SIZE, help="tokens per trace hash id (default 512)")
     p.add_argument(
@@ -166,6 +171,16 @@ def _parse_list(text: str, what: str) -> list[int]:
     return [parse_size(t) for t in items]
 
 
+def _plot_title(doc: dict[str, Any]) -> str:
+    """``trace (N requests), spec`` from a result file's metadata (each optional, but typed)."""
+    trace, spec, n = doc.get("trace", ""), doc.get("spec", ""), doc.get("num_requests", 0)
+    if not (isinstance(trace, str) and isinstance(spec, str)):
+        raise ConfigError(f"trace and spec must be strings, got {trace!r} and {spec!r}")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ConfigError(f"num_requests must be an integer >= 0, got {n!r}")
+    return f"{trace} ({n:,} requests), {spec}"
+
+
 def _from_json(args: argparse.Namespace) -> int:
     try:
         doc = json.loads(Path(args.from_json).read_text())
@@ -174,13 +189,13 @@ def _from_json(args: argparse.Namespace) -> int:
     try:
         bound = float(doc["bound"])
         results = [ReplayResult.from_json(r, bound=bound) for r in doc["results"]]
+        title = _plot_title(doc)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ConfigError(f"{args.from_json} is not a result of this benchmark ({type(e).__name__}: {e})") from None
     if args.plot and not results:
         raise ConfigError(f"--plot: {args.from_json} holds no results, nothing to plot")
     print(format_markdown_table(results) if args.markdown else format_table(results, bound=bound))
     if args.plot:
-        title = f"{doc.get('trace', '')} ({doc.get('num_requests', 0):,} requests), {doc.get('spec', '')}"
         plot_results(results, args.plot, bound=bound, title=title)
         print(f"wrote {args.plot}")
     return 0
@@ -201,8 +216,10 @@ def run(args: argparse.Namespace) -> int:
     device = parse_size(args.device_budget)
     hosts = _parse_list(args.budgets, "--budgets")
     storages = _parse_list(args.storage_budgets, "--storage-budgets")
-    _check_policies(combos, spec, TierBudget(device=device, host=hosts[0], storage=storages[0]), args.active_params)
+    configs = _replay_configs(spec, combos, device, hosts, storages, args.active_params)
+    _check_policies(combos, spec, configs[0].budget, args.active_params)
     trace = load_trace(args.trace, block_size=args.block_size, limit=args.limit)
+    make_synthesizer(trace, spec)  # a page no replay of this trace can use, refused before any replay
     bound = infinite_cache_bound(trace, page_size=spec.page_size)
     cells = [
         _Cell(
@@ -211,15 +228,12 @@ def run(args: argparse.Namespace) -> int:
             limit=args.limit,
             spec_name=args.spec,
             page_size=args.page_size,
-            budget=TierBudget(device=device, host=h, storage=s),
-            combo=c,
+            budget=config.budget,
+            combo=config.combo,
             active_params=args.active_params,
             engine=args.engine,
         )
-        for s in storages
-        for h in hosts
-        for c in combos
-        if not (s and c.admission == ATTENTION_ONLY)  # the reference has no storage tier
+        for config in configs
     ]
     print(
         f"trace {trace.name}: {len(trace):,} requests over {trace.duration_s:,.0f} s, "
@@ -251,6 +265,33 @@ def run(args: argparse.Namespace) -> int:
         plot_results(results, args.plot, bound=bound.hit_rate, title=title)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _replay_configs(
+    spec: HybridSpec,
+    combos: list[PolicyCombo],
+    device: int,
+    hosts: list[int],
+    storages: list[int],
+    active_params: float | None,
+) -> list[ReplayConfig]:
+    """Every cell's config, built (and so checked) before the trace is read: a spec or budget
+    that a replay would refuse is refused before any replay runs."""
+    configs = [
+        ReplayConfig(
+            spec=spec, budget=TierBudget(device=device, host=h, storage=s), combo=c, active_params=active_params
+        )
+        for s in storages
+        for h in hosts
+        for c in combos
+        if not (s and c.admission == ATTENTION_ONLY)  # the reference has no storage tier
+    ]
+    if not configs:
+        raise ConfigError(
+            "no replay to run: the attention-only reference is replayed without storage only "
+            "(add 0 to --storage-budgets, or a hybrid policy to --policies)"
+        )
+    return configs
 
 
 def _check_policies(combos: list[PolicyCombo], spec: HybridSpec, budget: TierBudget, active_params: float | None) -> None:
@@ -287,8 +328,12 @@ def _run_cells(cells: list[_Cell], bound: BoundResult, *, jobs: int) -> list[Rep
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
             futures: dict[Future[ReplayResult], int] = {pool.submit(_run_cell, c, bound): i for i, c in enumerate(cells)}
-            for fut in as_completed(futures):
-                report(futures[fut], fut.result())
+            try:
+                for fut in as_completed(futures):
+                    report(futures[fut], fut.result())
+            except BaseException:
+                pool.shutdown(cancel_futures=True)  # a failed replay: start no queued one
+                raise
     return [r for r in results if r is not None]
 
 

@@ -135,7 +135,7 @@ class RankedEviction(EvictionPolicy):
             ranking = self._rank(lru, key, now)
         assert ranking is not None
         nodes, ranked_at = ranking.nodes, ranking.ranked_at
-        freed: dict[int, TreeNode] = {}  # parents of this call's victims
+        freed: dict[int, TreeNode] = {}  # nearest live ancestors of this call's victims
         i = ranking.cursor
         while i < len(nodes):
             node = nodes[i]
@@ -147,8 +147,7 @@ class RankedEviction(EvictionPolicy):
                 continue
             yield node
             if node not in lru:
-                if node.parent is not None:
-                    freed[node.parent.node_id] = node.parent
+                _note_parent(freed, node)
                 if i == ranking.cursor:
                     ranking.cursor += 1
             i += 1
@@ -164,8 +163,18 @@ class RankedEviction(EvictionPolicy):
             freed = {}
             for node in offer:
                 yield node
-                if node not in lru and node.parent is not None:
-                    freed[node.parent.node_id] = node.parent
+                if node not in lru:
+                    _note_parent(freed, node)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def _note_parent(freed: dict[int, TreeNode], victim: TreeNode) -> None:
+    """Record the nearest live ancestor of ``victim``: the tombstone cascade may have deleted
+    its stateless parent (and more) with it, which makes the first live one above a leaf."""
+    parent = victim.parent
+    while parent is not None and not parent.alive:
+        parent = parent.parent
+    if parent is not None:
+        freed[parent.node_id] = parent

@@ -10,7 +10,8 @@ controller a serving engine uses:
 - host → device loads: ``controller.load`` + ``start_loading`` (one launch per layer);
 - device → host backups: ``controller.write`` + ``start_writing``; under ``write_back`` the tree's
   callback is ``controller.write_back``; completed host writes are archived to storage by the
-  controller's storage tier (``write="through"``).
+  controller's storage tier (``storage_write="through"``; with ``"demote"`` that archiving is
+  off: storage gets only what host eviction lets go, as in the synchronous engine).
 
 The replay's own storage tier still writes the admission policy's storage-only snapshots and,
 with ``storage_write="demote"``, what host eviction lets go (the controller has no API for
@@ -112,6 +113,10 @@ class ControllerReplay(TraceReplay):
         hits = np.zeros((n, 3), dtype=np.int64)
         every = self.config.check_integrity_every
         async with self.controller:
+            if self.controller.tiering is not None and self.config.combo.storage_write == "demote":
+                # The controller's tier archives every completed host write; demote writes only
+                # host victims (the replay's tier, through the host budget's hook).
+                self.controller.tiering.on_host_write = _archive_nothing
             for i in range(n):
                 hits[i] = await self._arequest(i)
                 if every and (i + 1) % every == 0:
@@ -144,6 +149,10 @@ class ControllerReplay(TraceReplay):
 
     def run(self) -> ReplayResult:
         return asyncio.run(self.arun())
+
+
+def _archive_nothing(plan: object) -> None:
+    """A completed host write under ``storage_write="demote"``: nothing goes to storage yet."""
 
 
 def replay_trace_with_controller(

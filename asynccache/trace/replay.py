@@ -62,7 +62,7 @@ from asynccache.trace.policies import (
 from asynccache.trace.results import ReplayResult, TierBudget
 from asynccache.trace.storage_index import AccountingStorage
 from asynccache.trace.storage_tier import ReplayStorageTier
-from asynccache.trace.synth import TokenSynthesizer
+from asynccache.trace.synth import make_synthesizer
 from asynccache.tree import (
     HybridRadixTree,
     InsertResult,
@@ -95,6 +95,13 @@ class ReplayConfig:
     progress_every: int = 1000
 
     def __post_init__(self) -> None:
+        spec = self.spec
+        if not (spec.num_attention_layers and spec.kv_page_bytes and spec.num_mamba_layers and spec.state_bytes):
+            raise ConfigError(
+                f"trace replay needs both attention KV and recurrent state: {spec.model_id} has "
+                f"{spec.num_attention_layers} attention layer(s) ({spec.kv_page_bytes:,} B of KV per page) and "
+                f"{spec.num_mamba_layers} recurrent layer(s) ({spec.state_bytes:,} B per state)"
+            )
         if self.budget.storage and not self.budget.host:
             raise ConfigError("a storage tier needs a host tier (prefetches land on the host)")
         if self.budget.storage and self.combo.admission == ATTENTION_ONLY:
@@ -113,9 +120,7 @@ class TraceReplay:
         progress: Callable[[int, int], None] | None = None,
     ) -> None:
         spec = config.spec
-        if trace.block_size % spec.page_size:
-            raise ConfigError(f"page_size {spec.page_size} must divide the trace block size {trace.block_size}")
-        vocab = spec.vocab_size or 2**31 - 1
+        self.synth = make_synthesizer(trace, spec)
         self.trace = trace
         self.config = config
         self.spec = spec
@@ -123,9 +128,6 @@ class TraceReplay:
         self.bound = bound if bound is not None else infinite_cache_bound(trace, page_size=spec.page_size)
         self.progress = progress
         self.flops = FlopModel.from_spec(spec, active_params=config.active_params)
-        self.synth = TokenSynthesizer(
-            vocab_size=vocab, block_size=trace.block_size, max_block_id=max(int(trace.hash_ids.max()), 1)
-        )
         self._now = 0.0
         self._tick = float("-inf")
 

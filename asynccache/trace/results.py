@@ -8,8 +8,9 @@
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,25 +147,69 @@ class ReplayResult:
 
     @classmethod
     def from_json(cls, obj: dict[str, Any], *, bound: float) -> ReplayResult:
-        """Inverse of :meth:`to_json` (for re-plotting saved runs)."""
+        """Inverse of :meth:`to_json` (for re-plotting saved runs); ``ConfigError`` naming the
+        first field that is missing or of the wrong type."""
+        if not isinstance(obj, dict):
+            raise ConfigError(f"a result must be an object, got {type(obj).__name__}")
+        prompt_tokens = _field(obj, "prompt_tokens", _is_count, "an integer >= 0")
+        by_tier = _field(obj, "hit_rate_by_tier", _is_reals, "an object of numbers")
+        budget = _field(obj, "budget_bytes", _is_budget, "an object of integers >= 0 (device, host, storage)")
         return cls(
-            admission=obj["admission"],
-            eviction=obj["eviction"],
-            write_policy=obj.get("write_policy", ""),
-            budget=TierBudget(**obj["budget_bytes"]),
-            num_requests=obj["num_requests"],
-            prompt_tokens=obj["prompt_tokens"],
-            hit_tokens=obj["hit_tokens"],
-            hit_tokens_by_tier={t: round(v * obj["prompt_tokens"]) for t, v in obj["hit_rate_by_tier"].items()},
+            admission=_field(obj, "admission", _is_str, "a string"),
+            eviction=_field(obj, "eviction", _is_str, "a string"),
+            write_policy=_field(obj, "write_policy", _is_str, "a string", ""),
+            budget=TierBudget(**budget),
+            num_requests=_field(obj, "num_requests", _is_count, "an integer >= 0"),
+            prompt_tokens=prompt_tokens,
+            hit_tokens=_field(obj, "hit_tokens", _is_count, "an integer >= 0"),
+            hit_tokens_by_tier={t: round(v * prompt_tokens) for t, v in by_tier.items()},
             bound_hit_rate=bound,
-            flops_total=obj["flops_total"],
-            flops_saved=obj["flops_saved"],
-            bytes_moved=obj["bytes_moved"],
-            evictions=obj["evictions"],
-            peak_bytes=obj.get("peak_bytes", {}),
-            extra=obj.get("extra", {}),
-            wall_s=obj.get("wall_s", 0.0),
+            flops_total=_field(obj, "flops_total", _is_real, "a finite number"),
+            flops_saved=_field(obj, "flops_saved", _is_real, "a finite number"),
+            bytes_moved=_field(obj, "bytes_moved", _is_counts, "an object of integers >= 0"),
+            evictions=_field(obj, "evictions", _is_counts, "an object of integers >= 0"),
+            peak_bytes=_field(obj, "peak_bytes", _is_counts, "an object of integers >= 0", {}),
+            extra=_field(obj, "extra", lambda v: isinstance(v, dict), "an object", {}),
+            wall_s=_field(obj, "wall_s", _is_real, "a finite number", 0.0),
         )
+
+
+_REQUIRED: Any = object()
+
+
+def _field(obj: dict[str, Any], key: str, ok: Callable[[Any], bool], what: str, default: Any = _REQUIRED) -> Any:
+    if key not in obj:
+        if default is _REQUIRED:
+            raise ConfigError(f"result field {key!r} is missing")
+        return default
+    value = obj[key]
+    if not ok(value):
+        raise ConfigError(f"result field {key!r} must be {what}, got {value!r}")
+    return value
+
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_counts(v: Any) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) and _is_count(x) for k, x in v.items())
+
+
+def _is_budget(v: Any) -> bool:
+    return _is_counts(v) and "device" in v and set(v) <= set(TIERS)
+
+
+def _is_reals(v: Any) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) and _is_real(x) for k, x in v.items())
 
 
 def results_to_json(bound: float, results: Sequence[ReplayResult], **meta: Any) -> dict[str, Any]:

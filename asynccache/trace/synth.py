@@ -6,7 +6,10 @@ block id to a fixed block of ``block_size`` token ids, so
 - the same id always gives the same tokens (in any request, in any process, on any machine);
 - different ids give different blocks: the first ``num_id_tokens`` tokens spell the id in base
   ``vocab_size`` (so no two blocks are equal even by accident), the rest are a SplitMix64 hash of
-  ``(id, position)`` folded into the vocabulary.
+  ``(id, position)`` folded into the vocabulary. A block's first page tells it apart only when it
+  holds all of those tokens: :func:`make_synthesizer` refuses pages shorter than
+  ``num_id_tokens`` (different blocks would share pages, and a replay would hit more than the
+  infinite-cache bound allows).
 
 A request's prompt is the concatenation of its blocks, cut at ``input_length`` (the last block may
 be partial). Everything is vectorised numpy over the request's blocks: a 12k-token prompt costs
@@ -15,11 +18,17 @@ tens of microseconds.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from asynccache.errors import ConfigError
 
-__all__ = ["TokenSynthesizer"]
+if TYPE_CHECKING:
+    from asynccache.spec import HybridSpec
+    from asynccache.trace.loader import Trace
+
+__all__ = ["TokenSynthesizer", "make_synthesizer"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -75,3 +84,23 @@ class TokenSynthesizer:
                 f"input_length {input_length} does not match {n} blocks of {self.block_size} tokens"
             )
         return self.blocks(hash_ids).reshape(-1)[:input_length]
+
+
+def make_synthesizer(trace: Trace, spec: HybridSpec) -> TokenSynthesizer:
+    """The synthesiser a replay of ``trace`` under ``spec`` uses. ``ConfigError`` when the page
+    size does not divide the trace's block size, or when a page is shorter than the tokens that
+    spell a block id (the first pages of different blocks could then be equal)."""
+    page = spec.page_size
+    if trace.block_size % page:
+        raise ConfigError(f"page_size {page} must divide the trace block size {trace.block_size}")
+    vocab = spec.vocab_size or 2**31 - 1
+    synth = TokenSynthesizer(
+        vocab_size=vocab, block_size=trace.block_size, max_block_id=max(int(trace.hash_ids.max()), 1)
+    )
+    if page < synth.num_id_tokens:
+        raise ConfigError(
+            f"page_size {page} is shorter than the {synth.num_id_tokens} tokens that spell a block id "
+            f"(ids up to {synth.max_block_id:,} in a vocabulary of {vocab:,}): pages of different blocks "
+            f"would be equal; use a page of at least {synth.num_id_tokens} tokens"
+        )
+    return synth

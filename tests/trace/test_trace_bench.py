@@ -68,6 +68,22 @@ def test_the_page_size_follows_the_block_size_by_default(tmp_path: Path, capsys:
     assert "(page 8," in capsys.readouterr().out
 
 
+_RESULT = {
+    "admission": "ends", "eviction": "lru", "write_policy": "write_through, disk through",
+    "budget_bytes": {"device": 65536, "host": 1048576, "storage": 0}, "hit_rate": 0.25, "fraction_of_bound": 0.5,
+    "flops_saved": 1.0, "flops_total": 4.0, "hit_rate_by_tier": {"device": 0.25, "host": 0.0, "storage": 0.0},
+    "hit_tokens": 25, "prompt_tokens": 100, "num_requests": 30, "bytes_moved": {"h2d": 0, "d2h": 0},
+    "evictions": {"device_kv": 0}, "peak_bytes": {"device": 4096}, "extra": {}, "wall_s": 0.1,
+}  # fmt: skip
+
+
+def test_a_result_file_of_the_right_types_is_re_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path, png = tmp_path / "r.json", tmp_path / "r.png"
+    path.write_text(json.dumps({"bound": 0.5, "results": [_RESULT], "trace": "t", "num_requests": 30, "spec": "tiny"}))
+    assert main(["bench", "trace", "--from-json", str(path), "--plot", str(png)]) == 0
+    assert "ends + lru" in capsys.readouterr().out and png.exists()
+
+
 @pytest.mark.parametrize(
     ("text", "plot", "needle"),
     [
@@ -77,12 +93,27 @@ def test_the_page_size_follows_the_block_size_by_default(tmp_path: Path, capsys:
         ('{"bound": "x", "results": []}', False, "is not a result of this benchmark"),
         ('{"bound": 0.5, "results": [{}]}', False, "is not a result of this benchmark"),
         ('{"bound": 0.5, "results": []}', True, "nothing to plot"),
+        ("HIT_TOKENS_STR", False, "'hit_tokens' must be an integer"),
+        ("BUDGET_STR", False, "'budget_bytes' must be an object of integers"),
+        ("NUM_REQUESTS_NULL", True, "num_requests must be an integer"),
+        ("SPEC_NUMBER", True, "trace and spec must be strings"),
     ],
 )
 def test_from_json_that_cannot_be_re_reported_is_one_error_line(
     tmp_path: Path, text: str | None, plot: bool, needle: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "r.json"
+    if text is not None and text.isupper():  # a valid result file with one value of a wrong type
+        doc = {"bound": 0.5, "results": [_RESULT], "trace": "t", "num_requests": 30, "spec": "tiny"}
+        if text == "HIT_TOKENS_STR":
+            doc["results"] = [{**_RESULT, "hit_tokens": "1000"}]
+        elif text == "BUDGET_STR":
+            doc["results"] = [{**_RESULT, "budget_bytes": {"device": "64KiB"}}]
+        elif text == "NUM_REQUESTS_NULL":
+            doc["num_requests"] = None
+        else:
+            doc["spec"] = 80
+        text = json.dumps(doc)
     if text is not None:
         path.write_text(text)
     argv = ["bench", "trace", "--from-json", str(path)] + (["--plot", str(tmp_path / "r.png")] if plot else [])
@@ -104,3 +135,66 @@ def test_a_policy_no_replay_can_run_is_refused_before_any_replay(
     captured = capsys.readouterr()
     assert "[1/2]" not in captured.err and "replays" not in captured.out
     assert captured.err.startswith("error: ") and len(captured.err.splitlines()) == 1
+
+
+def _argv(trace: Path, *more: str) -> list[str]:
+    return ["bench", "trace", "--trace", str(trace), "--spec", "tiny", "--block-size", "8", "--device-budget", "64KiB",
+            "--jobs", "1", "--engine", "sync", *more]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("more", "needle"),
+    [
+        # The (host 0, disk) cells are invalid: refused before the valid cells replay (it was
+        # refused when its turn came, and the other cells' results were lost).
+        (["--budgets", "64KiB,0", "--storage-budgets", "0,4MiB", "--policies", "ends/lru"], "needs a host tier"),
+        # Ids above 255 take two tokens of the tiny vocabulary: a one-token page is refused.
+        (["--page-size", "1", "--budgets", "64KiB", "--storage-budgets", "0", "--policies", "ends/lru"],
+         "spell a block id"),
+        # Every cell skipped (the reference has no storage tier): nothing to replay is an error.
+        (["--budgets", "64KiB", "--storage-budgets", "4MiB", "--policies", "attention-only/lru"], "no replay to run"),
+    ],
+)  # fmt: skip
+def test_a_cell_no_replay_can_run_is_refused_before_any_replay(
+    tmp_path: Path, more: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = _write_trace(tmp_path / "t.jsonl")
+    out_json = tmp_path / "r.json"
+    assert main([*_argv(trace, *more), "--json", str(out_json)]) == 2
+    captured = capsys.readouterr()
+    assert "[1/" not in captured.err and "replays" not in captured.out
+    assert captured.err.startswith("error: ") and len(captured.err.splitlines()) == 1 and needle in captured.err
+    assert not out_json.exists()
+
+
+def test_a_failed_replay_starts_no_queued_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With parallel replays, the first failing cell cancels the queued ones (the pool used to
+    run every queued replay before the error came out)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from asynccache.bench import trace as bench_trace
+    from asynccache.errors import ConfigError
+
+    class ThreadPool(ThreadPoolExecutor):
+        def __init__(self, max_workers: int, mp_context: object = None) -> None:
+            super().__init__(max_workers=max_workers)
+
+    started: list[int] = []
+    release = threading.Event()
+
+    def run_cell(cell: SimpleNamespace, bound: object) -> None:
+        started.append(cell.index)
+        if cell.index == 0:
+            raise ConfigError("cell 0 failed")
+        release.wait(5.0)  # the replays running beside it end only when the test ends
+
+    monkeypatch.setattr(bench_trace, "ProcessPoolExecutor", ThreadPool)
+    monkeypatch.setattr(bench_trace, "_run_cell", run_cell)
+    cells = [SimpleNamespace(index=i) for i in range(10)]
+    threading.Timer(0.5, release.set).start()
+    with pytest.raises(ConfigError, match="cell 0 failed"):
+        bench_trace._run_cells(cells, bound=None, jobs=2)  # type: ignore[arg-type]
+    release.set()
+    assert len(started) <= 3  # the failed cell, the one beside it, at most one taken meanwhile

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from trace_builders import BLOCK, make_config, make_spec, make_trace, mixed_trace
@@ -9,6 +11,7 @@ from trace_builders import BLOCK, make_config, make_spec, make_trace, mixed_trac
 from asynccache.errors import ConfigError
 from asynccache.trace.bound import infinite_cache_bound
 from asynccache.trace.loader import Trace
+from asynccache.trace.policies import parse_combo
 from asynccache.trace.replay import ReplayConfig, TraceReplay, replay_trace
 from asynccache.trace.results import TierBudget
 
@@ -153,6 +156,27 @@ def test_budgets_are_kept_in_bytes() -> None:
         assert replay.host_budget is not None and replay.host_budget.used_bytes() <= config.budget.host
 
 
+@pytest.mark.parametrize("drop", ["mamba_layer_ids", "attention_layer_ids"])
+def test_a_spec_without_kv_or_without_states_is_refused(drop: str) -> None:
+    """A spec of attention layers alone (no state bytes) or of recurrent layers alone (no KV
+    bytes) is a valid spec, but no replay of it can budget both: refused by name."""
+    spec = dataclasses.replace(make_spec(), **{drop: ()})
+    with pytest.raises(ConfigError, match="needs both attention KV and recurrent state"):
+        ReplayConfig(spec=spec, budget=TierBudget(device=1 << 30), combo=parse_combo("ends/lru"))
+
+
+def test_a_page_shorter_than_a_block_id_is_refused() -> None:
+    """Ids up to 300 take two tokens in the tiny spec's vocabulary of 256 (blocks 1 and 2 start
+    [0, 1] and [0, 2]): with one-token pages the second request matched a page of block 1 in
+    block 2, one token above the infinite-cache bound. Two-token pages tell them apart."""
+    trace = make_trace([(0, [0, 1]), (1, [0, 2]), (2, [300])], partial=3)
+    with pytest.raises(ConfigError, match="shorter than the 2 tokens that spell a block id"):
+        TraceReplay(trace, make_config("attention-only/lru", device_pages=BIG, spec=make_spec(page_size=1)))
+    config = make_config("attention-only/lru", device_pages=BIG, spec=make_spec(page_size=2))
+    bound = infinite_cache_bound(trace, page_size=2)
+    assert hits_per_request(trace, config) == bound.per_request.tolist() == [0, BLOCK, 0]
+
+
 def test_storage_needs_a_host_tier() -> None:
     with pytest.raises(ConfigError, match="host tier"):
         ReplayConfig(
@@ -186,6 +210,24 @@ async def test_controller_engine_with_storage_serves_from_storage() -> None:
     config = make_config("ends/lru/write_back", device_pages=7, host_pages=7, storage_pages=BIG)
     r = await ControllerReplay(trace, config).arun()
     assert r.hit_tokens_by_tier == {"device": 0, "host": 0, "storage": 3 * BLOCK}
+
+
+async def test_demote_writes_to_storage_only_what_the_host_evicts_in_both_engines() -> None:
+    """``storage_write=demote``: a host that evicts nothing sends nothing to storage (the
+    controller's tier archived every host write, so demote behaved as write-through there); a
+    host that evicts sends its victims, alike in both engines."""
+    from asynccache.trace.controller_replay import ControllerReplay
+
+    roomy = make_config("ends/lru/write_through/demote", device_pages=7, host_pages=BIG, storage_pages=BIG)
+    trace = make_trace([(0, A), (1, B), (2, A_NEXT)])
+    for r in (replay_trace(trace, roomy), await ControllerReplay(trace, roomy).arun()):
+        assert r.hit_tokens_by_tier["host"] == 3 * BLOCK
+        assert r.bytes_moved["storage_write"] == 0, r.extra["engine"]
+    tight = make_config("ends/lru/write_back/demote", device_pages=7, host_pages=7, storage_pages=BIG)
+    trace = make_trace([(0, A), (1, B), (2, [20, 21, 22, 23]), (3, A_NEXT)])
+    sync, ctrl = replay_trace(trace, tight), await ControllerReplay(trace, tight).arun()
+    assert ctrl.bytes_moved["storage_write"] == sync.bytes_moved["storage_write"] > 0
+    assert ctrl.hit_tokens_by_tier == sync.hit_tokens_by_tier == {"device": 0, "host": 0, "storage": 3 * BLOCK}
 
 
 async def test_a_branch_state_split_off_an_archived_node_reaches_storage_in_both_engines() -> None:

@@ -1,6 +1,7 @@
-"""Eviction and loading edge cases: parents that become leaves during a ranked eviction, the
-ancestors a synchronous write-back backs up, a load that must keep its host data while room is
-made, and a ranking whose scores must not depend on the order they are computed in."""
+"""Eviction and loading edge cases: parents (or, past a cascade, ancestors) that become leaves
+during a ranked eviction, the ancestors a synchronous write-back backs up, a load that must keep
+its host data while room is made, and a ranking whose scores must not depend on the order they
+are computed in."""
 
 from __future__ import annotations
 
@@ -26,6 +27,23 @@ def test_a_ranked_eviction_takes_a_parent_its_victim_made_a_leaf() -> None:
         assert alloc is not None, type(eviction).__name__
         assert tree.stats().device_kv_pages == 0
         tree.device_kv.free(alloc.kv_indices)
+        tree.check_integrity()
+
+
+def test_a_ranked_eviction_takes_the_ancestor_a_cascade_made_a_leaf() -> None:
+    """A chain [0,1) [1,2) [2,4) whose middle node lost its state: evicting the last node deletes
+    the stateless middle with it (tombstone cascade), which makes the first node a leaf; one
+    call asked for every page frees it too (ranked orders offered only the deleted parent)."""
+    for eviction in (LRUEviction(), cost_aware()):
+        tree, _ = make_tree(device_pages=8, device_states=8, host_pages=None, host_states=None, eviction=eviction)
+        tokens = seq(1, 4 * PAGE)
+        put(tree, tokens, states=[PAGE, 2 * PAGE, 4 * PAGE])
+        middle = tree.match_prefix(tokens[: 2 * PAGE]).last_node
+        assert middle.end_tokens == 2 * PAGE
+        assert tree.release_states([middle]).num_states == 1
+        res = tree.evict_device(num_kv_pages=4)
+        assert res.num_kv_pages == 4, type(eviction).__name__
+        assert tree.stats().device_kv_pages == 0 and tree.stats().num_nodes == 0
         tree.check_integrity()
 
 
