@@ -230,8 +230,9 @@ def _kill_unanswered(child: ReaderChild, after_s: float) -> None:
         kill_child(child)
 
 
-def stop_process(child: ReaderChild, timeout_s: float = 5.0) -> None:
-    """Close ``child``'s socket and wait for it to exit; kill it after ``timeout_s``."""
+def stop_process(child: ReaderChild, timeout_s: float) -> None:
+    """Close ``child``'s socket and wait for it to exit; kill it after ``timeout_s`` (the
+    readers' ``CLOSE_GRACE_S``, see ``storage_backends.reader_processes``)."""
     child.conn.close()  # a child still waiting for work sees the end and exits
     try:
         child.process.wait(timeout_s)

@@ -34,10 +34,12 @@ request of a start — the child's first answer, then its mappings — and each 
 :meth:`ReaderProcesses.start` asks of a child that is up has ``START_TIMEOUT_S`` (or
 ``timeout_s``, if longer) of its own, however short the reads' ``timeout_s``. One that does not
 answer its start in time is killed, and its slot is not started again before
-``RETRY_START_S``; the other children, or the threads, read meanwhile. When no child is up, :meth:`ReaderProcesses.available` says so (the
-threads read the batch). Closing lets each child finish what it holds, and kills one that has
-not exited within ``CLOSE_GRACE_S``. Children ignore SIGINT (Ctrl-C reaches the whole process
-group): the parent decides when they stop.
+``RETRY_START_S``; the other children, or the threads, read meanwhile. When no child is up,
+:meth:`ReaderProcesses.available` says so (the threads read the batch). Closing lets each child
+finish what it holds, and kills one that has not exited within ``CLOSE_GRACE_S``; a start gives
+the dead child it replaces (one whose socket closed may still be exiting) the same grace.
+Children ignore SIGINT (Ctrl-C reaches the whole process group): the parent decides when they
+stop.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ RETRY_START_S = 30.0
 #: hundred milliseconds.
 START_TIMEOUT_S = 30.0
 #: On close, a child that has not finished the requests it holds and exited within this long (a
-#: stopped or wedged one) is killed.
+#: stopped or wedged one) is killed; so is the dead child a start replaces, past this long.
 CLOSE_GRACE_S = 5.0
 
 
@@ -299,8 +301,8 @@ class ReaderProcesses(ReaderChannels):
         child: ReaderChild | None = None
         try:
             old = self._children[slot]
-            if old is not None:
-                await asyncio.to_thread(stop_process, old)
+            if old is not None:  # (one that closed its socket may still run: the close's grace)
+                await asyncio.to_thread(stop_process, old, CLOSE_GRACE_S)
             if self._closed:
                 return
             child = await asyncio.to_thread(self._spawn)

@@ -456,6 +456,39 @@ async def test_a_short_read_deadline_does_not_keep_the_children_from_starting(tm
         await backend.aclose()
 
 
+async def test_a_dead_child_that_still_runs_gets_the_close_grace_when_its_slot_starts_again(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A child that closed its socket but still runs (its start fails: it is dead, not killed)
+    is stopped by the next start of its slot, and killed after ``CLOSE_GRACE_S``, as on close."""
+    monkeypatch.setattr(reader_child, "_CHILD", (  # takes its init and the start's ping, then closes
+        "import sys, time\nfrom multiprocessing.connection import Connection\n"
+        "conn = Connection(int(sys.argv[2]))\nconn.recv()\nconn.recv()\nconn.close()\ntime.sleep(3600)\n"
+    ))
+    monkeypatch.setattr(reader_processes, "CLOSE_GRACE_S", 0.05)
+    backend = LocalDiskBackend(tmp_path.as_uri(), namespace=NAMESPACE, fsync=False, read_processes=1)
+    lingering = None
+    try:
+        kv, _ = make_pools(4, shared=True)
+        await backend.register_host_pool_v2(PoolName.KV, kv)  # the start fails: its socket closed
+        (lingering,) = backend._readers._children
+        assert lingering.dead and lingering.process.poll() is None
+        monkeypatch.setattr(reader_child, "_CHILD", _CHILD)
+        starting = asyncio.create_task(backend._readers.start())
+        async with asyncio.timeout(2.5):  # half the readers' default grace
+            while lingering.process.poll() is None:
+                await asyncio.sleep(0.01)
+        assert lingering.process.returncode == -signal.SIGKILL
+        async with asyncio.timeout(30):
+            await starting
+        assert backend._readers._is_up(0)
+    finally:
+        if lingering is not None:
+            lingering.process.kill()
+            lingering.process.wait()
+        await backend.aclose()
+
+
 async def test_closing_while_the_first_read_starts_gives_misses(tmp_path: Path) -> None:
     writer, _, _ = await open_procs(tmp_path)
     keys = await stored(writer, 4, "closing")
