@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -43,6 +44,8 @@ from storage_backends.object_format import (
 )
 from storage_backends.object_reads import read_object_range
 from storage_backends.workers import YIELD, JobControl, WorkerPool
+
+log = logging.getLogger("asynccache.storage")
 
 __all__ = ["STALE_TMP_S", "DiskJobsMixin"]
 
@@ -139,6 +142,10 @@ class DiskJobsMixin(ObjectBackend):
         )
 
     def _write_file(self, stop: threading.Event, deadline: float, item: BatchItem) -> bool:
+        """Write ``item`` put-if-absent: into a temporary file, then linked to its name.
+        ``True`` when stored, ``False`` when an object was there. The temporary file is removed
+        in any case; a failure to remove it is logged — not a failure of the write (a link
+        done is an object stored); with a capacity, its scan removes it after ``STALE_TMP_S``."""
         path = item.name
         if os.path.exists(path):
             self._record_size(path)
@@ -163,7 +170,10 @@ class DiskJobsMixin(ObjectBackend):
             self._record_size(path, size)
             return True
         finally:
-            os.unlink(tmp)
+            try:
+                os.unlink(tmp)
+            except OSError as e:
+                log.warning("could not remove the temporary file %s: %s", tmp, e)
 
     def _stored_size(self, name: str, largest: int) -> int:
         return self._written_sizes.pop(name, largest)

@@ -42,9 +42,10 @@ other queues idle.
 
 Writes are atomic and put-if-absent: the object is written to a temporary name, optionally
 fsynced, then hard-linked to its final name (``link`` fails if the name exists, so exactly one
-of several concurrent writers of a key wins) and the temporary name is removed. A crash leaves
-at most a stale ``.tmp`` file (removed by the capacity scan after ``STALE_TMP_S``); the checksum
-catches anything a power loss could leave behind an un-fsynced link.
+of several concurrent writers of a key wins) and the temporary name is removed (one that cannot
+be is logged: the object is stored all the same). A crash leaves at most a stale ``.tmp`` file
+(removed by the capacity scan after ``STALE_TMP_S``); the checksum catches anything a power
+loss could leave behind an un-fsynced link.
 
 With ``capacity_bytes`` the backend scans its namespace directory on first use (least recently
 written first) and evicts least-recently-used objects to make room; the accounting covers the

@@ -23,7 +23,8 @@ Primitives:
 
 No thread of this process waits for a reply. A child that has not replied to a request (a
 chunk, a mapping) within ``timeout_s`` for each unit queued ahead of it and for each of its own
-— stopped, or stuck in a system call — is killed. Its requests fail with :class:`ReaderLost`
+(the requests of a start have the start's deadline for their own part, see
+``storage_backends.reader_processes``) — stopped, or stuck in a system call — is killed. Its requests fail with :class:`ReaderLost`
 only once it has exited: the kernel closes a dying process's files only after unmapping its
 memory, so by then it writes into no slot.
 """
@@ -130,12 +131,13 @@ class ReaderChannels:
     _timeout_s: float
 
     def _send(
-        self, child: ReaderChild, msg: tuple[Any, ...], *, kill_after_s: float | None = None
+        self, child: ReaderChild, msg: tuple[Any, ...], *, own_s: float | None = None
     ) -> asyncio.Future[Any]:
         """Send ``msg``; the future gets the child's reply (or a :class:`ReaderLost` if it
-        died). A child that has not replied within ``kill_after_s`` — by default ``timeout_s``
-        for each read unit queued ahead of this message and for each of its own (one for a
-        message that is not a read) — is killed: its requests fail once the end of its socket
+        died). A child that has not replied within ``timeout_s`` for each read unit queued ahead
+        of this message, plus ``own_s`` for the message itself — by default ``timeout_s`` for
+        each of its units (one for a message that is not a read); a child's start gives its
+        requests the start's deadline — is killed: its requests fail once the end of its socket
         shows that it has exited, and the kernel closes a dying process's files only after
         unmapping its memory, so by then it writes into no slot."""
         loop = asyncio.get_running_loop()
@@ -144,8 +146,9 @@ class ReaderChannels:
             fut.set_exception(ReaderLost("reader process exited"))
             return fut
         units = len(msg[1]) if msg[0] == "read" else 0
-        if kill_after_s is None:
-            kill_after_s = self._timeout_s * (child.queued_units() + max(units, 1))
+        if own_s is None:
+            own_s = self._timeout_s * max(units, 1)
+        kill_after_s = self._timeout_s * child.queued_units() + own_s
         try:
             child.conn.send(msg)
         except OSError as e:  # this message never reached it whole; it may still be running
@@ -204,10 +207,10 @@ class ReaderChannels:
 
         child.reaping = loop.create_task(reap(), name="asynccache-reader-reap")
 
-    async def _request(self, child: ReaderChild, msg: tuple[Any, ...], *, kill_after_s: float | None = None) -> Any:
+    async def _request(self, child: ReaderChild, msg: tuple[Any, ...], *, own_s: float | None = None) -> Any:
         """``msg``'s reply (a child that does not answer in time is killed, see :meth:`_send`,
         and the request fails). A cancelled caller still waits for the reply or the end."""
-        fut = self._send(child, msg, kill_after_s=kill_after_s)
+        fut = self._send(child, msg, own_s=own_s)
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -227,8 +230,9 @@ def _kill_unanswered(child: ReaderChild, after_s: float) -> None:
         kill_child(child)
 
 
-def stop_process(child: ReaderChild, timeout_s: float = 5.0) -> None:
-    """Close ``child``'s socket and wait for it to exit; kill it after ``timeout_s``."""
+def stop_process(child: ReaderChild, timeout_s: float) -> None:
+    """Close ``child``'s socket and wait for it to exit; kill it after ``timeout_s`` (the
+    readers' ``CLOSE_GRACE_S``, see ``storage_backends.reader_processes``)."""
     child.conn.close()  # a child still waiting for work sees the end and exits
     try:
         child.process.wait(timeout_s)

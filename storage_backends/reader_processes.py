@@ -29,13 +29,17 @@ is killed first.
 
 A read uses the children that are up when it starts and never waits for a start: a child that
 is not up (dead, or never started) is started in the background, in a task of its own that
-stores it in its slot as soon as it is spawned, whatever happens to the read that asked. One
-that does not answer its start within ``START_TIMEOUT_S`` (or ``timeout_s``, if longer) is
-killed, and its slot is not started again before ``RETRY_START_S``; the other children, or the
-threads, read meanwhile. When no child is up, :meth:`ReaderProcesses.available` says so (the
-threads read the batch). Closing lets each child finish what it holds, and kills one that has
-not exited within ``CLOSE_GRACE_S``. Children ignore SIGINT (Ctrl-C reaches the whole process
-group): the parent decides when they stop.
+stores it in its slot as soon as it is spawned, whatever happens to the read that asked. Each
+request of a start — the child's first answer, then its mappings — and each mapping that
+:meth:`ReaderProcesses.start` asks of a child that is up has ``START_TIMEOUT_S`` (or
+``timeout_s``, if longer) of its own, however short the reads' ``timeout_s``. One that does not
+answer its start in time is killed, and its slot is not started again before
+``RETRY_START_S``; the other children, or the threads, read meanwhile. When no child is up,
+:meth:`ReaderProcesses.available` says so (the threads read the batch). Closing lets each child
+finish what it holds, and kills one that has not exited within ``CLOSE_GRACE_S``; a start gives
+the dead child it replaces (one whose socket closed may still be exiting) the same grace.
+Children ignore SIGINT (Ctrl-C reaches the whole process group): the parent decides when they
+stop.
 """
 
 from __future__ import annotations
@@ -80,11 +84,12 @@ CHUNKS_IN_FLIGHT = 2
 #: After a child failed to start, its slot is left empty for this long before a start is tried
 #: again (the other children, or the threads, read meanwhile).
 RETRY_START_S = 30.0
-#: A child that has not answered its first request within this long (or the backend's
-#: ``timeout_s``, if longer) is killed: a start takes a few hundred milliseconds.
+#: A child that has not answered a request of its start (its first answer, its mappings)
+#: within this long (or the backend's ``timeout_s``, if longer) is killed: a start takes a few
+#: hundred milliseconds.
 START_TIMEOUT_S = 30.0
 #: On close, a child that has not finished the requests it holds and exited within this long (a
-#: stopped or wedged one) is killed.
+#: stopped or wedged one) is killed; so is the dead child a start replaces, past this long.
 CLOSE_GRACE_S = 5.0
 
 
@@ -130,13 +135,14 @@ class ReaderProcesses(ReaderChannels):
 
     async def start(self) -> None:
         """Start every child that is not up now (each takes a few hundred milliseconds to import
-        what it needs), rather than beside the first reads, and map every memory in each. A
-        child that cannot start is logged; reads start it again ``RETRY_START_S`` later."""
+        what it needs), rather than beside the first reads, and map every memory in each (each
+        mapping with a start's deadline, :meth:`_start_deadline_s`). A child that cannot start
+        is logged; reads start it again ``RETRY_START_S`` later."""
 
         async def start_one(slot: int) -> None:
             if not self._is_up(slot) and (task := self._start_soon(slot, now=True)) is not None:
                 await asyncio.wait([task])  # a cancelled caller leaves the start to finish alone
-            await self._ready(slot)  # maps what was registered since
+            await self._ready(slot, own_s=self._start_deadline_s())  # maps what was registered since
 
         await asyncio.gather(*(start_one(slot) for slot in range(self.n)))
 
@@ -240,9 +246,9 @@ class ReaderProcesses(ReaderChannels):
                 tg.create_task(drive(slot))
         return results
 
-    async def _ready(self, slot: int) -> ReaderChild | None:
+    async def _ready(self, slot: int, *, own_s: float | None = None) -> ReaderChild | None:
         """Child ``slot`` with every memory mapped, if it is up; else ``None`` (it is started in
-        the background)."""
+        the background). ``own_s``: each mapping's own deadline (see :meth:`_map`)."""
         async with self._slot_locks[slot]:
             if self._closed:
                 raise BackendError("the backend was closed")
@@ -250,23 +256,30 @@ class ReaderProcesses(ReaderChannels):
             if child is None or not child.up or child.dead:
                 self._start_soon(slot)
                 return None
-            await self._map(child)
+            await self._map(child, own_s=own_s)
             return child
 
-    async def _map(self, child: ReaderChild) -> None:
-        """Map every memory in ``child`` and unmap those whose pool is gone."""
+    async def _map(self, child: ReaderChild, *, own_s: float | None = None) -> None:
+        """Map every memory in ``child`` and unmap those whose pool is gone. A child that has not
+        answered a request within ``timeout_s`` for each unit queued ahead of it plus ``own_s``
+        (by default ``timeout_s``; a start gives :meth:`_start_deadline_s`) is killed."""
         for mem_id, (_, size, ref) in list(self._memories.items()):
             memory = ref()
             if memory is None:  # its pool is gone: free the mapping here and in the children
                 self._memories.pop(mem_id, None)
             elif mem_id not in child.mapped:
-                reply = await self._request(child, ("map", mem_id, memory.path, size))
+                reply = await self._request(child, ("map", mem_id, memory.path, size), own_s=own_s)
                 if reply[0] != "ok":
                     raise BackendError(f"reader process: {reply[1]}")
                 child.mapped.add(mem_id)
         for mem_id in child.mapped - self._memories.keys():
-            await self._request(child, ("unmap", mem_id))
+            await self._request(child, ("unmap", mem_id), own_s=own_s)
             child.mapped.discard(mem_id)
+
+    def _start_deadline_s(self) -> float:
+        """How long a start's request may take: ``START_TIMEOUT_S``, or ``timeout_s`` if longer.
+        A read's deadline (``timeout_s``) can be far below a child's start."""
+        return max(self._timeout_s, START_TIMEOUT_S)
 
     def _start_soon(self, slot: int, *, now: bool = False) -> asyncio.Task[None] | None:
         """The start of child ``slot`` in progress, or a new one — unless the backend is closed
@@ -280,26 +293,27 @@ class ReaderProcesses(ReaderChannels):
 
     async def _start(self, slot: int) -> None:
         """Start child ``slot`` (after stopping the dead one there): spawn it, wait for its
-        answer once it has imported its modules, map the memories. Runs as a task of its own,
-        which nothing cancels: the spawned child is in its slot — where :meth:`aclose` stops
-        it — in the step the spawn returns. A failure is logged, and the slot waits
-        ``RETRY_START_S``."""
+        answer once it has imported its modules, map the memories — each request with the
+        start's deadline, :meth:`_start_deadline_s`. Runs as a task of its own, which nothing
+        cancels: the spawned child is in its slot — where :meth:`aclose` stops it — in the step
+        the spawn returns. A failure is logged, and the slot waits ``RETRY_START_S``."""
         loop = asyncio.get_running_loop()
         child: ReaderChild | None = None
         try:
             old = self._children[slot]
-            if old is not None:
-                await asyncio.to_thread(stop_process, old)
+            if old is not None:  # (one that closed its socket may still run: the close's grace)
+                await asyncio.to_thread(stop_process, old, CLOSE_GRACE_S)
             if self._closed:
                 return
             child = await asyncio.to_thread(self._spawn)
             self._children[slot] = child
             if self._closed:
                 return
-            await self._request(child, ("ping",), kill_after_s=max(self._timeout_s, START_TIMEOUT_S))
+            start_s = self._start_deadline_s()  # the whole start: its answer, then its mappings
+            await self._request(child, ("ping",), own_s=start_s)
             if self._closed:
                 return
-            await self._map(child)
+            await self._map(child, own_s=start_s)
             child.up = not self._closed
             self._failed_at[slot] = None
         except Exception as e:

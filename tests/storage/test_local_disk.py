@@ -67,6 +67,33 @@ async def test_disk_full_skips_the_backup_and_leaves_nothing(tmp_path: Path, mon
     await backend.aclose()
 
 
+async def test_a_temporary_file_that_cannot_be_removed_fails_no_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The object is linked to its name, then its temporary file cannot be removed: the write
+    stored the object — a success, the leftover logged — not a failure."""
+    backend, kv, _ = await open_disk(tmp_path, fsync=False)
+    keys = make_keys(2, seed="tmp-stays")
+    unlink = os.unlink
+
+    def refuse_tmp(path: str, *args: object, **kwargs: object) -> None:
+        if str(path).endswith(".tmp"):
+            raise OSError(errno.EACCES, "Permission denied", path)
+        unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", refuse_tmp)
+    with caplog.at_level(logging.WARNING, logger="asynccache.storage"):
+        assert await backend.batch_set_v2([kv_transfer(keys, [0, 1])]) == [[True, True]]
+    monkeypatch.undo()
+    assert "could not remove the temporary file" in caplog.text and "Permission denied" in caplog.text
+    stats = backend.statistics()
+    assert stats.num_failures == 0 and stats.num_writes == 2
+    assert sum(f.endswith(".tmp") for f in files(tmp_path)) == 2
+    assert await backend.batch_get_v2([kv_transfer(keys, [6, 7])]) == [[True, True]]
+    assert [slot(kv, 6), slot(kv, 7)] == [slot(kv, 0), slot(kv, 1)]
+    await backend.aclose()
+
+
 SMALL_FS_SCRIPT = textwrap.dedent(
     """
     import asyncio, json, os, sys

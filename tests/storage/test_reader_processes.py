@@ -427,10 +427,66 @@ async def test_a_mapping_behind_a_busy_childs_reads_does_not_get_it_killed(tmp_p
     await backend.aclose()
 
 
-async def test_a_short_read_deadline_does_not_keep_the_children_from_starting(tmp_path: Path) -> None:
-    backend, _, _ = await open_procs(tmp_path, timeout_s=0.01)  # far below a child's start
-    assert all(c is not None and not c.dead for c in backend._readers._children)
-    await backend.aclose()
+def slow_mappings(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Children that take ``seconds`` over each memory they map."""
+    monkeypatch.setattr(reader_child, "_CHILD", _CHILD.replace(
+        "from storage_backends.object_reads import serve_reader",
+        "import mmap, time, types\nimport storage_backends.object_reads as reads\n"
+        f"def slow(*a):\n    time.sleep({seconds!r})\n    return mmap.mmap(*a)\n"
+        "reads.mmap = types.SimpleNamespace(mmap=slow, MAP_SHARED=mmap.MAP_SHARED)\n"
+        "from storage_backends.object_reads import serve_reader",
+    ))
+
+
+async def test_a_short_read_deadline_does_not_keep_the_children_from_starting(tmp_path: Path, monkeypatch) -> None:
+    """A read deadline far below a child's start: the whole start — its first answer and the
+    mapping of each pool registered, here each slower than ``timeout_s`` — has the start's
+    deadline, and no child is killed."""
+    slow_mappings(monkeypatch, 0.3)
+    backend = LocalDiskBackend(tmp_path.as_uri(), namespace=NAMESPACE, fsync=False, read_processes=2, timeout_s=0.01)
+    try:
+        kv, mamba = make_pools(16, seed=3, shared=True)
+        await backend.register_host_pool_v2(PoolName.KV, kv)  # starts the children: answer, mapping
+        await backend.register_host_pool_v2(PoolName.MAMBA, mamba)  # a mapping in each child that is up
+        ids = {backend._readers.memory_id(kv.shared_memory), backend._readers.memory_id(mamba.shared_memory)}
+        children = backend._readers._children
+        assert all(c is not None and c.up and not c.dead and c.mapped == ids for c in children)
+        assert all(c.process.poll() is None for c in children)
+    finally:
+        await backend.aclose()
+
+
+async def test_a_dead_child_that_still_runs_gets_the_close_grace_when_its_slot_starts_again(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A child that closed its socket but still runs (its start fails: it is dead, not killed)
+    is stopped by the next start of its slot, and killed after ``CLOSE_GRACE_S``, as on close."""
+    monkeypatch.setattr(reader_child, "_CHILD", (  # takes its init and the start's ping, then closes
+        "import sys, time\nfrom multiprocessing.connection import Connection\n"
+        "conn = Connection(int(sys.argv[2]))\nconn.recv()\nconn.recv()\nconn.close()\ntime.sleep(3600)\n"
+    ))
+    monkeypatch.setattr(reader_processes, "CLOSE_GRACE_S", 0.05)
+    backend = LocalDiskBackend(tmp_path.as_uri(), namespace=NAMESPACE, fsync=False, read_processes=1)
+    lingering = None
+    try:
+        kv, _ = make_pools(4, shared=True)
+        await backend.register_host_pool_v2(PoolName.KV, kv)  # the start fails: its socket closed
+        (lingering,) = backend._readers._children
+        assert lingering.dead and lingering.process.poll() is None
+        monkeypatch.setattr(reader_child, "_CHILD", _CHILD)
+        starting = asyncio.create_task(backend._readers.start())
+        async with asyncio.timeout(2.5):  # half the readers' default grace
+            while lingering.process.poll() is None:
+                await asyncio.sleep(0.01)
+        assert lingering.process.returncode == -signal.SIGKILL
+        async with asyncio.timeout(30):
+            await starting
+        assert backend._readers._is_up(0)
+    finally:
+        if lingering is not None:
+            lingering.process.kill()
+            lingering.process.wait()
+        await backend.aclose()
 
 
 async def test_closing_while_the_first_read_starts_gives_misses(tmp_path: Path) -> None:
