@@ -45,12 +45,19 @@ from collections.abc import Sequence
 import torch
 
 from asynccache.cache import HybridCache
+from asynccache.checks import check_int
 from asynccache.errors import CapacityError, ConfigError, SchedulerError
 from asynccache.layer_counter import LayerTransferCounter
 from asynccache.reference.admit import AdmitMixin
 from asynccache.reference.finish import FinishMixin
 from asynccache.reference.model import ForwardBatch, HybridModel, SequenceInput
-from asynccache.reference.requests import Phase, Request, RequestResult, SchedulerConfig
+from asynccache.reference.requests import (
+    Phase,
+    Request,
+    RequestResult,
+    SchedulerConfig,
+    prompt_token_ids,
+)
 
 __all__ = ["RequestResult", "Scheduler", "SchedulerConfig"]
 
@@ -121,13 +128,16 @@ class Scheduler(AdmitMixin, FinishMixin):
     def submit(self, prompt: Sequence[int], max_new_tokens: int, *, salt: str = "") -> asyncio.Future[RequestResult]:
         """Queue a request; the future resolves to its :class:`RequestResult`.
 
-        Cancelling the future cancels the request and frees everything it holds.
+        Cancelling the future cancels the request and frees everything it holds. Bad input is a
+        :class:`ConfigError` before anything is queued: a prompt that is empty or holds a token
+        id that is not an integer (a float, a bool, a floating-point tensor) or lies outside
+        ``[0, vocab_size)``, a ``max_new_tokens`` that is not an int >= 1, a ``salt`` that is
+        not a ``str``.
         """
-        if len(prompt) < 1 or max_new_tokens < 1:
-            raise ConfigError("a request needs at least one prompt token and one new token")
-        vocab = self.spec.vocab_size
-        if vocab and any(not 0 <= int(t) < vocab for t in prompt):
-            raise ConfigError(f"prompt token ids must lie in [0, {vocab})")
+        tokens = prompt_token_ids(prompt, self.spec.vocab_size)
+        max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=1)
+        if not isinstance(salt, str):
+            raise ConfigError(f"salt must be a str, got {salt!r}")
         if self._task is None:
             raise SchedulerError("use the scheduler as `async with Scheduler(...)`")
         if self._failure is not None:
@@ -137,7 +147,7 @@ class Scheduler(AdmitMixin, FinishMixin):
         fut: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
         req = Request(
             request_id=next(_ids),
-            prompt=[int(t) for t in prompt],
+            prompt=tokens,
             max_new_tokens=max_new_tokens,
             salt=salt,
             future=fut,

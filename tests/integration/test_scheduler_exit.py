@@ -1,0 +1,75 @@
+"""The reference scheduler's edges: input it refuses before queueing."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from serving import serving_config, tiny_model, tiny_spec
+
+from asynccache.cache import HybridCache
+from asynccache.config import HybridCacheConfig
+from asynccache.errors import ConfigError
+from asynccache.reference.scheduler import Scheduler
+
+SPEC = tiny_spec()
+MODEL = tiny_model(SPEC, "cpu", seed=0)
+
+
+def config(**overrides: Any) -> HybridCacheConfig:
+    return dataclasses.replace(serving_config(SPEC), **overrides)
+
+
+def prompt(n: int, a: int, b: int) -> list[int]:
+    return [(a * t + b) % 250 + 1 for t in range(n)]
+
+
+def locked_nodes(cache: HybridCache) -> list[Any]:
+    return [n for n in cache.tree.iter_nodes() if n.device_lock or n.host_lock]
+
+
+def assert_nothing_held(cache: HybridCache) -> None:
+    cache.flush_device()
+    cache.flush_host()
+    cache.tree.check_integrity()
+    for pool in (cache.device_kv, cache.device_mamba, cache.host_kv, cache.host_mamba):
+        assert pool is not None and pool.num_free == pool.num_items
+    assert not locked_nodes(cache)
+
+
+async def test_bad_input_is_refused_before_it_is_queued() -> None:
+    """Each of these passed submit: a bad max_new_tokens or salt then stopped the loop (every
+    request failed with it), float token ids were truncated, a bool taken for 1."""
+    bad: list[tuple[tuple[Any, ...], dict[str, Any], str]] = [
+        (([1, 2, 3], 2.0), {}, "max_new_tokens"),
+        (([1, 2, 3], True), {}, "max_new_tokens"),
+        (([1, 2, 3], 0), {}, "max_new_tokens"),
+        (([1, 2, 3], 2), {"salt": None}, "salt must be a str"),
+        (([1, 2, 3], 2), {"salt": 5}, "salt must be a str"),
+        (([1.9, 2.9, 3.9], 2), {}, "must be integers, got 1.9"),
+        (([1, True, 3], 2), {}, "must be integers, got True"),
+        (([1, torch.tensor(True)], 2), {}, "must be integers"),
+        ((np.array([1.0, 2.0]), 2), {}, "must be integers"),
+        ((torch.tensor([1.0, 2.0]), 2), {}, "integer dtype"),
+        ((torch.tensor([True, False]), 2), {}, "integer dtype"),
+        ((torch.tensor([[1, 2]]), 2), {}, "1-D"),
+        ((5, 2), {}, "sequence of token ids"),
+        ((torch.tensor([1, SPEC.vocab_size]), 2), {}, "must lie in"),
+        (([-1, 2], 2), {}, "must lie in"),
+    ]
+    async with HybridCache(SPEC, config()) as cache, Scheduler(MODEL, cache) as sched:
+        good = sched.submit(prompt(12, 7, 3), 3)
+        for args, kwargs, match in bad:
+            with pytest.raises(ConfigError, match=match):
+                sched.submit(*args, **kwargs)
+        assert not sched._waiting[1:]  # nothing of them queued
+        assert len((await asyncio.wait_for(good, 60)).output_ids) == 3
+        # Integers of other types are the same prompt.
+        tokens = prompt(8, 3, 2)
+        want = (await sched.generate(tokens, 2, salt="a")).output_ids
+        for same in (np.array(tokens), torch.tensor(tokens, dtype=torch.int32), [np.int64(t) for t in tokens]):
+            assert (await sched.generate(same, 2, salt="b")).output_ids == want  # type: ignore[arg-type]
