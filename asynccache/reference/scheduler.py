@@ -116,11 +116,17 @@ class Scheduler(AdmitMixin, FinishMixin):
     async def __aexit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
         assert self._tg is not None and self._task is not None
         self._closed = True
-        self._cancel_all(list(self._waiting) + list(self._running))
+        # The loop stops first: a step it is inside (a forward, a host copy, an admission) uses
+        # its requests' pages and slots until it has ended, and on CUDA its kernels may still be
+        # queued when it is cancelled. Only then are the requests cancelled and freed.
         self._task.cancel()
         tg, self._tg = self._tg, None
-        with contextlib.suppress(asyncio.CancelledError):
-            await tg.__aexit__(None, None, None)
+        try:
+            with contextlib.suppress(asyncio.CancelledError):
+                await tg.__aexit__(None, None, None)
+            await self._device_idle()
+        finally:
+            self._cancel_all(list(self._waiting) + list(self._running))
         if self._failure is not None and exc_type is None:
             raise SchedulerError(f"the scheduler's loop stopped: {self._failure!r}") from self._failure
 
@@ -277,6 +283,21 @@ class Scheduler(AdmitMixin, FinishMixin):
         req.num_restored = tail.end_tokens - tail.begin_tokens
         req.num_computed = tail.end_tokens
         req.cached_by_tier["storage"] += req.num_restored
+
+    async def _device_idle(self) -> None:
+        """Wait (in a worker thread) for the work queued on the model's current CUDA stream: a
+        step the loop left mid-forward may have kernels queued that still use the pages and slots
+        about to be freed. Interrupted, it waits on the loop thread instead."""
+        device = self.model.device
+        if device.type != "cuda":
+            return
+        done = torch.cuda.Event(blocking=True)
+        done.record(torch.cuda.current_stream(device))
+        try:
+            await asyncio.to_thread(done.synchronize)
+        except BaseException:
+            done.synchronize()
+            raise
 
     async def _to_host(self, t: torch.Tensor) -> list[int]:
         """``t.tolist()`` without blocking the loop while the device finishes the step (storage

@@ -1,4 +1,5 @@
-"""The reference scheduler's edges: input it refuses before queueing."""
+"""The reference scheduler's edges: input it refuses before queueing, and leaving it while a step
+is inside the forward."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from serving import serving_config, tiny_model, tiny_spec
+from serving import free_counts, serving_config, tiny_model, tiny_spec
 
 from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
 from asynccache.errors import ConfigError
+from asynccache.reference.model import HybridModel
 from asynccache.reference.scheduler import Scheduler
 
 SPEC = tiny_spec()
@@ -73,3 +75,51 @@ async def test_bad_input_is_refused_before_it_is_queued() -> None:
         want = (await sched.generate(tokens, 2, salt="a")).output_ids
         for same in (np.array(tokens), torch.tensor(tokens, dtype=torch.int32), [np.int64(t) for t in tokens]):
             assert (await sched.generate(same, 2, salt="b")).output_ids == want  # type: ignore[arg-type]
+
+
+class GatedModel:
+    """The reference model, whose forward waits for ``release`` once entered; records what the
+    pools and locks held when each forward ended (returned, raised or cancelled)."""
+
+    def __init__(self, model: HybridModel, cache: HybridCache) -> None:
+        self.model, self.cache, self.device, self.spec = model, cache, model.device, model.spec
+        self.entered, self.release = asyncio.Event(), asyncio.Event()
+        self.at_end: list[tuple[tuple[int, ...], int]] = []
+
+    async def forward(self, *args: Any) -> torch.Tensor:
+        self.entered.set()
+        try:
+            await self.release.wait()
+            return await self.model.forward(*args)
+        finally:
+            self.at_end.append((free_counts(self.cache), len(locked_nodes(self.cache))))
+
+
+@pytest.mark.parametrize("hit", ["device", "host"])
+async def test_leaving_during_a_forward_frees_nothing_before_the_step_ends(hit: str) -> None:
+    """Leaving freed the requests' pages and slots and unlocked their prefix before it stopped
+    the loop: a step inside the forward kept using them (on CUDA, kernels already queued)."""
+    p1 = prompt(24, 7, 3)
+    async with HybridCache(SPEC, config()) as cache:
+        gated = GatedModel(MODEL, cache)
+        async with Scheduler(gated, cache) as sched:  # type: ignore[arg-type]
+            gated.release.set()
+            await sched.generate(p1, 2)
+            await cache.controller.wait_idle()
+            if hit == "host":
+                cache.flush_device()
+        idle = free_counts(cache)
+        gated.release.clear()
+        gated.entered.clear()
+        sched = Scheduler(gated, cache)  # type: ignore[arg-type]
+        await sched.__aenter__()
+        fut = sched.submit(p1 + [9, 9, 9, 9], 4)
+        await asyncio.wait_for(gated.entered.wait(), 30)
+        during = (free_counts(cache), len(locked_nodes(cache)))
+        assert during[0] != idle and during[1] > 0  # the request's pages, slots and prefix lock
+        gated.at_end.clear()
+        await sched.__aexit__(None, None, None)
+        assert gated.at_end == [during]  # the forward ended with everything still held
+        assert fut.cancelled()
+        await cache.controller.wait_idle()
+        assert_nothing_held(cache)
