@@ -1,5 +1,5 @@
-"""The reference scheduler's edges: input it refuses before queueing, and leaving it while a step
-is inside the forward."""
+"""The reference scheduler's edges: input it refuses before queueing, leaving it while a step is
+inside the forward, and an admission whose allocation raises."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from serving import free_counts, serving_config, tiny_model, tiny_spec
 
 from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
-from asynccache.errors import ConfigError
+from asynccache.errors import ConfigError, SchedulerError
 from asynccache.reference.model import HybridModel
 from asynccache.reference.scheduler import Scheduler
 
@@ -123,3 +123,30 @@ async def test_leaving_during_a_forward_frees_nothing_before_the_step_ends(hit: 
         assert fut.cancelled()
         await cache.controller.wait_idle()
         assert_nothing_held(cache)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+async def test_an_allocation_that_raises_leaves_no_node_locked(when: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Admission locks the match on the device and the host, then allocates; when the allocation
+    raised, only the host lock was released."""
+    p1 = prompt(24, 7, 3)
+    async with HybridCache(SPEC, config()) as cache:
+        async with Scheduler(MODEL, cache) as sched:
+            await sched.generate(p1, 2)
+        real = Scheduler._allocate
+
+        def allocate(self: Scheduler, *args: Any) -> bool:
+            if when == "after":  # the request took the lock, then something failed
+                assert real(self, *args)
+            raise RuntimeError("allocation failed")
+
+        monkeypatch.setattr(Scheduler, "_allocate", allocate)
+        sched = Scheduler(MODEL, cache)
+        await sched.__aenter__()
+        with pytest.raises(RuntimeError, match="allocation failed"):
+            await asyncio.wait_for(sched.generate(p1 + [9, 9, 9, 9], 2), 30)
+        with pytest.raises(SchedulerError, match="allocation failed"):
+            await sched.__aexit__(None, None, None)
+        assert not locked_nodes(cache)
+        if when == "before":
+            assert_nothing_held(cache)
