@@ -69,9 +69,29 @@ def effective_storage_options(
     return options
 
 
+def _check_layer_kinds(spec: HybridSpec, config: HybridCacheConfig, *, storage: bool) -> None:
+    """Refuse tiers a spec with one kind of layer cannot use (a :class:`ConfigError`): a host
+    tier keeps prefixes by their KV pages, which a spec without attention layers has none of;
+    the storage tier archives a prefix with its recurrent state, and would store nothing for
+    a spec without recurrent layers."""
+    if not spec.attention_layer_ids and config.has_host_tier:
+        raise ConfigError(
+            f"spec {spec.model_id!r} has no attention layers: the host tier keeps prefixes by their "
+            "KV pages, so it needs them (set host_kv_bytes and host_state_bytes to 0)"
+        )
+    if not spec.mamba_layer_ids and storage:
+        raise ConfigError(
+            f"spec {spec.model_id!r} has no recurrent layers: the storage tier archives a prefix "
+            "with its recurrent state and would store nothing (leave the storage tier out)"
+        )
+
+
 class HybridCache:
     """Pools (device, and host when the config sizes them), tree, controller and storage
     backend, made from ``spec`` and ``config`` on ``device``.
+
+    A spec with one kind of layer takes the tiers it can use: without attention layers, no host
+    tier; without recurrent layers, no storage tier (:class:`ConfigError`).
 
     ``admission`` / ``eviction``: the tree's policies (default ``EndsAdmission`` /
     ``LRUEviction``). ``backend``: a storage backend to use instead of opening
@@ -98,6 +118,7 @@ class HybridCache:
 
         if clock is not None and not callable(clock):
             raise ConfigError(f"clock must be a callable returning seconds, got {type(clock).__name__}")
+        _check_layer_kinds(spec, config, storage=backend is not None or config.storage_uri is not None)
         self.spec = spec
         self.config = config
         self.device_kv = DeviceKVPool(spec, config.device_kv_pages, device=device, materialize=materialize)
@@ -122,8 +143,7 @@ class HybridCache:
             self.host_kv, self.host_mamba = self._host_pools(False, materialize=materialize)
         if backend is not None or config.storage_uri is not None:
             # The storage tier is fed from the host tier and loads into it: without host pages
-            # (or, for a model with recurrent layers, host state slots) it would be opened and
-            # never used.
+            # or host state slots it would be opened and never used.
             missing = [
                 name
                 for name, pool, item_bytes in (

@@ -336,6 +336,6 @@ def parse_hf_config(
         tp_rank=tp_rank,
         hidden_size=hidden,
         num_attention_heads=num_heads,
-        intermediate_size=_as_int(cfg.get("intermediate_size") or 0, "intermediate_size", mt),
-        vocab_size=_as_int(cfg.get("vocab_size") or 0, "vocab_size", mt),
+        intermediate_size=_as_int(cfg.get("intermediate_size") or 0, "intermediate_size", mt, 0),
+        vocab_size=_as_int(cfg.get("vocab_size") or 0, "vocab_size", mt, 0),
     )

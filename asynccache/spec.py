@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from asynccache.checks import as_int
 from asynccache.errors import SpecError
 from asynccache.presets import PRESETS
 
@@ -235,6 +236,11 @@ class HybridSpec:
             raise SpecError("a spec needs at least one attention or mamba layer")
         if self.mamba_layer_ids and not self.state_components:
             raise SpecError("mamba layers given but no state_components")
+        for name in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
+            value = as_int(getattr(self, name))
+            if value is None or value < 0:
+                raise SpecError(f"{name} must be an int >= 0 (0: unknown), got {getattr(self, name)!r}")
+            object.__setattr__(self, name, value)
 
     # ---- KV geometry -------------------------------------------------------------------
     @property
@@ -326,9 +332,12 @@ class HybridSpec:
             if path.is_dir():
                 path = path / "config.json"
             try:
-                config = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError) as e:
+                config = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise SpecError(f"cannot read HF config {path}: {e}") from e
+            if not isinstance(config, dict):
+                kind = {list: "an array", str: "a string", type(None): "null", bool: "a boolean"}.get(type(config), "a number")
+                raise SpecError(f"HF config {path} is not a JSON object but {kind}")
         return parse_hf_config(
             dict(config),
             tp_size=tp_size,

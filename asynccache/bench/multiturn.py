@@ -14,6 +14,11 @@ N clients × R rounds (``asynccache.reference.workload``), run round by round wi
 Reports per mode: hit rate (cached ÷ prompt tokens), the workload's ideal hit rate, TTFT
 mean/p50/p99 overall and its mean per round, throughput; a table, a PNG plot (``--plot``) and
 ``--json``.
+
+The model is a hybrid one: a spec (``--preset``, a preset's name or an HF config path) without
+attention layers or without recurrent layers is refused, since the modes differ in where each
+kind's cache lives. Every selected mode's cache budgets are checked before the first runs, and
+the storage URI and options opened once.
 """
 
 from __future__ import annotations
@@ -33,13 +38,19 @@ import numpy as np
 import torch
 import uvloop
 
-from asynccache.bench.options import device_name, nonnegative_int, positive_int
+from asynccache.bench.options import (
+    device_name,
+    positive_int,
+    seed_int,
+    spec_from_preset,
+)
 from asynccache.bench.progress import progress_bar
 from asynccache.bench.storage import add_option_argument, parse_options
 from asynccache.cache import HybridCache, effective_storage_options
 from asynccache.config import HybridCacheConfig
 from asynccache.errors import ConfigError
-from asynccache.reference.model import HybridModel
+from asynccache.pools.memory import check_host_bytes
+from asynccache.reference.model import MODEL_DTYPE_NAMES, HybridModel
 from asynccache.reference.scheduler import RequestResult, Scheduler, SchedulerConfig
 from asynccache.reference.workload import ProcessedPrefixes, make_conversations
 from asynccache.spec import HybridSpec, dtype_from_name
@@ -55,12 +66,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=positive_int, default=16, help="tokens generated per answer (default 16)")
     p.add_argument("--max-parallel", type=positive_int, default=4, help="requests in flight at once (default 4)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
-    p.add_argument("--preset", default="small", help="model preset (small, tiny, hybrid-3b, …) or an HF config path")
+    p.add_argument("--preset", default="small", help="model preset (small, tiny, hybrid-3b, …) or an HF config path "
+                   "(of a hybrid model: attention and recurrent layers)")  # fmt: skip
     p.add_argument("--page-size", type=positive_int, default=1, help="tokens per KV page (default 1)")
     p.add_argument(
         "--device", type=device_name, default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N"
     )
-    p.add_argument("--dtype", default=None, help="model dtype (default: fp32 on CPU, bf16 on CUDA)")
+    p.add_argument("--dtype", default=None, choices=MODEL_DTYPE_NAMES, metavar="DTYPE",
+                   help="model dtype: fp32, bf16 or fp16 (default: fp32 on CPU, bf16 on CUDA)")  # fmt: skip
     p.add_argument("--device-kv-pages", type=positive_int, default=None, help="device KV pages (default: the requests in flight plus ~3 whole conversations)")
     p.add_argument(
         "--device-state-slots", type=positive_int, default=None, help="device state slots (default: room for half the clients)"
@@ -76,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "an option of the storage backend, repeatable (e.g. read_processes=0 to read with threads on CUDA); "
         "kv+mamba+storage only",
     )
-    p.add_argument("--seed", type=nonnegative_int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the weights and prompts, 0 to 2**63-1 (default 0)")
     p.add_argument("--json", dest="json_path", default=None, help="write results as JSON to this path")
     p.add_argument("--plot", default=None, help="write a PNG of hit rate and TTFT per round to this path (ending in .png)")
 
@@ -228,6 +241,34 @@ async def _check_storage(
         await backend.aclose()
 
 
+def _check_spec(spec: HybridSpec, name: str) -> None:
+    """The bench's own needs of a spec (the model checks the rest): both kinds of layers, and
+    a vocabulary of at least two tokens (prompts draw ids from ``[1, vocab_size)``)."""
+    kinds = {"attention": spec.attention_layer_ids, "recurrent": spec.mamba_layer_ids}
+    lacking = [kind for kind, ids in kinds.items() if not ids]
+    if lacking:
+        raise ConfigError(
+            f"--preset {name}: multiturn compares where a hybrid model's KV and recurrent states are "
+            f"cached, and this model has no {lacking[0]} layers"
+        )
+    if spec.vocab_size < 2:
+        raise ConfigError(f"--preset {name}: prompts need a vocab_size of at least 2, got {spec.vocab_size}")
+
+
+def _check_modes(spec: HybridSpec, modes: list[str], budgets: dict[str, int], device: str) -> None:
+    """Build every mode's cache without memory (``materialize=False``) and check its host pools
+    against the host's memory: a budget a mode cannot use is refused before any mode runs."""
+    for mode in modes:
+        cfg = _mode_config(mode, budgets, None)  # the storage URI and options: _check_storage
+        try:
+            HybridCache(spec, cfg, device=device, materialize=False)
+            sizes = {"host_kv_bytes": (cfg.host_kv_bytes, spec.kv_page_bytes),
+                     "host_state_bytes": (cfg.host_state_bytes, spec.state_bytes)}  # fmt: skip
+            check_host_bytes({what: size - size % unit for what, (size, unit) in sizes.items() if size and unit})
+        except ConfigError as e:
+            raise ConfigError(f"mode {mode}: {e}") from e
+
+
 async def _warmup(model: HybridModel, spec: HybridSpec, args: argparse.Namespace) -> None:
     cfg = HybridCacheConfig(device_kv_pages=-(-(args.request_len + args.output_len) // spec.page_size) + 2,
                             device_state_slots=8)
@@ -297,11 +338,10 @@ def run(args: argparse.Namespace) -> int:
         print("error: --storage and --storage-option apply to the kv+mamba+storage mode only, which --modes leaves out",
               file=sys.stderr)  # fmt: skip
         return 2
-    if args.preset.endswith(".json") or Path(args.preset).is_dir():
-        spec = HybridSpec.from_hf_config(args.preset, page_size=args.page_size)
-    else:
-        spec = HybridSpec.preset(args.preset, page_size=args.page_size)
+    spec = spec_from_preset(args.preset, page_size=args.page_size)
+    _check_spec(spec, args.preset)
     budgets = _default_budgets(args, spec)
+    _check_modes(spec, modes, budgets, args.device)
     summaries: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="asynccache-multiturn-") as tmp:
         storage_uri = args.storage or Path(tmp).as_uri()

@@ -1,15 +1,30 @@
 """Argument types shared by the benchmarks: counts that must be positive, lists of them,
-positive numbers and devices this machine has, refused by the parser (a usage error, exit
-status 2) rather than failing deep in a run."""
+positive numbers, seeds and devices this machine has, refused by the parser (a usage error,
+exit status 2) rather than failing deep in a run; and the spec a ``--preset`` names."""
 
 from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 import torch
 
-__all__ = ["device_name", "nonnegative_int", "positive_float", "positive_int", "positive_int_list"]
+from asynccache.spec import PRESETS, HybridSpec
+
+__all__ = [
+    "MAX_SEED",
+    "device_name",
+    "nonnegative_int",
+    "positive_float",
+    "positive_int",
+    "positive_int_list",
+    "seed_int",
+    "spec_from_preset",
+]
+
+#: The largest seed: torch's generators take a signed 64-bit one.
+MAX_SEED = 2**63 - 1
 
 
 def _int_at_least(text: str, minimum: int) -> int:
@@ -28,6 +43,22 @@ def positive_int(text: str) -> int:
 
 def nonnegative_int(text: str) -> int:
     return _int_at_least(text, 0)
+
+
+def seed_int(text: str) -> int:
+    """A seed: an integer in ``[0, MAX_SEED]``."""
+    value = _int_at_least(text, 0)
+    if value > MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be <= {MAX_SEED} (2**63 - 1), got {value}")
+    return value
+
+
+def spec_from_preset(preset: str, *, page_size: int) -> HybridSpec:
+    """The spec ``--preset`` names: a preset's name, else an HF config (a path that exists, a
+    file of any name or a folder holding ``config.json``, or a name ending in ``.json``)."""
+    if preset not in PRESETS and (preset.endswith(".json") or Path(preset).exists()):
+        return HybridSpec.from_hf_config(preset, page_size=page_size)
+    return HybridSpec.preset(preset, page_size=page_size)
 
 
 def positive_int_list(text: str) -> list[int]:

@@ -37,7 +37,6 @@ def _path_device_pages(node: Any) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
 
-
 class AdmitMixin:
     """The admission of :class:`~asynccache.reference.scheduler.Scheduler` (see the module
     docstring); not used on its own."""
@@ -83,18 +82,26 @@ class AdmitMixin:
             return self._allocate(req, None, num_cached, tail, by_tier)
         # Pin the match on both tiers while making room: under write_back, allocating device
         # slots writes device states back to the host, which may evict host copies — the
-        # match's own included, unless it is locked there too.
-        tree.lock(match.last_node)
-        tree.lock_host(match.last_node)
+        # match's own included, unless it is locked there too. The device lock stays only
+        # when it became the request's: not when there is no room, nothing was cached, or the
+        # allocation raised.
+        node = match.last_node
+        tree.lock(node)
+        tree.lock_host(node)
         try:
             return self._allocate(req, match, num_cached, tail, by_tier)
+        except BaseException:
+            req.locked_node = None
+            raise
         finally:
-            tree.unlock_host(match.last_node)
+            tree.unlock_host(node)
+            if req.locked_node is not node:
+                tree.unlock(node)
 
     def _allocate(self, req: Request, match: Any, num_cached: int, tail: Any, by_tier: dict[str, int]) -> bool:
         """Allocate a matched request's slots and pages and queue its load (``match`` locked on
-        the device by the caller; the lock is the request's once admitted); False, with
-        everything undone, when there is no room."""
+        the device by the caller, which releases the lock unless ``req.locked_node`` took it);
+        False, with everything else undone, when there is no room."""
         tree, ctrl, page = self.cache.tree, self.cache.controller, self.spec.page_size
         # Pages for every position this request will compute: [num_cached, total_len - 1).
         last_pos = req.total_len - 1
@@ -120,8 +127,6 @@ class AdmitMixin:
                 ctrl.cancel(op)
             if slot_alloc is not None:
                 ctrl._free(slot_alloc.kv_indices, slot_alloc.state_slots, device=True)
-            if match is not None:
-                tree.unlock(match.last_node)
             if tail is not None:
                 tail.release()
             return False
@@ -144,8 +149,6 @@ class AdmitMixin:
             by_tier["device"] = num_cached - by_tier["host"] - by_tier["storage"]
             req.locked_node = node
         else:
-            if match is not None:
-                tree.unlock(match.last_node)
             req.kv_pages = own
         req.own_pages = own
         req.load_op = op

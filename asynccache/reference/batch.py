@@ -40,7 +40,8 @@ __all__ = ["ForwardBatch", "Segment", "SequenceInput", "plan_passes"]
 class SequenceInput:
     """One sequence of a forward step.
 
-    - ``token_ids``: int64 ``[n]``, n ≥ 1, the tokens to compute (positions ``[start, start+n)``).
+    - ``token_ids``: int64 ``[n]``, n ≥ 1, the tokens to compute (positions ``[start, start+n)``),
+      ids in ``[0, vocab_size)``.
     - ``start``: tokens already in the KV cache and folded into the working state.
     - ``kv_page_indices``: int64 device page indices covering positions ``[0, start + n)``;
       page ``i`` holds positions ``[i·P, (i+1)·P)``. The model writes the new tokens' K/V there.
@@ -97,10 +98,15 @@ class Segment:
         return self.start + self.length
 
 
-def _validate(seq: SequenceInput, i: int, *, page_size: int, num_pages: int, num_slots: int) -> None:
+def _validate(seq: SequenceInput, i: int, *, page_size: int, num_pages: int, num_slots: int, vocab_size: int) -> None:
     ids = seq.token_ids
     if ids.dim() != 1 or ids.dtype != torch.int64 or ids.numel() < 1:
         raise ConfigError(f"sequence {i}: token_ids must be a non-empty 1-D int64 tensor, got {tuple(ids.shape)} {ids.dtype}")
+    # Host tensors only: on the device the check would wait for it (an out-of-range id there is
+    # a device-side assert).
+    if ids.device.type == "cpu" and vocab_size and not bool(((ids >= 0) & (ids < vocab_size)).all()):
+        bad = ids[(ids < 0) | (ids >= vocab_size)][0].item()
+        raise ConfigError(f"sequence {i}: token id {bad} outside the vocabulary [0, {vocab_size})")
     if seq.start < 0:
         raise ConfigError(f"sequence {i}: start must be >= 0, got {seq.start}")
     pages = seq.kv_page_indices
@@ -141,9 +147,15 @@ def _segments(seq: SequenceInput, i: int, page_size: int) -> list[Segment]:
 
 
 def plan_passes(
-    sequences: Sequence[SequenceInput], *, page_size: int, num_pages: int, num_slots: int, pack: bool
+    sequences: Sequence[SequenceInput], *, page_size: int, num_pages: int, num_slots: int, pack: bool,
+    vocab_size: int = 0,
 ) -> list[tuple[Segment, ...]]:
     """Validate the batch and cut it into passes (see the module docstring).
+
+    Checked (a :class:`ConfigError`): shapes and dtypes, working and snapshot slots, snapshot
+    positions, and — for tensors in host memory, as checking device tensors would synchronise
+    the host — KV page indices against ``num_pages`` and token ids against ``vocab_size``
+    (0: not checked).
 
     ``pack=True``: pass ``j`` holds the ``j``-th segment of every sequence that has one, longest
     first (so equal lengths are adjacent). ``pack=False``: one segment per pass, sequence by
@@ -159,7 +171,7 @@ def plan_passes(
         raise ConfigError("snapshot slots must be distinct from each other and from every working slot")
     per_seq = []
     for i, seq in enumerate(sequences):
-        _validate(seq, i, page_size=page_size, num_pages=num_pages, num_slots=num_slots)
+        _validate(seq, i, page_size=page_size, num_pages=num_pages, num_slots=num_slots, vocab_size=vocab_size)
         per_seq.append(_segments(seq, i, page_size))
     if not pack:
         return [(seg,) for segs in per_seq for seg in segs]

@@ -93,9 +93,10 @@ class FinishMixin:
             self._cancel(req)
 
     def _cancel(self, req: Request) -> None:
-        """Free everything a request holds (between steps: no forward is using it). Its load,
-        if still queued, is cancelled; one that cannot be (issued, or built on by another)
-        copies into the request's working slot, so the slots are freed once it has completed."""
+        """Free everything a request holds (between steps, or on leaving once the loop has
+        stopped: no forward is using it). Its load, if still queued, is cancelled; one that
+        cannot be (issued, or built on by another) copies into the request's working slot, so
+        the slots are freed once it has completed."""
         if req in self._waiting:
             self._waiting.remove(req)
         if req in self._running:

@@ -60,7 +60,21 @@ from asynccache.reference.weights import (
 )
 from asynccache.spec import HybridSpec
 
-__all__ = ["LAUNCH_WINDOW_LAYERS", "LAUNCH_WINDOW_MIN_TOKENS", "ForwardBatch", "HybridModel", "SequenceInput"]
+__all__ = [
+    "LAUNCH_WINDOW_LAYERS",
+    "LAUNCH_WINDOW_MIN_TOKENS",
+    "MODEL_DTYPES",
+    "MODEL_DTYPE_NAMES",
+    "ForwardBatch",
+    "HybridModel",
+    "SequenceInput",
+]
+
+#: The dtypes the model computes in (its weights and activations); anything else is refused.
+MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: Their names as :func:`~asynccache.spec.dtype_from_name` reads them: the command lines'
+#: ``--dtype`` choices.
+MODEL_DTYPE_NAMES = ("float32", "fp32", "float", "bfloat16", "bf16", "float16", "fp16", "half")
 
 #: On CUDA, a pass of at least ``LAUNCH_WINDOW_MIN_TOKENS`` tokens keeps at most this many layers
 #: launched ahead of the GPU: before launching more, the forward awaits (in a thread, the GIL
@@ -84,8 +98,9 @@ class _Backbone(nn.Module):
 class HybridModel(nn.Module):
     """A hybrid attention + Gated DeltaNet language model computing on the cache's pools.
 
-    ``weights``: a ``{name: tensor}`` mapping to load instead of the seeded random init (see
-    :meth:`from_safetensors`). ``pack_sequences``: compute the sequences of a batch together
+    ``dtype``: what it computes in, one of :data:`MODEL_DTYPES` (the spec's KV and state
+    dtypes, any floating-point ones). ``weights``: a ``{name: tensor}`` mapping to load instead
+    of the seeded random init (see :meth:`from_safetensors`). ``pack_sequences``: compute the sequences of a batch together
     (``None``: on CUDA only). ``cuda_graphs``: replay the recurrent layers of passes of few
     tokens from CUDA graphs (``None``: on CUDA; see ``asynccache.reference.graphs``).
     """
@@ -102,7 +117,7 @@ class HybridModel(nn.Module):
         cuda_graphs: bool | None = None,
     ) -> None:
         super().__init__()
-        _check_spec(spec)
+        _check_spec(spec, dtype)
         self.spec = spec
         self.device = torch.device(device)
         self.dtype = dtype
@@ -164,7 +179,10 @@ class HybridModel(nn.Module):
         """Compute ``batch``; return fp32 logits ``[num_seqs, vocab]`` of each sequence's last new token.
 
         Mutates: the KV pages at the new positions, each working slot, each snapshot slot.
-        Runs on the caller's current CUDA stream; never synchronises the host.
+        Runs on the caller's current CUDA stream; never synchronises the host. The batch is
+        checked first (:func:`~asynccache.reference.batch.plan_passes`; a :class:`ConfigError`):
+        token ids, page indices and slots held in host memory against the vocabulary and pools;
+        token ids and page indices already on the device are not checked (it would synchronise).
         """
         self._check_pools(kv_pool, state_pool)
         spec = self.spec
@@ -174,6 +192,7 @@ class HybridModel(nn.Module):
             num_pages=kv_pool.num_items,
             num_slots=state_pool.num_items,
             pack=self.pack_sequences,
+            vocab_size=spec.vocab_size,
         )
         logits = torch.empty(len(batch.sequences), spec.vocab_size, dtype=torch.float32, device=self.device)
         for pass_index, segments in enumerate(passes):
@@ -236,12 +255,30 @@ class _LaunchWindow:
                 await asyncio.to_thread(oldest.synchronize)
 
 
-def _check_spec(spec: HybridSpec) -> None:
+def _check_spec(spec: HybridSpec, dtype: torch.dtype) -> None:
+    """What the model can run, else a :class:`ConfigError`: an unsharded spec with positive
+    model dimensions, an even ``head_dim`` (rotate-half RoPE) when it has attention layers, a
+    floating-point KV and state dtype (an integer one would truncate K/V and states), Gated
+    DeltaNet recurrent layers, and a model dtype of :data:`MODEL_DTYPES`."""
+    if dtype not in MODEL_DTYPES:
+        names = [str(d).removeprefix("torch.") for d in MODEL_DTYPES]
+        raise ConfigError(f"the reference model computes in {names}, not {dtype}")
     if spec.tp_size != 1:
         raise ConfigError("the reference model runs unsharded (tp_size=1)")
-    missing = [f for f in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size") if not getattr(spec, f)]
+    dims = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+    missing = [f for f in dims if getattr(spec, f) <= 0]
     if missing:
-        raise ConfigError(f"spec {spec.model_id!r} lacks model dimensions {missing}")
+        raise ConfigError(
+            f"spec {spec.model_id!r} lacks model dimensions {missing} (each must be > 0, got "
+            f"{[getattr(spec, f) for f in missing]})"
+        )
+    if spec.attention_layer_ids and spec.head_dim % 2:
+        raise ConfigError(f"spec {spec.model_id!r}: head_dim must be even (rotate-half RoPE), got {spec.head_dim}")
+    cache_dtypes = {"kv_dtype": spec.kv_dtype} if spec.attention_layer_ids else {}
+    cache_dtypes.update({f"state component {c.name!r}": c.dtype for c in spec.state_components})
+    for what, dt in cache_dtypes.items():
+        if not dt.is_floating_point:
+            raise ConfigError(f"spec {spec.model_id!r}: {what} must be a floating-point dtype, got {dt}")
     if spec.mamba_layer_ids and (spec.linear is None or spec.linear.kind != "gated_deltanet"):
         raise ConfigError(f"the reference model runs gated_deltanet recurrent layers, not {spec.linear and spec.linear.kind!r}")
     overlap = set(spec.attention_layer_ids) & set(spec.mamba_layer_ids)

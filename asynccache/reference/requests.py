@@ -4,21 +4,50 @@
 - :class:`RequestResult`: what a served request reports (prompt and cached tokens per tier,
   output, TTFT, latency, the first token's logits);
 - :class:`Phase` and :class:`Request`: a request's place in the scheduler's loop and everything
-  the loop holds for it (its pages, working slot, snapshots, pending load or tail restore).
+  the loop holds for it (its pages, working slot, snapshots, pending load or tail restore);
+- :func:`prompt_token_ids`: a submitted prompt as a list of token ids, checked.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 import torch
 
-from asynccache.checks import check_int
+from asynccache.checks import as_int, check_int
+from asynccache.errors import ConfigError
 
-__all__ = ["Phase", "Request", "RequestResult", "SchedulerConfig"]
+__all__ = ["Phase", "Request", "RequestResult", "SchedulerConfig", "prompt_token_ids"]
+
+
+def prompt_token_ids(prompt: Iterable[int] | torch.Tensor, vocab_size: int) -> list[int]:
+    """``prompt`` as a list of ints, else a :class:`ConfigError`: at least one token, each an
+    integer (Python or NumPy, a 1-D tensor of an integer dtype; not a bool, not a float, which
+    would be truncated) in ``[0, vocab_size)`` (``vocab_size`` 0: unknown, not checked)."""
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
+            raise ConfigError(f"a prompt tensor must be 1-D of an integer dtype, got {tuple(prompt.shape)} {prompt.dtype}")
+        ids = prompt.tolist()
+    else:
+        try:
+            items = list(prompt)
+        except TypeError:
+            raise ConfigError(f"a prompt is a sequence of token ids, got {type(prompt).__name__}") from None
+        ids = []
+        for t in items:
+            n = None if isinstance(t, torch.Tensor) and t.dtype == torch.bool else as_int(t)
+            if n is None:
+                raise ConfigError(f"prompt token ids must be integers, got {t!r}")
+            ids.append(n)
+    if not ids:
+        raise ConfigError("a request needs at least one prompt token")
+    if vocab_size and not 0 <= min(ids) <= max(ids) < vocab_size:
+        raise ConfigError(f"prompt token ids must lie in [0, {vocab_size})")
+    return ids
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -45,12 +45,19 @@ from collections.abc import Sequence
 import torch
 
 from asynccache.cache import HybridCache
+from asynccache.checks import check_int
 from asynccache.errors import CapacityError, ConfigError, SchedulerError
 from asynccache.layer_counter import LayerTransferCounter
 from asynccache.reference.admit import AdmitMixin
 from asynccache.reference.finish import FinishMixin
 from asynccache.reference.model import ForwardBatch, HybridModel, SequenceInput
-from asynccache.reference.requests import Phase, Request, RequestResult, SchedulerConfig
+from asynccache.reference.requests import (
+    Phase,
+    Request,
+    RequestResult,
+    SchedulerConfig,
+    prompt_token_ids,
+)
 
 __all__ = ["RequestResult", "Scheduler", "SchedulerConfig"]
 
@@ -109,11 +116,17 @@ class Scheduler(AdmitMixin, FinishMixin):
     async def __aexit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
         assert self._tg is not None and self._task is not None
         self._closed = True
-        self._cancel_all(list(self._waiting) + list(self._running))
+        # The loop stops first: a step it is inside (a forward, a host copy, an admission) uses
+        # its requests' pages and slots until it has ended, and on CUDA its kernels may still be
+        # queued when it is cancelled. Only then are the requests cancelled and freed.
         self._task.cancel()
         tg, self._tg = self._tg, None
-        with contextlib.suppress(asyncio.CancelledError):
-            await tg.__aexit__(None, None, None)
+        try:
+            with contextlib.suppress(asyncio.CancelledError):
+                await tg.__aexit__(None, None, None)
+            await self._device_idle()
+        finally:
+            self._cancel_all(list(self._waiting) + list(self._running))
         if self._failure is not None and exc_type is None:
             raise SchedulerError(f"the scheduler's loop stopped: {self._failure!r}") from self._failure
 
@@ -121,13 +134,16 @@ class Scheduler(AdmitMixin, FinishMixin):
     def submit(self, prompt: Sequence[int], max_new_tokens: int, *, salt: str = "") -> asyncio.Future[RequestResult]:
         """Queue a request; the future resolves to its :class:`RequestResult`.
 
-        Cancelling the future cancels the request and frees everything it holds.
+        Cancelling the future cancels the request and frees everything it holds. Bad input is a
+        :class:`ConfigError` before anything is queued: a prompt that is empty or holds a token
+        id that is not an integer (a float, a bool, a floating-point tensor) or lies outside
+        ``[0, vocab_size)``, a ``max_new_tokens`` that is not an int >= 1, a ``salt`` that is
+        not a ``str``.
         """
-        if len(prompt) < 1 or max_new_tokens < 1:
-            raise ConfigError("a request needs at least one prompt token and one new token")
-        vocab = self.spec.vocab_size
-        if vocab and any(not 0 <= int(t) < vocab for t in prompt):
-            raise ConfigError(f"prompt token ids must lie in [0, {vocab})")
+        tokens = prompt_token_ids(prompt, self.spec.vocab_size)
+        max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=1)
+        if not isinstance(salt, str):
+            raise ConfigError(f"salt must be a str, got {salt!r}")
         if self._task is None:
             raise SchedulerError("use the scheduler as `async with Scheduler(...)`")
         if self._failure is not None:
@@ -137,7 +153,7 @@ class Scheduler(AdmitMixin, FinishMixin):
         fut: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
         req = Request(
             request_id=next(_ids),
-            prompt=[int(t) for t in prompt],
+            prompt=tokens,
             max_new_tokens=max_new_tokens,
             salt=salt,
             future=fut,
@@ -267,6 +283,21 @@ class Scheduler(AdmitMixin, FinishMixin):
         req.num_restored = tail.end_tokens - tail.begin_tokens
         req.num_computed = tail.end_tokens
         req.cached_by_tier["storage"] += req.num_restored
+
+    async def _device_idle(self) -> None:
+        """Wait (in a worker thread) for the work queued on the model's current CUDA stream: a
+        step the loop left mid-forward may have kernels queued that still use the pages and slots
+        about to be freed. Interrupted, it waits on the loop thread instead."""
+        device = self.model.device
+        if device.type != "cuda":
+            return
+        done = torch.cuda.Event(blocking=True)
+        done.record(torch.cuda.current_stream(device))
+        try:
+            await asyncio.to_thread(done.synchronize)
+        except BaseException:
+            done.synchronize()
+            raise
 
     async def _to_host(self, t: torch.Tensor) -> list[int]:
         """``t.tolist()`` without blocking the loop while the device finishes the step (storage

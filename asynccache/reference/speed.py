@@ -30,11 +30,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from asynccache.bench.options import nonnegative_int, positive_int
+from asynccache.bench.options import device_name, nonnegative_int, positive_int
 from asynccache.errors import ConfigError
 from asynccache.pools import DeviceKVPool, DeviceMambaPool
 from asynccache.reference.batch import ForwardBatch, SequenceInput
-from asynccache.reference.model import HybridModel
+from asynccache.reference.model import MODEL_DTYPE_NAMES, HybridModel
 from asynccache.spec import HybridSpec, dtype_from_name
 
 __all__ = ["PrefillResult", "main", "make_prefill_batch", "prefill_tokens_per_s"]
@@ -171,8 +171,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--preset", default="hybrid-3b")
     parser.add_argument("--seq-len", type=positive_int, default=8192)
     parser.add_argument("--batch", type=positive_int, nargs="+", default=[4])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument(
+        "--device", type=device_name, default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N"
+    )
+    parser.add_argument("--dtype", default=None, choices=MODEL_DTYPE_NAMES, metavar="DTYPE",
+                        help="fp32, bf16 or fp16 (default: bfloat16 on CUDA, float32 on CPU)")  # fmt: skip
     parser.add_argument("--warmup", type=nonnegative_int, default=1)
     parser.add_argument("--iters", type=positive_int, default=3)
     parser.add_argument("--tf32", action="store_true", help="also measure with TF32 fp32 matmuls (recurrent core)")

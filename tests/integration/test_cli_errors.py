@@ -111,6 +111,10 @@ def test_counts_that_must_be_positive_are_usage_errors(argv: list[str], capsys: 
     [
         (["bench", "tree", "--seed", "-1"], "must be >= 0"),
         ([*TINY_MULTITURN, "--seed", "-1"], "must be >= 0"),
+        ([*TINY_MULTITURN, "--seed", str(2**64)], "must be <= 9223372036854775807"),  # was a traceback
+        ([*TINY_MULTITURN, "--dtype", "int8"], "invalid choice: 'int8'"),  # were tracebacks
+        ([*TINY_MULTITURN, "--dtype", "uint8"], "invalid choice: 'uint8'"),
+        ([*TINY_MULTITURN, "--dtype", "fp8"], "invalid choice: 'fp8'"),
         (["bench", "overlap", "--compute-ratio", "nan"], "finite number > 0"),
         (["bench", "overlap", "--compute-ratio", "inf"], "finite number > 0"),
         (["bench", "overlap", "--compute-ratio", "-1"], "finite number > 0"),
@@ -134,6 +138,88 @@ def test_cuda_without_cuda_is_a_usage_error(bench: str, capsys: pytest.CaptureFi
         main(["bench", bench, "--preset", "tiny", "--device", "cuda"])
     assert info.value.code == 2
     assert "no CUDA device available" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        pytest.param(["--device", "cuda"], "no CUDA device available",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")),
+        (["--device", "cpu", "--dtype", "int8"], "invalid choice: 'int8'"),
+    ],
+)  # fmt: skip
+def test_speed_bad_device_or_dtype_is_a_usage_error(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each was a traceback (an AssertionError without CUDA, a RuntimeError building the model)."""
+    from asynccache.reference import speed
+
+    with pytest.raises(SystemExit) as info:
+        speed.main(["--preset", "tiny", "--seq-len", "8", "--iters", "1", "--warmup", "0", *argv])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _tiny_config(tmp_path: Path, name: str = "config.json", **changes: object) -> str:
+    from asynccache.spec import PRESETS
+
+    path = tmp_path / name
+    path.write_text(json.dumps({**PRESETS["tiny"], **changes}))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("changes", "needles"),
+    [
+        ({"intermediate_size": -8}, ("'intermediate_size' must be >= 0",)),
+        ({"vocab_size": -5}, ("'vocab_size' must be >= 0",)),
+        ({"vocab_size": 1}, ("vocab_size of at least 2",)),  # was a ZeroDivisionError in the warm-up
+        ({"head_dim": 15}, ("head_dim must be even",)),
+        ({"layer_types": ["linear_attention"] * 4}, ("no attention layers",)),
+        ({"layer_types": ["full_attention"] * 4}, ("no recurrent layers",)),  # storage stored nothing
+    ],
+)
+def test_multiturn_refuses_a_config_it_cannot_run_before_any_mode(
+    tmp_path: Path, changes: dict[str, object], needles: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*TINY_MULTITURN, "--preset", _tiny_config(tmp_path, **changes), "--modes", "no-offload"]) == 2
+    captured = capsys.readouterr()
+    assert "mode no-offload" not in captured.out and "Traceback" not in captured.err
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and all(n in lines[0] for n in needles), captured.err
+
+
+@pytest.mark.parametrize(("content", "needle"), [(b"[1, 2]", "not a JSON object"), (b"\xff\xfe{}", "utf-8")])
+def test_multiturn_refuses_a_config_file_that_is_no_json_object(
+    tmp_path: Path, content: bytes, needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.json").write_bytes(content)
+    assert main([*TINY_MULTITURN, "--preset", str(tmp_path / "config.json")]) == 2
+    _one_line_error(capsys, needle)
+
+
+def test_multiturn_refuses_a_host_budget_of_a_later_mode_before_any_mode_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """A host budget too small for one item was refused when its mode started, after the modes
+    before it ran (their results lost)."""
+    assert main([*TINY_MULTITURN, "--modes", "no-offload,kv-offload", "--host-kv-bytes", "100"]) == 2
+    captured = capsys.readouterr()
+    assert "mode no-offload" not in captured.out
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and "mode kv-offload" in lines[0] and "does not hold one item" in lines[0]
+
+
+def test_multiturn_takes_a_config_path_of_any_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A config file whose name does not end in .json was taken for a preset's name."""
+    argv = ["bench", "multiturn", "--clients", "1", "--rounds", "1", "--request-len", "4", "--output-len", "1",
+            "--modes", "no-offload", "--preset", _tiny_config(tmp_path, "tiny_config")]  # fmt: skip
+    assert main(argv) == 0
+    assert "no-offload" in capsys.readouterr().out
+
+
+def test_a_preset_name_wins_over_a_file_of_that_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from asynccache.bench.options import spec_from_preset
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").write_text("not a config")
+    assert spec_from_preset("tiny", page_size=4).model_id == "tiny"
 
 
 def test_a_storage_the_backend_refuses_is_found_before_any_mode_runs(capsys: pytest.CaptureFixture[str]) -> None:

@@ -412,6 +412,8 @@ async def test_failed_transfer_propagates() -> None:
         (lambda: seq(make_tokens(10), 0, [0], 99), "outside the pool"),
         (lambda: seq(make_tokens(10), 0, [99], 0), "outside the pool"),
         (lambda: seq(torch.zeros(0, dtype=torch.int64), 0, [0], 0), "non-empty"),
+        (lambda: seq(torch.tensor([1, 2, SPEC.vocab_size]), 0, [0], 0), f"token id {SPEC.vocab_size} outside"),
+        (lambda: seq(torch.tensor([1, -3, 2]), 0, [0], 0), "token id -3 outside"),
     ],
 )
 async def test_rejects_bad_inputs(bad: object, match: str) -> None:
@@ -434,6 +436,46 @@ async def test_rejects_shared_slots_and_foreign_pools() -> None:
 def test_rejects_unsupported_specs() -> None:
     with pytest.raises(ConfigError, match="gated_deltanet"):
         HybridModel(_mamba2_spec())
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float64])
+def test_rejects_dtypes_it_cannot_compute_in(dtype: torch.dtype) -> None:
+    with pytest.raises(ConfigError, match="computes in"):
+        HybridModel(SPEC, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"head_dim": 15}, "head_dim must be even"),
+        ({"kv_dtype": "int8"}, "kv_dtype must be a floating-point"),
+        ({"kv_dtype": "uint8"}, "kv_dtype must be a floating-point"),
+        ({"ssm_dtype": "int8"}, "'ssm' must be a floating-point"),
+    ],
+)
+def test_rejects_specs_it_would_compute_wrong(overrides: dict[str, object], match: str) -> None:
+    """An odd head_dim broke RoPE in the first forward; integer KV or state dtypes truncated
+    K/V and states silently (the logits changed)."""
+    cfg = {k: v for k, v in overrides.items() if k == "head_dim"}
+    dtypes = {k: v for k, v in overrides.items() if k != "head_dim"}
+    spec = HybridSpec.from_hf_config({**_tiny_config(), **cfg}, page_size=P, **dtypes)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=match):
+        HybridModel(spec)
+
+
+def test_takes_floating_point_cache_dtypes() -> None:
+    for dtypes in ({"kv_dtype": "fp8"}, {"ssm_dtype": "bf16"}):
+        HybridModel(HybridSpec.from_hf_config(_tiny_config(), page_size=P, **dtypes))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("field", ["intermediate_size", "vocab_size", "hidden_size"])
+def test_rejects_specs_without_positive_dimensions(field: str) -> None:
+    import dataclasses
+
+    with pytest.raises(ConfigError, match=field):
+        HybridModel(dataclasses.replace(SPEC, **{field: 0}))
+    with pytest.raises(ConfigError, match=field):
+        dataclasses.replace(SPEC, **{field: -4})  # a spec holds no negative dimension
 
 
 def _mamba2_spec() -> HybridSpec:

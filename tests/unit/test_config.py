@@ -119,6 +119,28 @@ def test_a_storage_tier_without_a_host_tier_for_kv_and_states_is_refused(host: d
         HybridCache(SPEC, HybridCacheConfig(**BASE, **sizes, storage_uri="memory://x"))
 
 
+def _one_kind(kind: str) -> HybridSpec:
+    from asynccache.spec import PRESETS
+
+    types = {"attention": "full_attention", "recurrent": "linear_attention"}[kind]
+    return HybridSpec.from_hf_config({**PRESETS["tiny"], "layer_types": [types] * 4}, page_size=4)
+
+
+def test_tiers_a_spec_with_one_kind_of_layer_cannot_use_are_refused() -> None:
+    """Attention only: the storage tier archives prefixes with their recurrent state and stored
+    nothing (a storage mode of hit rate 0). Recurrent only: a host tier keeps prefixes by their
+    KV pages (0 bytes), and was refused for a host state pool without a host KV pool."""
+    attention, recurrent = _one_kind("attention"), _one_kind("recurrent")
+    host = {"host_kv_bytes": 64 * attention.kv_page_bytes}
+    with pytest.raises(ConfigError, match="no recurrent layers: the storage tier"):
+        HybridCache(attention, HybridCacheConfig(**BASE, **host, storage_uri="memory://one_kind"))
+    HybridCache(attention, HybridCacheConfig(**BASE, **host))  # a host tier it can use
+    for sizes in ({"host_state_bytes": 4 * recurrent.state_bytes}, {"host_kv_bytes": 1 << 20}):
+        with pytest.raises(ConfigError, match="no attention layers: the host tier"):
+            HybridCache(recurrent, HybridCacheConfig(**BASE, **sizes), materialize=False)
+    HybridCache(recurrent, HybridCacheConfig(**BASE))  # the device tier only
+
+
 @pytest.mark.parametrize(
     "uri",
     [

@@ -302,6 +302,9 @@ def test_non_integer_field_is_named() -> None:
         ({"num_hidden_layers": 0}, "'num_hidden_layers' must be >= 1"),
         ({"linear_num_value_heads": 0}, "'linear_num_value_heads' must be >= 1"),
         ({"linear_conv_kernel_dim": 1}, "'linear_conv_kernel_dim' must be >= 2"),
+        # optional sizes may be 0 (absent, unknown), never negative
+        ({"intermediate_size": -8}, "'intermediate_size' must be >= 0"),
+        ({"vocab_size": -5}, "'vocab_size' must be >= 0"),
     ],
 )
 def test_malformed_values_are_spec_errors_naming_the_field(change: dict[str, Any], named: str) -> None:

@@ -349,6 +349,24 @@ def test_from_hf_config_invalid_json(tmp_path: Path) -> None:
         HybridSpec.from_hf_config(path)
 
 
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (b"[1, 2, 3]", "not a JSON object but an array"),
+        (b'"qwen3_next"', "not a JSON object but a string"),
+        (b"null", "not a JSON object but null"),
+        (b"7", "not a JSON object but a number"),
+        (b"\xff\xfe\x00{}", "cannot read HF config.*utf-8"),
+    ],
+)
+def test_from_hf_config_a_file_that_is_no_json_object(tmp_path: Path, content: bytes, match: str) -> None:
+    """Each was an untyped TypeError, ValueError or UnicodeDecodeError."""
+    path = tmp_path / "config.json"
+    path.write_bytes(content)
+    with pytest.raises(SpecError, match=match):
+        HybridSpec.from_hf_config(path)
+
+
 def test_model_id_defaults_to_name_or_path() -> None:
     cfg = dict(QWEN3_NEXT_80B, _name_or_path="Qwen/Qwen3-Next-80B-A3B-Instruct")
     assert HybridSpec.from_hf_config(cfg).model_id == "Qwen/Qwen3-Next-80B-A3B-Instruct"

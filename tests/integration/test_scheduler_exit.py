@@ -1,0 +1,152 @@
+"""The reference scheduler's edges: input it refuses before queueing, leaving it while a step is
+inside the forward, and an admission whose allocation raises."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from serving import free_counts, serving_config, tiny_model, tiny_spec
+
+from asynccache.cache import HybridCache
+from asynccache.config import HybridCacheConfig
+from asynccache.errors import ConfigError, SchedulerError
+from asynccache.reference.model import HybridModel
+from asynccache.reference.scheduler import Scheduler
+
+SPEC = tiny_spec()
+MODEL = tiny_model(SPEC, "cpu", seed=0)
+
+
+def config(**overrides: Any) -> HybridCacheConfig:
+    return dataclasses.replace(serving_config(SPEC), **overrides)
+
+
+def prompt(n: int, a: int, b: int) -> list[int]:
+    return [(a * t + b) % 250 + 1 for t in range(n)]
+
+
+def locked_nodes(cache: HybridCache) -> list[Any]:
+    return [n for n in cache.tree.iter_nodes() if n.device_lock or n.host_lock]
+
+
+def assert_nothing_held(cache: HybridCache) -> None:
+    cache.flush_device()
+    cache.flush_host()
+    cache.tree.check_integrity()
+    for pool in (cache.device_kv, cache.device_mamba, cache.host_kv, cache.host_mamba):
+        assert pool is not None and pool.num_free == pool.num_items
+    assert not locked_nodes(cache)
+
+
+async def test_bad_input_is_refused_before_it_is_queued() -> None:
+    """Each of these passed submit: a bad max_new_tokens or salt then stopped the loop (every
+    request failed with it), float token ids were truncated, a bool taken for 1."""
+    bad: list[tuple[tuple[Any, ...], dict[str, Any], str]] = [
+        (([1, 2, 3], 2.0), {}, "max_new_tokens"),
+        (([1, 2, 3], True), {}, "max_new_tokens"),
+        (([1, 2, 3], 0), {}, "max_new_tokens"),
+        (([1, 2, 3], 2), {"salt": None}, "salt must be a str"),
+        (([1, 2, 3], 2), {"salt": 5}, "salt must be a str"),
+        (([1.9, 2.9, 3.9], 2), {}, "must be integers, got 1.9"),
+        (([1, True, 3], 2), {}, "must be integers, got True"),
+        (([1, torch.tensor(True)], 2), {}, "must be integers"),
+        ((np.array([1.0, 2.0]), 2), {}, "must be integers"),
+        ((torch.tensor([1.0, 2.0]), 2), {}, "integer dtype"),
+        ((torch.tensor([True, False]), 2), {}, "integer dtype"),
+        ((torch.tensor([[1, 2]]), 2), {}, "1-D"),
+        ((5, 2), {}, "sequence of token ids"),
+        ((torch.tensor([1, SPEC.vocab_size]), 2), {}, "must lie in"),
+        (([-1, 2], 2), {}, "must lie in"),
+    ]
+    async with HybridCache(SPEC, config()) as cache, Scheduler(MODEL, cache) as sched:
+        good = sched.submit(prompt(12, 7, 3), 3)
+        for args, kwargs, match in bad:
+            with pytest.raises(ConfigError, match=match):
+                sched.submit(*args, **kwargs)
+        assert not sched._waiting[1:]  # nothing of them queued
+        assert len((await asyncio.wait_for(good, 60)).output_ids) == 3
+        # Integers of other types are the same prompt.
+        tokens = prompt(8, 3, 2)
+        want = (await sched.generate(tokens, 2, salt="a")).output_ids
+        for same in (np.array(tokens), torch.tensor(tokens, dtype=torch.int32), [np.int64(t) for t in tokens]):
+            assert (await sched.generate(same, 2, salt="b")).output_ids == want  # type: ignore[arg-type]
+
+
+class GatedModel:
+    """The reference model, whose forward waits for ``release`` once entered; records what the
+    pools and locks held when each forward ended (returned, raised or cancelled)."""
+
+    def __init__(self, model: HybridModel, cache: HybridCache) -> None:
+        self.model, self.cache, self.device, self.spec = model, cache, model.device, model.spec
+        self.entered, self.release = asyncio.Event(), asyncio.Event()
+        self.at_end: list[tuple[tuple[int, ...], int]] = []
+
+    async def forward(self, *args: Any) -> torch.Tensor:
+        self.entered.set()
+        try:
+            await self.release.wait()
+            return await self.model.forward(*args)
+        finally:
+            self.at_end.append((free_counts(self.cache), len(locked_nodes(self.cache))))
+
+
+@pytest.mark.parametrize("hit", ["device", "host"])
+async def test_leaving_during_a_forward_frees_nothing_before_the_step_ends(hit: str) -> None:
+    """Leaving freed the requests' pages and slots and unlocked their prefix before it stopped
+    the loop: a step inside the forward kept using them (on CUDA, kernels already queued)."""
+    p1 = prompt(24, 7, 3)
+    async with HybridCache(SPEC, config()) as cache:
+        gated = GatedModel(MODEL, cache)
+        async with Scheduler(gated, cache) as sched:  # type: ignore[arg-type]
+            gated.release.set()
+            await sched.generate(p1, 2)
+            await cache.controller.wait_idle()
+            if hit == "host":
+                cache.flush_device()
+        idle = free_counts(cache)
+        gated.release.clear()
+        gated.entered.clear()
+        sched = Scheduler(gated, cache)  # type: ignore[arg-type]
+        await sched.__aenter__()
+        fut = sched.submit(p1 + [9, 9, 9, 9], 4)
+        await asyncio.wait_for(gated.entered.wait(), 30)
+        during = (free_counts(cache), len(locked_nodes(cache)))
+        assert during[0] != idle and during[1] > 0  # the request's pages, slots and prefix lock
+        gated.at_end.clear()
+        await sched.__aexit__(None, None, None)
+        assert gated.at_end == [during]  # the forward ended with everything still held
+        assert fut.cancelled()
+        await cache.controller.wait_idle()
+        assert_nothing_held(cache)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+async def test_an_allocation_that_raises_leaves_no_node_locked(when: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Admission locks the match on the device and the host, then allocates; when the allocation
+    raised, only the host lock was released."""
+    p1 = prompt(24, 7, 3)
+    async with HybridCache(SPEC, config()) as cache:
+        async with Scheduler(MODEL, cache) as sched:
+            await sched.generate(p1, 2)
+        real = Scheduler._allocate
+
+        def allocate(self: Scheduler, *args: Any) -> bool:
+            if when == "after":  # the request took the lock, then something failed
+                assert real(self, *args)
+            raise RuntimeError("allocation failed")
+
+        monkeypatch.setattr(Scheduler, "_allocate", allocate)
+        sched = Scheduler(MODEL, cache)
+        await sched.__aenter__()
+        with pytest.raises(RuntimeError, match="allocation failed"):
+            await asyncio.wait_for(sched.generate(p1 + [9, 9, 9, 9], 2), 30)
+        with pytest.raises(SchedulerError, match="allocation failed"):
+            await sched.__aexit__(None, None, None)
+        assert not locked_nodes(cache)
+        if when == "before":
+            assert_nothing_held(cache)
