@@ -370,7 +370,7 @@ class HybridCacheController:
         # `merged` (the merged transfers) is captured so its index tensors live until the copy
         # has completed.
         def done(sync_error: BaseException | None) -> None:
-            del_merged = merged
+            del_merged = merged  # noqa: F841 - keeps the index tensors alive until here
             # A copy that issued fine can still fail on the stream (the event's synchronize
             # raised: a CUDA fault); its ops are undone like those of a failed issue.
             failed = error if error is not None else sync_error
@@ -379,7 +379,7 @@ class HybridCacheController:
             for op in ops if failed is None else reversed(ops):
                 try:
                     self._ops.complete(op, failed, tiering=self.tiering)
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - every op of the step must still resolve
                     log.error("completing %r raised: %s", op, e)
                     op.state = OpState.FAILED
                     if not op.future.done():

@@ -70,7 +70,7 @@ def check_compression(value: object) -> str:
         raise ConfigError(f"compression must be one of {', '.join(COMPRESSIONS)}, got {value!r}")
     if value == "zstd":
         try:
-            import zstandard
+            import zstandard  # noqa: F401
         except ImportError as e:
             raise ConfigError("compression='zstd' needs the zstandard package (pip install zstandard)") from e
     return value

@@ -167,7 +167,7 @@ def _read_unit(
         return ("timeout",)
     except OSError as e:
         return ("os", e.errno, e.strerror, e.filename)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (reported to the parent as a backend failure)
         return ("backend", f"{type(e).__name__}: {e}")
     return ("absent",) if got is False else ("ok", got)
 

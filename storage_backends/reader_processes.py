@@ -186,7 +186,7 @@ class ReaderProcesses(ReaderChannels):
         async def drive(slot: int) -> None:
             try:
                 maybe_child = await self._ready(slot)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 (cannot map: the others take the chunks)
                 log.warning("reader process %d unavailable: %s", slot, e)
                 return  # chunks no child takes stay ReaderLost (the threads read them)
             if maybe_child is None:  # died meanwhile
@@ -316,7 +316,7 @@ class ReaderProcesses(ReaderChannels):
             await self._map(child, own_s=start_s)
             child.up = not self._closed
             self._failed_at[slot] = None
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 (nothing awaits a start: logged, tried again later)
             if self._closed:
                 return
             if child is not None and not child.dead:  # it answers, but cannot map: not used

@@ -93,7 +93,7 @@ def check_endpoint(endpoint: str, what: str) -> None:
     names where it came from. The message never repeats the endpoint (it may hold credentials)."""
     try:
         ep = urlsplit(endpoint)
-        ep.port
+        ep.port  # noqa: B018 (parses the port: a bad one raises ValueError)
     except ValueError as e:
         raise ConfigError(f"{what} is malformed or has an invalid port ({redact_reason(e)})") from None
     if ep.scheme not in ("http", "https") or not ep.hostname or "@" in ep.netloc or ep.query or ep.fragment:

@@ -210,7 +210,7 @@ def _work(state: _PoolState) -> None:
             job.started = True
         try:
             result, error = job.fn(), None
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 (delivered to the caller, whatever it is)
             result, error = None, e
         if result is YIELD and error is None:
             with state.cv:

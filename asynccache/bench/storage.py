@@ -391,7 +391,7 @@ async def _bench(args: argparse.Namespace, uri: str, user_options: dict[str, Any
         try:
             await _cleanup_backend(backend, sorted(set(written)))
             await raw.cleanup()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 (logged: it must not hide the run's own error)
             first = str(e).splitlines()[0] if str(e) else ""
             log.warning("%s: removing the run's objects failed: %s: %s", uri, type(e).__name__, first)
         finally:

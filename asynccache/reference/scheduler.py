@@ -183,7 +183,7 @@ class Scheduler(AdmitMixin, FinishMixin):
                 # A step may complete without suspending (CPU copies, nothing to wait for): yield
                 # so submitters, cancellations and background copies run between steps.
                 await asyncio.sleep(0)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 (any error stops the loop; it goes to the requests)
             # Fail every request rather than leave callers waiting on a dead loop, and refuse
             # new ones (submit). The error is not raised into the TaskGroup: that would cancel
             # the task that entered the scheduler, which may be awaiting one of these requests;

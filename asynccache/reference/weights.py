@@ -102,6 +102,6 @@ def read_safetensors(path: str | PathLike[str], *, device: str | torch.device = 
     where = "cpu" if dev.type == "cpu" else f"{dev.type}:{dev.index or 0}"
     try:
         with safe_open(str(path), framework="pt", device=where) as f:
-            return {name: f.get_tensor(name) for name in f.keys()}
+            return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
     except (OSError, SafetensorError) as e:
         raise ConfigError(f"cannot read safetensors checkpoint {path}: {e}") from e

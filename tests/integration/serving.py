@@ -4,6 +4,7 @@ test's device, the cache budgets they serve through, and a prefix left in storag
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -80,6 +81,16 @@ def slow_backend(cache: HybridCache, method: str, seconds: float, during: Callab
 
     setattr(tier.backend, method, slow)
     return calls
+
+
+def config_with(spec: HybridSpec, **overrides: Any) -> HybridCacheConfig:
+    """:func:`serving_config` of ``spec`` with some fields replaced."""
+    return dataclasses.replace(serving_config(spec), **overrides)
+
+
+def arith_prompt(n: int, a: int, b: int) -> list[int]:
+    """``n`` token ids of an arithmetic sequence (distinct prompts for distinct ``a``, ``b``)."""
+    return [(a * t + b) % 250 + 1 for t in range(n)]
 
 
 def free_counts(cache: HybridCache) -> tuple[int, ...]:

@@ -4,13 +4,18 @@ inside the forward, and an admission whose allocation raises."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from serving import free_counts, serving_config, tiny_model, tiny_spec
+from serving import (
+    arith_prompt,
+    config_with,
+    free_counts,
+    tiny_model,
+    tiny_spec,
+)
 
 from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
@@ -23,11 +28,10 @@ MODEL = tiny_model(SPEC, "cpu", seed=0)
 
 
 def config(**overrides: Any) -> HybridCacheConfig:
-    return dataclasses.replace(serving_config(SPEC), **overrides)
+    return config_with(SPEC, **overrides)
 
 
-def prompt(n: int, a: int, b: int) -> list[int]:
-    return [(a * t + b) % 250 + 1 for t in range(n)]
+prompt = arith_prompt
 
 
 def locked_nodes(cache: HybridCache) -> list[Any]:

@@ -5,12 +5,17 @@ lookup's locks, and a request that waits for room."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from typing import Any
 
 import pytest
-from serving import serving_config, slow_backend, tiny_model, tiny_spec
+from serving import (
+    arith_prompt,
+    config_with,
+    slow_backend,
+    tiny_model,
+    tiny_spec,
+)
 
 from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
@@ -23,11 +28,10 @@ MODEL = tiny_model(SPEC, "cpu", seed=0)
 
 
 def config(**overrides: Any) -> HybridCacheConfig:
-    return dataclasses.replace(serving_config(SPEC), **overrides)
+    return config_with(SPEC, **overrides)
 
 
-def prompt(n: int, a: int, b: int) -> list[int]:
-    return [(a * t + b) % 250 + 1 for t in range(n)]
+prompt = arith_prompt
 
 
 async def settle(cache: HybridCache) -> None:

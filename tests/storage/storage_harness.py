@@ -153,7 +153,7 @@ class SeaweedServer:
         ]  # fmt: skip
         # TMPDIR: weed puts its gRPC sockets and logs in the temporary directory; keep them in ours
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")} | self.env | {"TMPDIR": self.workdir}
-        log = open(os.path.join(self.workdir, "weed.log"), "wb")
+        log = open(os.path.join(self.workdir, "weed.log"), "wb")  # noqa: SIM115 - owned by the process
         try:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.workdir)
         finally:
@@ -182,7 +182,7 @@ class SeaweedServer:
             try:
                 obstore.put(store, "readiness-probe", b"ok")
                 return
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - any failure means "not ready yet"; the last one is reported
                 last = e
             time.sleep(0.05)  # polling interval under the deadline above
         raise RuntimeError(f"SeaweedFS not ready after {deadline_s} s: {last!r}; {self.log_tail()}")
