@@ -101,7 +101,8 @@ class AdmitMixin:
     def _allocate(self, req: Request, match: Any, num_cached: int, tail: Any, by_tier: dict[str, int]) -> bool:
         """Allocate a matched request's slots and pages and queue its load (``match`` locked on
         the device by the caller, which releases the lock unless ``req.locked_node`` took it);
-        False, with everything else undone, when there is no room."""
+        False, with everything else undone, when there is no room; when it raises, nothing it
+        took stays taken either."""
         tree, ctrl, page = self.cache.tree, self.cache.controller, self.spec.page_size
         # Pages for every position this request will compute: [num_cached, total_len - 1).
         last_pos = req.total_len - 1
@@ -113,43 +114,43 @@ class AdmitMixin:
         slot_alloc = tree.alloc_device(0, 1 + len(snap_positions))
         op = page_alloc = None
         state_to: tuple[int, ...] = ()
-        if slot_alloc is not None:
-            if match is not None and match.needs_load:
-                # A boundary state loaded from the host lands in the working slot too (with
-                # the node's copy): nothing to seed from the node's slot then.
-                if match.state_tier is Tier.HOST:
-                    state_to = (int(slot_alloc.state_slots[0]),)
-                op = ctrl.load(match, state_to=state_to)
-            if op is not None or match is None or not match.needs_load:
-                page_alloc = tree.alloc_device(num_pages_total - num_cached // page, 0)
-        if page_alloc is None:
-            if op is not None:
-                ctrl.cancel(op)
+        try:
             if slot_alloc is not None:
-                ctrl._free(slot_alloc.kv_indices, slot_alloc.state_slots, device=True)
-            if tail is not None:
-                tail.release()
-            return False
-        assert slot_alloc is not None
-        own, slots = page_alloc.kv_indices, slot_alloc.state_slots
-        if match is not None and num_cached:
-            node = match.last_node
-            prefix_pages = _path_device_pages(node)  # every page of the prefix, on device after the load
-            assert prefix_pages.numel() == num_cached // page
-            assert node.device_state is not None
-            if state_to:
-                self._loading_slots[node.device_state] = state_to[0]
+                if match is not None and match.needs_load:
+                    # A boundary state loaded from the host lands in the working slot too (with
+                    # the node's copy): nothing to seed from the node's slot then.
+                    if match.state_tier is Tier.HOST:
+                        state_to = (int(slot_alloc.state_slots[0]),)
+                    op = ctrl.load(match, state_to=state_to)
+                if op is not None or match is None or not match.needs_load:
+                    page_alloc = tree.alloc_device(num_pages_total - num_cached // page, 0)
+            if page_alloc is None:  # no room
+                self._undo_allocation(req, slot_alloc, None, op, tail)
+                return False
+            assert slot_alloc is not None
+            own, slots = page_alloc.kv_indices, slot_alloc.state_slots
+            if match is not None and num_cached:
+                node = match.last_node
+                prefix_pages = _path_device_pages(node)  # every page of the prefix, on device after the load
+                assert prefix_pages.numel() == num_cached // page
+                assert node.device_state is not None
+                if state_to:
+                    self._loading_slots[node.device_state] = state_to[0]
+                else:
+                    req.seed_slot = node.device_state
+                req.kv_pages = torch.cat([prefix_pages, own])
+                # A hit that needed any host load (KV pages, or only the boundary state) counts on
+                # the host tier; what the prefetch brought counts on storage.
+                loaded = num_cached if match.state_tier is Tier.HOST else match.num_host_tokens
+                by_tier["host"] = max(0, loaded - by_tier["storage"])
+                by_tier["device"] = num_cached - by_tier["host"] - by_tier["storage"]
+                req.locked_node = node
             else:
-                req.seed_slot = node.device_state
-            req.kv_pages = torch.cat([prefix_pages, own])
-            # A hit that needed any host load (KV pages, or only the boundary state) counts on
-            # the host tier; what the prefetch brought counts on storage.
-            loaded = num_cached if match.state_tier is Tier.HOST else match.num_host_tokens
-            by_tier["host"] = max(0, loaded - by_tier["storage"])
-            by_tier["device"] = num_cached - by_tier["host"] - by_tier["storage"]
-            req.locked_node = node
-        else:
-            req.kv_pages = own
+                req.kv_pages = own
+        except BaseException:
+            # Nothing of a failed admission stays taken (the caller releases the match's lock).
+            self._undo_allocation(req, slot_alloc, page_alloc, op, tail)
+            raise
         req.own_pages = own
         req.load_op = op
         req.state_slot = int(slots[0])
@@ -159,6 +160,24 @@ class AdmitMixin:
         req.tail = tail
         req.phase = Phase.PREFILL
         return True
+
+    def _undo_allocation(self, req: Request, slot_alloc: Any, page_alloc: Any, op: Any, tail: Any) -> None:
+        """Give back what :meth:`_allocate` took when it finds no room or raises: the queued load,
+        the slots and pages, the tail restore, and the request's view of them."""
+        ctrl = self.cache.controller
+        if op is not None:
+            ctrl.cancel(op)
+        for alloc in (page_alloc, slot_alloc):
+            if alloc is not None:
+                ctrl._free(alloc.kv_indices, alloc.state_slots, device=True)
+        if slot_alloc is not None and len(slot_alloc.state_slots):
+            working = int(slot_alloc.state_slots[0])
+            for slot in [s for s, w in self._loading_slots.items() if w == working]:
+                del self._loading_slots[slot]
+        if tail is not None:
+            tail.release()
+        req.seed_slot = None
+        req.kv_pages = req.own_pages = None
 
     def _snapshot_positions(self, req: Request, num_cached: int, tail: Any = None) -> list[int]:
         """Page-aligned positions the admission policy keeps, past the cached prefix (and not

@@ -20,6 +20,7 @@ from serving import (
 from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
 from asynccache.errors import ConfigError, SchedulerError
+from asynccache.reference import admit
 from asynccache.reference.model import HybridModel
 from asynccache.reference.scheduler import Scheduler
 
@@ -154,3 +155,30 @@ async def test_an_allocation_that_raises_leaves_no_node_locked(when: str, monkey
         assert not locked_nodes(cache)
         if when == "before":
             assert_nothing_held(cache)
+
+
+@pytest.mark.parametrize("tier", ["device", "host"])
+async def test_an_allocation_that_raises_midway_gives_back_what_it_took(tier: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error inside the allocation, once the request's slots and pages are taken (and, for a
+    host hit, its load queued), leaves none of them taken: after the scheduler is left, every
+    pool is whole and no node is locked."""
+    p1 = prompt(24, 5, 2)
+    async with HybridCache(SPEC, config()) as cache:
+        async with Scheduler(MODEL, cache) as sched:
+            await sched.generate(p1, 2)
+        await cache.controller.wait_idle()
+        if tier == "host":
+            cache.flush_device()
+
+        def broken(node: Any) -> torch.Tensor:
+            raise RuntimeError("page lookup failed")
+
+        monkeypatch.setattr(admit, "_path_device_pages", broken)
+        sched = Scheduler(MODEL, cache)
+        await sched.__aenter__()
+        with pytest.raises(RuntimeError, match="page lookup failed"):
+            await asyncio.wait_for(sched.generate(p1 + [9, 9, 9, 9], 2), 30)
+        with pytest.raises(SchedulerError, match="page lookup failed"):
+            await sched.__aexit__(None, None, None)
+        await cache.controller.wait_idle()
+        assert_nothing_held(cache)
