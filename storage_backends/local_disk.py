@@ -62,7 +62,8 @@ Primitives:
   :class:`~storage_backends.disk_jobs.DiskJobsMixin`.
 - :func:`open_local_disk` — the ``file://`` entry of the registry; :func:`parse_file_uri` — the
   root path a ``file://`` URI names.
-- :data:`READ_RANGE_BYTES`; :data:`STALE_TMP_S` (from :mod:`storage_backends.disk_jobs`).
+- :data:`READ_RANGE_BYTES` — the range size large payloads are read in; :data:`STALE_TMP_S` —
+  re-exported from :mod:`storage_backends.disk_jobs`, where it is defined.
 """
 
 from __future__ import annotations
