@@ -139,6 +139,8 @@ def make_pool_pair(item_bytes: int, num_items: int, device: torch.device, *, see
 def _fill_random(buf: torch.Tensor | None, seed: int) -> None:
     assert buf is not None
     flat = buf.view(-1)
+    if flat.numel() == 0:
+        return
     if flat.device.type == "cuda":
         gen = torch.Generator(device=flat.device).manual_seed(seed)
         flat.random_(0, 256, generator=gen)
@@ -345,7 +347,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gemm-n", type=positive_int, default=8192, help="GEMM size for the slowdown test")
     parser.add_argument("--no-gemm", action="store_true", help="skip the concurrent-GEMM test")
     parser.add_argument("--states", type=positive_int, default=None, help="per-layer load: states (default 64 CUDA, 1 CPU)")
-    parser.add_argument("--tokens", type=positive_int, default=None, help="per-layer load: KV tokens (default 32768 / 512)")
+    parser.add_argument(
+        "--tokens",
+        type=positive_int,
+        default=None,
+        help="per-layer load: KV tokens, at least the preset's page size and rounded down to whole pages "
+        "(default 32768 / 512)",
+    )
     parser.add_argument("--no-scenario", action="store_true", help="skip the per-layer load scenario")
     parser.add_argument(
         "--consecutive", action="store_true", help="per-layer load: consecutive indices on both sides (default random)"
@@ -414,6 +422,8 @@ def run(args: argparse.Namespace) -> int:
     device = _device(args.device)
     cuda = device.type == "cuda"
     spec = HybridSpec.preset(args.preset)
+    if args.tokens is not None and args.tokens < spec.page_size and not args.no_scenario:
+        raise ConfigError(f"--tokens: {args.tokens} is smaller than the page size of {args.preset!r} ({spec.page_size})")
     sizes = _sizes(args.sizes, spec, cuda)
     caps, methods = _caps(args.ctas), _methods(args.methods)  # checked on CPU too, where they do not apply
     if not cuda:

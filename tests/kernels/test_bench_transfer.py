@@ -71,3 +71,15 @@ def test_unknown_named_size_is_rejected() -> None:
 def test_ctas_and_methods_are_checked_on_cpu_too(option: str, value: str) -> None:
     with pytest.raises(ConfigError, match=option):
         transfer.run(_args("--device", "cpu", "--sizes", "4096", "--no-scenario", option, value))
+
+
+def test_tokens_below_the_page_size_are_refused_before_the_run() -> None:
+    with pytest.raises(ConfigError, match="--tokens: 63 is smaller than the page size"):
+        transfer.run(_args("--device", "cpu", "--preset", "tiny", "--sizes", "4096", "--tokens", "63"))
+
+
+def test_fill_random_leaves_an_empty_buffer_alone() -> None:
+    import torch
+
+    transfer._fill_random(torch.empty(0, dtype=torch.uint8), 0)
+    transfer._fill_random(torch.empty(0, 16, dtype=torch.uint8), 0)
