@@ -26,9 +26,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from asynccache.bench.options import nonnegative_int, positive_int, positive_int_list
-from asynccache.errors import ConfigError
+from asynccache.errors import CapacityError, ConfigError
 from asynccache.policy import EndsAdmission, EveryPageAdmission
 from asynccache.pools import DeviceKVPool, DeviceMambaPool, HostKVPool, MambaPoolHost
 from asynccache.spec import HybridSpec
@@ -60,10 +61,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the figures as JSON to this path")
 
 
-def _build_tree(args: argparse.Namespace, extra_pages: int) -> HybridRadixTree:
+#: Token counts of the requests filling the tree: ``[low, high)`` of a system prompt, a body and
+#: an output.
+_SYSTEM_TOKENS = (512, 4096)
+_BODY_TOKENS = (256, 24_000)
+_OUTPUT_TOKENS = (16, 1024)
+#: The most tokens one filling request has: the fill stops once the tree holds ``--tree-pages``
+#: pages, so the last request may go past it by up to this many tokens.
+_MAX_REQUEST_TOKENS = sum(high - 1 for _, high in (_SYSTEM_TOKENS, _BODY_TOKENS, _OUTPUT_TOKENS))
+#: States a probe conversation takes with ``ends`` admission: up to 16 turns of 3.
+_CONVERSATION_STATES = 16 * 3
+
+
+def _pages(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+def _build_tree(args: argparse.Namespace, sizes: list[int]) -> HybridRadixTree:
+    """A tree over accounting pools large enough for the fill, the probe conversations and every
+    timed insert (``--repeats`` fresh prompts and re-inserts per size)."""
     spec = HybridSpec.preset(args.preset, page_size=args.page_size)
-    num_pages = args.tree_pages + extra_pages + 4096
-    num_states = num_pages if args.admission == "every-page" else args.tree_pages // 4 + 4096
+    slack = _pages(_MAX_REQUEST_TOKENS, args.page_size)
+    per_size = (args.repeats + 2) * sum(size // args.page_size + 1 for size in sizes)
+    num_pages = args.tree_pages + slack + per_size
+    if args.admission == "every-page":
+        num_states = num_pages
+    else:
+        # Fill: up to 3 states a request, and each request brings at least the pages of its
+        # body and output; then each size's probe conversation and 2 states per timed insert.
+        new_pages = max(1, (_BODY_TOKENS[0] + _OUTPUT_TOKENS[0]) // args.page_size)
+        fill_states = 3 * (args.tree_pages // new_pages + 1)
+        num_states = fill_states + len(sizes) * (_CONVERSATION_STATES + 2 * args.repeats)
     return HybridRadixTree(
         spec,
         admission=EveryPageAdmission() if args.admission == "every-page" else EndsAdmission(),
@@ -74,23 +102,32 @@ def _build_tree(args: argparse.Namespace, extra_pages: int) -> HybridRadixTree:
     )
 
 
+def _alloc(tree: HybridRadixTree, num_pages: int, num_states: int) -> tuple[torch.Tensor, torch.Tensor]:
+    kv = tree.device_kv.alloc(num_pages)
+    slots = tree.device_mamba.alloc(num_states) if num_states else torch.empty(0, dtype=torch.int64)
+    if kv is None or slots is None:
+        raise CapacityError(
+            f"benchmark pools are too small: {num_pages} pages and {num_states} states wanted, "
+            f"{tree.device_kv.num_free} and {tree.device_mamba.num_free} free"
+        )
+    return kv, slots
+
+
 def _insert(tree: HybridRadixTree, tokens: np.ndarray, prompt_len: int) -> None:
     n_pages = tokens.shape[0] // tree.page_size
     positions = sorted(tree.state_positions(prompt_len, total_len=tokens.shape[0]))
-    kv = tree.device_kv.alloc(n_pages)
-    slots = tree.device_mamba.alloc(len(positions))
-    assert kv is not None and slots is not None, "benchmark pools are too small"
+    kv, slots = _alloc(tree, n_pages, len(positions))
     tree.insert(tokens, kv, states=dict(zip(positions, slots.tolist(), strict=True)), prompt_len=prompt_len)
 
 
 def _fill(tree: HybridRadixTree, rng: np.random.Generator, target_pages: int) -> int:
     """Requests sharing one of 16 system prompts, with random bodies and outputs."""
-    systems = [rng.integers(0, 150_000, int(rng.integers(512, 4096)), dtype=np.int64) for _ in range(16)]
+    systems = [rng.integers(0, 150_000, int(rng.integers(*_SYSTEM_TOKENS)), dtype=np.int64) for _ in range(16)]
     num_requests = 0
     while tree.stats().device_kv_pages < target_pages:
         system = systems[int(rng.integers(0, len(systems)))]
-        body = rng.integers(0, 150_000, int(rng.integers(256, 24_000)), dtype=np.int64)
-        output = rng.integers(0, 150_000, int(rng.integers(16, 1024)), dtype=np.int64)
+        body = rng.integers(0, 150_000, int(rng.integers(*_BODY_TOKENS)), dtype=np.int64)
+        output = rng.integers(0, 150_000, int(rng.integers(*_OUTPUT_TOKENS)), dtype=np.int64)
         prompt = np.concatenate([system, body])
         _insert(tree, np.concatenate([prompt, output]), prompt.shape[0])
         num_requests += 1
@@ -116,8 +153,7 @@ def run(args: argparse.Namespace) -> int:
     if sizes[0] < args.page_size:
         raise ConfigError(f"--sizes: {sizes[0]} is smaller than --page-size ({args.page_size}): no page to match")
     rng = np.random.default_rng(args.seed)
-    extra = sum(size // args.page_size + 1 for size in sizes) * (args.repeats + 2)
-    tree = _build_tree(args, extra)
+    tree = _build_tree(args, sizes)
     t0 = time.perf_counter()
     num_requests = _fill(tree, rng, args.tree_pages)
     probes = {size: _conversation(tree, rng, size) for size in sizes}
@@ -151,15 +187,15 @@ def run(args: argparse.Namespace) -> int:
             n_pages = size // args.page_size
             for _ in range(args.repeats):
                 fresh = rng.integers(0, 150_000, size, dtype=np.int64)
-                kv = tree.device_kv.alloc(n_pages)
-                slots = tree.device_mamba.alloc(2)
-                assert kv is not None and slots is not None
-                states = {n_pages * args.page_size: int(slots[0]), max(n_pages - 1, 1) * args.page_size: int(slots[1])}
+                # States at the prompt end and the page boundary before it (one state for a
+                # one-page prompt, which has no boundary before its end).
+                positions = [n_pages * args.page_size, (n_pages - 1) * args.page_size][: min(n_pages, 2)]
+                kv, slots = _alloc(tree, n_pages, len(positions))
+                states = dict(zip(positions, slots.tolist(), strict=True))
                 t = time.perf_counter_ns()
                 tree.insert(fresh, kv, states=states)
                 insert_ns.append(time.perf_counter_ns() - t)
-                kv2 = tree.device_kv.alloc(n_pages)
-                assert kv2 is not None
+                kv2, _ = _alloc(tree, n_pages, 0)
                 t = time.perf_counter_ns()
                 tree.insert(fresh, kv2)
                 reinsert_ns.append(time.perf_counter_ns() - t)
