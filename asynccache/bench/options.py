@@ -15,6 +15,7 @@ from asynccache.spec import PRESETS, HybridSpec
 __all__ = [
     "MAX_SEED",
     "device_name",
+    "distinct_positive_int_list",
     "nonnegative_int",
     "positive_float",
     "positive_int",
@@ -67,6 +68,15 @@ def positive_int_list(text: str) -> list[int]:
     if not items:
         raise argparse.ArgumentTypeError("needs at least one value")
     return [positive_int(t.strip()) for t in items]
+
+
+def distinct_positive_int_list(text: str) -> list[int]:
+    """Comma-separated positive integers (at least one), none given twice."""
+    values = positive_int_list(text)
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(f"given more than once: {', '.join(map(str, repeated))}")
+    return values
 
 
 def positive_float(text: str) -> float:

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from asynccache.bench.options import nonnegative_int, positive_int, positive_int_list
+from asynccache.bench.options import distinct_positive_int_list, nonnegative_int, positive_int
 from asynccache.errors import CapacityError, ConfigError
 from asynccache.policy import EndsAdmission, EveryPageAdmission
 from asynccache.pools import DeviceKVPool, DeviceMambaPool, HostKVPool, MambaPoolHost
@@ -43,9 +43,9 @@ DEFAULT_SIZES = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sizes",
-        type=positive_int_list,
+        type=distinct_positive_int_list,
         default=list(DEFAULT_SIZES),
-        help="prompt sizes in tokens, comma-separated, each at least --page-size (default 1k…128k)",
+        help="prompt sizes in tokens, comma-separated, distinct, each at least --page-size (default 1k…128k)",
     )
     parser.add_argument("--page-size", type=positive_int, default=64)
     parser.add_argument("--tree-pages", type=positive_int, default=100_000, help="pages held by the tree before measuring")

@@ -318,3 +318,11 @@ def test_prefix_over_a_storage_dir_an_earlier_run_filled_starts_cold(
         assert res["cached_tokens_repeats"]["cold"] == [0]
         assert res["cached_tokens_repeats"]["cold_short"] == [0]
     capsys.readouterr()
+
+
+def test_tree_sizes_given_twice_are_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """--sizes 64,64 printed two rows but its JSON, keyed by size, kept one."""
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "tree", "--preset", "tiny", "--sizes", "64,128,64", "--tree-pages", "100", "--repeats", "1"])
+    assert info.value.code == 2
+    assert "--sizes: given more than once: 64" in capsys.readouterr().err
