@@ -25,7 +25,8 @@ cache unless ``--cold-reads`` (file:// only) drops both paths' objects from it f
 
 (``options``: the backend's options besides the namespace; ``usable_cores``: the cores this
 process may run on.) Everything the run writes is removed at the end (the temporary directory,
-or this run's namespace and raw objects under a given URI); the run's namespace is its own, so
+or this run's namespace and raw objects under a given URI, and the folders of a ``file://`` root
+that did not exist before the run, where they are left empty); the run's namespace is its own, so
 ``--option namespace=…`` is refused. A removal that fails is logged and does not hide the
 run's own error.
 """
@@ -58,7 +59,7 @@ from asynccache.pools.host import HostKVPool, MambaPoolHost
 from asynccache.spec import HybridSpec
 from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer, open_backend
 from storage_backends.base import ObjectBackend, usable_cores
-from storage_backends.local_disk import LocalDiskBackend
+from storage_backends.local_disk import LocalDiskBackend, parse_file_uri
 from storage_backends.object_store import ObjectStoreBackend
 
 __all__ = ["add_arguments", "run"]
@@ -419,6 +420,31 @@ async def _bench(args: argparse.Namespace, uri: str, user_options: dict[str, Any
     }
 
 
+def _missing_folders(uri: str) -> list[str]:
+    """The folders of a ``file://`` URI's root that do not exist yet, deepest first (the run
+    creates them); none for other schemes."""
+    if urlsplit(uri).scheme != "file":
+        return []
+    missing: list[str] = []
+    path = os.path.abspath(parse_file_uri(uri))
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def _remove_folders(folders: list[str]) -> None:
+    """Remove ``folders`` (deepest first) while they are empty."""
+    for folder in folders:
+        try:
+            os.rmdir(folder)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            log.warning("%s: not removed: %s", folder, e.strerror or type(e).__name__)
+            return
+
+
 def run(args: argparse.Namespace) -> int:
     if args.rounds < 1 or args.num_pages < 0 or args.num_states < 0 or args.num_pages + args.num_states == 0:
         print("need rounds >= 1 and at least one page or state", file=sys.stderr)
@@ -440,7 +466,9 @@ def run(args: argparse.Namespace) -> int:
     if uri is None:
         tmp = tempfile.mkdtemp(prefix="asynccache-bench-")
         uri = f"file://{tmp}"
+    created: list[str] = []
     try:
+        created = _missing_folders(uri) if tmp is None else []
         spec = HybridSpec.preset(args.preset, tp_size=args.tp_size)
         print(
             f"storage benchmark: {uri}\n  {args.preset} tp{args.tp_size}: {args.num_pages} KV pages x "
@@ -459,6 +487,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+        _remove_folders(created)
     print(
         f"median: backend write {report['write_gbps']:.3f} read {report['read_gbps']:.3f} GB/s; "
         f"raw write {report['raw_write_gbps']:.3f} read {report['raw_read_gbps']:.3f} GB/s; "

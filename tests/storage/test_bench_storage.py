@@ -30,6 +30,16 @@ def test_bench_storage_local_disk(tmp_path: Path) -> None:
     assert list(root.iterdir()) == []  # everything it wrote is gone
 
 
+def test_bench_storage_removes_the_folders_it_created_for_a_root(tmp_path: Path) -> None:
+    """A file:// root that did not exist is created by the run and removed with what it wrote;
+    a folder that existed before stays."""
+    root = tmp_path / "kept" / "a" / "b"
+    root.parent.parent.mkdir()
+    run_bench(tmp_path, "--uri", f"file://{root}", "--no-fsync", "--rounds", "1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json", "kept"]
+    assert list((tmp_path / "kept").iterdir()) == []
+
+
 def test_bench_storage_default_uri_is_a_temporary_directory(tmp_path: Path) -> None:
     report = run_bench(tmp_path, "--no-fsync")
     assert str(report["uri"]).startswith("file://") and not Path(str(report["uri"])[7:]).exists()
