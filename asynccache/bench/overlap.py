@@ -81,7 +81,6 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     spec = HybridSpec.preset(args.preset, page_size=PAGE_SIZE)
     num_pages = args.prefix_tokens // spec.page_size
-    tokens = list(range(1, num_pages * spec.page_size + 1))
     cfg = HybridCacheConfig(
         device_kv_pages=num_pages + 8,
         device_state_slots=4,
@@ -94,6 +93,9 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     layer_ids = spec.cached_layer_ids
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     async with HybridCache(spec, cfg, device=device) as cache:
+        # Built once the pools are: a prefix too large for this machine is a typed error there,
+        # not a token list that exhausts memory first.
+        tokens = list(range(1, num_pages * spec.page_size + 1))
         ctrl, tree = cache.controller, cache.tree
         # Populate: a prefix with its state, backed up to host.
         kv = cache.device_kv.alloc(num_pages)

@@ -326,3 +326,13 @@ def test_tree_sizes_given_twice_are_a_usage_error(capsys: pytest.CaptureFixture[
         main(["bench", "tree", "--preset", "tiny", "--sizes", "64,128,64", "--tree-pages", "100", "--repeats", "1"])
     assert info.value.code == 2
     assert "--sizes: given more than once: 64" in capsys.readouterr().err
+
+
+def test_overlap_prefix_too_large_for_the_pools_is_a_typed_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """The pools refuse a prefix this machine cannot hold before any token list is built (it was
+    a MemoryError building the list)."""
+    argv = ["bench", "overlap", "--preset", "tiny", "--device", "cpu", "--prefix-tokens", "64000000000000",
+            "--repeats", "1"]  # fmt: skip
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "error: CapacityError" in err
