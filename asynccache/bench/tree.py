@@ -28,7 +28,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from asynccache.bench.options import distinct_positive_int_list, nonnegative_int, positive_int
+from asynccache.bench.options import (
+    distinct_positive_int_list,
+    nonnegative_int,
+    positive_int,
+)
 from asynccache.errors import CapacityError, ConfigError
 from asynccache.policy import EndsAdmission, EveryPageAdmission
 from asynccache.pools import DeviceKVPool, DeviceMambaPool, HostKVPool, MambaPoolHost
