@@ -94,6 +94,9 @@ class StorageTier:
         #: Observed ÷ estimated read time of whole restores and of split restores' tails.
         self.read_alone = ReadTimeCorrection()
         self.read_beside_compute = ReadTimeCorrection()
+        #: Archive each completed device → host backup (write-through to storage). Off: storage
+        #: gets only what the owner writes itself (trace replay's ``storage_write="demote"``).
+        self.archive_host_writes = True
 
     async def register(self) -> None:
         for name, (_, host) in self.controller.pools.items():
@@ -109,6 +112,8 @@ class StorageTier:
     # ---- backup ------------------------------------------------------------------------
     def on_host_write(self, plan: Any) -> None:
         """Called on the loop when a device → host backup completed."""
+        if not self.archive_host_writes:
+            return
         for node in plan.nodes:
             if node.host_state is None or node.archived:
                 continue

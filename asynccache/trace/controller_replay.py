@@ -116,7 +116,7 @@ class ControllerReplay(TraceReplay):
             if self.controller.tiering is not None and self.config.combo.storage_write == "demote":
                 # The controller's tier archives every completed host write; demote writes only
                 # host victims (the replay's tier, through the host budget's hook).
-                self.controller.tiering.on_host_write = _archive_nothing
+                self.controller.tiering.archive_host_writes = False
             for i in range(n):
                 hits[i] = await self._arequest(i)
                 if every and (i + 1) % every == 0:
@@ -149,10 +149,6 @@ class ControllerReplay(TraceReplay):
 
     def run(self) -> ReplayResult:
         return asyncio.run(self.arun())
-
-
-def _archive_nothing(plan: object) -> None:
-    """A completed host write under ``storage_write="demote"``: nothing goes to storage yet."""
 
 
 def replay_trace_with_controller(

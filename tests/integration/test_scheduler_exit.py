@@ -130,6 +130,17 @@ async def test_leaving_during_a_forward_frees_nothing_before_the_step_ends(hit: 
         assert_nothing_held(cache)
 
 
+async def admission_fails(cache: HybridCache, tokens: list[int], message: str) -> None:
+    """A request for ``tokens`` fails in admission with ``message``, which stops the scheduler's
+    loop: leaving the scheduler raises it as a SchedulerError."""
+    sched = Scheduler(MODEL, cache)
+    await sched.__aenter__()
+    with pytest.raises(RuntimeError, match=message):
+        await asyncio.wait_for(sched.generate(tokens, 2), 30)
+    with pytest.raises(SchedulerError, match=message):
+        await sched.__aexit__(None, None, None)
+
+
 @pytest.mark.parametrize("when", ["before", "after"])
 async def test_an_allocation_that_raises_leaves_no_node_locked(when: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Admission locks the match on the device and the host, then allocates; when the allocation
@@ -146,12 +157,7 @@ async def test_an_allocation_that_raises_leaves_no_node_locked(when: str, monkey
             raise RuntimeError("allocation failed")
 
         monkeypatch.setattr(Scheduler, "_allocate", allocate)
-        sched = Scheduler(MODEL, cache)
-        await sched.__aenter__()
-        with pytest.raises(RuntimeError, match="allocation failed"):
-            await asyncio.wait_for(sched.generate(p1 + [9, 9, 9, 9], 2), 30)
-        with pytest.raises(SchedulerError, match="allocation failed"):
-            await sched.__aexit__(None, None, None)
+        await admission_fails(cache, p1 + [9, 9, 9, 9], "allocation failed")
         assert not locked_nodes(cache)
         if when == "before":
             assert_nothing_held(cache)
@@ -174,11 +180,6 @@ async def test_an_allocation_that_raises_midway_gives_back_what_it_took(tier: st
             raise RuntimeError("page lookup failed")
 
         monkeypatch.setattr(admit, "_path_device_pages", broken)
-        sched = Scheduler(MODEL, cache)
-        await sched.__aenter__()
-        with pytest.raises(RuntimeError, match="page lookup failed"):
-            await asyncio.wait_for(sched.generate(p1 + [9, 9, 9, 9], 2), 30)
-        with pytest.raises(SchedulerError, match="page lookup failed"):
-            await sched.__aexit__(None, None, None)
+        await admission_fails(cache, p1 + [9, 9, 9, 9], "page lookup failed")
         await cache.controller.wait_idle()
         assert_nothing_held(cache)

@@ -126,14 +126,14 @@ async def move_to_host(cache: HybridCache, nodes: Sequence[Any]) -> None:
     the backup), then drop their device copies."""
     tier = cache.controller.tiering
     assert tier is not None
-    tier.on_host_write = lambda plan: None  # type: ignore[method-assign]
+    tier.archive_host_writes = False
     try:
         op = cache.controller.write(nodes)
         assert op is not None
         cache.controller.start_writing()
         await op
     finally:
-        del tier.on_host_write
+        tier.archive_host_writes = True
     cache.flush_device()
 
 

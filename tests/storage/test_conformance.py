@@ -26,7 +26,7 @@ from storage_harness import (
 from asynccache.errors import BackendError, ConfigError
 from asynccache.pools.base import ItemPool
 from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer, longest_hit
-from storage_backends.base import BatchItem, ObjectBackend
+from storage_backends.base import ObjectBackend
 from storage_backends.local_disk import LocalDiskBackend
 from storage_backends.object_format import FORMAT_VERSION, ObjectGeometry
 
@@ -193,28 +193,35 @@ async def test_concurrent_writers_of_one_key(harness: Harness) -> None:
     assert sum(b.statistics().num_writes for b, _, _ in writers) == 2  # one KV page, one state
 
 
+def delay_method(obj: object, name: str, delay_s: float, started: list[int], *, blocking: bool) -> None:
+    """Make ``obj.name`` take ``delay_s`` longer: a sleep in its worker thread (``blocking``) or
+    on the event loop; ``started`` grows by one as each call starts."""
+    method = getattr(obj, name)
+    if blocking:
+
+        def slowed(*args: object, **kwargs: object) -> object:
+            started.append(1)
+            time.sleep(delay_s)
+            return method(*args, **kwargs)
+
+    else:
+
+        async def slowed(*args: object, **kwargs: object) -> object:  # type: ignore[misc]
+            started.append(1)
+            await asyncio.sleep(delay_s)
+            return await method(*args, **kwargs)
+
+    setattr(obj, name, slowed)
+
+
 def slow_writes(backend: ObjectBackend, delay_s: float) -> list[int]:
     """Make every object write of ``backend`` take ``delay_s`` longer (a slow disk or bucket);
     the returned list grows by one as each write starts."""
     started: list[int] = []
     if isinstance(backend, LocalDiskBackend):
-        write_file = backend._write_file
-
-        def slow_file(*args: object) -> bool:
-            started.append(1)
-            time.sleep(delay_s)
-            return write_file(*args)
-
-        backend._write_file = slow_file  # type: ignore[method-assign]
+        delay_method(backend, "_write_file", delay_s, started, blocking=True)
     else:
-        write_object = backend._write_object
-
-        async def slow_object(item: BatchItem) -> bool:
-            started.append(1)
-            await asyncio.sleep(delay_s)
-            return await write_object(item)
-
-        backend._write_object = slow_object  # type: ignore[method-assign]
+        delay_method(backend, "_write_object", delay_s, started, blocking=False)
     return started
 
 
@@ -667,32 +674,11 @@ def slow_reads(backend: ObjectBackend, delay_s: float) -> list[int]:
     every batch); the returned list grows by one as each starts."""
     started: list[int] = []
     if isinstance(backend, LocalDiskBackend) and backend._readers is not None:
-        readers, read_units = backend._readers, backend._readers.read
-
-        async def slow_batch(*args: object, **kwargs: object) -> object:
-            started.append(1)
-            await asyncio.sleep(delay_s)
-            return await read_units(*args, **kwargs)
-
-        readers.read = slow_batch  # type: ignore[method-assign]
+        delay_method(backend._readers, "read", delay_s, started, blocking=False)
     elif isinstance(backend, LocalDiskBackend):
-        read_range = backend._read_range
-
-        def slow_range(*args: object) -> object:
-            started.append(1)
-            time.sleep(delay_s)
-            return read_range(*args)
-
-        backend._read_range = slow_range  # type: ignore[method-assign]
+        delay_method(backend, "_read_range", delay_s, started, blocking=True)
     else:
-        read_object = backend._read_object
-
-        async def slow_object(item: BatchItem) -> bool:
-            started.append(1)
-            await asyncio.sleep(delay_s)
-            return await read_object(item)
-
-        backend._read_object = slow_object  # type: ignore[method-assign]
+        delay_method(backend, "_read_object", delay_s, started, blocking=False)
     return started
 
 
