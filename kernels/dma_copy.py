@@ -27,13 +27,12 @@ from collections.abc import Callable
 import torch
 
 from asynccache.errors import TransferError
-from kernels.api import (
-    DMA_ENGINES,
+from kernels.api import DMA_ENGINES, current_device
+from kernels.copy_checks import (
     PoolBufferLike,
     check_device_buffers,
     check_layer_range,
     check_overlap,
-    current_device,
     validate_copy,
     validate_indices,
     validate_pools,
@@ -81,8 +80,8 @@ def launch_dma(
     """Enqueue ``src[l, src_indices[i]] → dst[l, dst_indices[i]]`` for ``l`` in the layer range
     as memcpys on ``stream`` (default: the current stream of the CUDA buffer's device).
 
-    Checks everything before enqueueing (``kernels.api``: geometry, indices, pinned host memory,
-    one GPU, in-pool overlap; the stream's type and device; the engine) and raises
+    Checks everything before enqueueing (``kernels.copy_checks``: geometry, indices, pinned host
+    memory, one GPU, in-pool overlap; the stream's type and device; the engine) and raises
     :class:`TransferError`, also for a failing runtime call (named CUDA error). Returns ``None``
     when there is nothing to copy. Asynchronous: the caller orders later work on the stream.
     The first ``batch`` use on a device runs :func:`batch_check` (one stream synchronisation).
@@ -113,7 +112,7 @@ def dma_layer_copier(
 
     Everything is checked here, once — only the index lists (and the in-pool overlap rule) when
     ``checked`` is what :func:`check_pair` returned for these pools, stream and engine (and
-    ``shared`` what ``kernels.api.shares_buffer`` returned for them, if given). A range
+    ``shared`` what ``kernels.copy_checks.shares_buffer`` returned for them, if given). A range
     of ``count`` layers is planned at the first call with that count; later calls issue that
     plan with the two base addresses moved by the layer strides. For the ``strided`` and
     ``loop`` engines on an explicit stream, such a call makes nothing but the runtime calls: a
@@ -201,8 +200,8 @@ def check_pair(
     src: PoolBufferLike, dst: PoolBufferLike, stream: torch.cuda.Stream | None, engine: str
 ) -> tuple[str, torch.device]:
     """The checks of a copy-engine copy that do not depend on the index lists or the layer range
-    (``kernels.api``: geometry, buffers, pinned host memory, one GPU; the stream; the engine);
-    returns the direction and the GPU."""
+    (``kernels.copy_checks``: geometry, buffers, pinned host memory, one GPU; the stream; the
+    engine); returns the direction and the GPU."""
     validate_pools(src, dst)
     return _check_buffers(src, dst, stream, engine)
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from asynccache.errors import TransferError
-from kernels.api import PoolBufferLike
+from kernels.copy_checks import PoolBufferLike
 from kernels.cudart import CudaRuntime, cuda_runtime
 from kernels.dma_plan import (
     MAX_2D_PITCH,

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.api import PoolBufferLike
+from kernels.copy_checks import PoolBufferLike
 
 __all__ = [
     "MAX_2D_PITCH",

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from asynccache.errors import TransferError
-from kernels.api import (
+from kernels.copy_checks import (
     PoolBufferLike,
     check_device_buffers,
     check_overlap,
@@ -175,8 +175,8 @@ def _copy_items_kernel(
 
 
 def _check_buffers(src: torch.Tensor, dst: torch.Tensor) -> str:
-    """Device rules of a launch (``kernels.api.check_device_buffers``); returns the direction.
-    Two host buffers are accepted under the interpreter only."""
+    """Device rules of a launch (``kernels.copy_checks.check_device_buffers``); returns the
+    direction. Two host buffers are accepted under the interpreter only."""
     return check_device_buffers(src, dst, allow_host_only=interpreting())
 
 
