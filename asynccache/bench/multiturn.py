@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import uvloop
 
+from asynccache.bench.backend_options import add_option_argument, parse_options
 from asynccache.bench.options import (
     device_name,
     positive_int,
@@ -45,7 +46,6 @@ from asynccache.bench.options import (
     spec_from_preset,
 )
 from asynccache.bench.progress import progress_bar
-from asynccache.bench.storage import add_option_argument, parse_options
 from asynccache.cache import HybridCache, effective_storage_options
 from asynccache.config import HybridCacheConfig
 from asynccache.errors import ConfigError

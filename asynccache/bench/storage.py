@@ -6,9 +6,9 @@ What it measures, for ``--uri`` (default: a temporary local directory):
   real spec (``--preset``, ``--tp-size``; Qwen3-Next-80B at tp 1: 1.5 MiB per 64-token KV page,
   77 MB per state), ``--batch-pages`` pages per call, from page_first host pools into fresh host
   slots — object header, payload checksum, put-if-absent, atomic link/conditional PUT included.
-- **Raw path**, the same bytes in the same run: for ``file://`` plain sequential file I/O (one
-  ``open``/``write``/[``fsync`` when the backend fsyncs]/``close`` per object, ``readinto`` the
-  destination slot); for ``s3://`` obstore ``put``/``get`` of each payload with as many requests
+- **Raw path** (``asynccache.bench.raw_paths``), the same bytes in the same run: for ``file://``
+  plain sequential file I/O (one ``open``/``write``/[``fsync`` when the backend fsyncs]/``close``
+  per object, ``readinto`` the destination slot); for ``s3://`` obstore ``put``/``get`` of each payload with as many requests
   in flight as the backend allows and the same multipart shape for large objects, each reply
   copied into the destination slot. (Sequential requests would measure latency, not the path.)
 
@@ -37,7 +37,6 @@ import argparse
 import asyncio
 import json
 import logging
-import math
 import os
 import shutil
 import statistics
@@ -52,7 +51,9 @@ from urllib.parse import urlsplit
 import torch
 import uvloop
 
+from asynccache.bench.backend_options import add_option_argument, parse_options
 from asynccache.bench.options import positive_int
+from asynccache.bench.raw_paths import RawFile, RawPath, RawS3, drop_from_page_cache
 from asynccache.errors import AsyncCacheError, BackendError, ConfigError
 from asynccache.pools.base import ItemPool
 from asynccache.pools.host import HostKVPool, MambaPoolHost
@@ -62,12 +63,10 @@ from storage_backends.base import ObjectBackend, usable_cores
 from storage_backends.local_disk import LocalDiskBackend, parse_file_uri
 from storage_backends.object_store import ObjectStoreBackend
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "add_option_argument", "parse_options", "run"]
 
 MiB = 1 << 20
 log = logging.getLogger(__name__)
-#: How ``--option`` / ``--storage-option`` read a VALUE (see :func:`parse_options`), for ``--help``.
-OPTION_VALUES = "an integer, a number (2.5), true/false, none (None) or text"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -109,103 +108,6 @@ def _indices(n: int) -> torch.Tensor:
     return torch.arange(n, dtype=torch.int64)
 
 
-class _Raw:
-    """The raw path of one URI: put and get of one payload by name."""
-
-    def __init__(self, backend: ObjectBackend, run_id: str) -> None:
-        self.backend = backend
-        self.run_id = run_id
-
-    def evict(self, names: list[str]) -> None:
-        raise AsyncCacheError("--cold-reads needs a file:// URI")
-
-    async def put(self, name: str, payload: memoryview) -> None:
-        raise NotImplementedError
-
-    async def get(self, name: str, dest: memoryview) -> None:
-        raise NotImplementedError
-
-    @property
-    def in_flight(self) -> int:
-        return 1
-
-    async def cleanup(self) -> None:
-        raise NotImplementedError
-
-
-class _RawFile(_Raw):
-    def __init__(self, backend: LocalDiskBackend, run_id: str) -> None:
-        super().__init__(backend, run_id)
-        self.fsync = backend.fsync
-        self.dir = os.path.join(backend.root, f"raw-bench-{run_id}")
-        os.makedirs(self.dir, exist_ok=True)
-
-    async def put(self, name: str, payload: memoryview) -> None:
-        with open(os.path.join(self.dir, name), "wb") as f:
-            f.write(payload)
-            if self.fsync:
-                f.flush()
-                os.fsync(f.fileno())
-
-    async def get(self, name: str, dest: memoryview) -> None:
-        with open(os.path.join(self.dir, name), "rb") as f:
-            if f.readinto(dest) != len(dest):
-                raise AsyncCacheError(f"raw read of {name} came back short")
-
-    def evict(self, names: list[str]) -> None:
-        _drop_from_page_cache([os.path.join(self.dir, name) for name in names])
-
-    async def cleanup(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _drop_from_page_cache(paths: list[str]) -> None:
-    """Write back and drop the files' pages, so the next read comes from the device."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-class _RawS3(_Raw):
-    def __init__(self, backend: ObjectStoreBackend, run_id: str) -> None:
-        import obstore
-
-        super().__init__(backend, run_id)
-        self.obstore = obstore
-        self.store = backend.store
-        self.prefix = f"raw-bench-{run_id}"
-        self.names: list[str] = []
-
-    @property
-    def in_flight(self) -> int:
-        return self.backend.max_concurrency
-
-    async def put(self, name: str, payload: memoryview) -> None:
-        b: Any = self.backend
-        path = f"{self.prefix}/{name}"
-        self.names.append(path)
-        if len(payload) > b.multipart_threshold_bytes:
-            await self.obstore.put_async(self.store, path, payload, use_multipart=True,
-                                         chunk_size=b.multipart_part_bytes, max_concurrency=b.multipart_concurrency)
-        else:
-            await self.obstore.put_async(self.store, path, payload, use_multipart=False)
-
-    async def get(self, name: str, dest: memoryview) -> None:
-        result = await self.obstore.get_async(self.store, f"{self.prefix}/{name}")
-        data = await result.bytes_async()
-        if len(data) != len(dest):
-            raise AsyncCacheError(f"raw read of {name} came back with {len(data)} bytes")
-        dest[:] = memoryview(data)
-
-    async def cleanup(self) -> None:
-        for start in range(0, len(self.names), 500):
-            await self.obstore.delete_async(self.store, self.names[start : start + 500])
-
-
 async def _cleanup_backend(backend: ObjectBackend, names: list[str]) -> None:
     if isinstance(backend, LocalDiskBackend):
         await asyncio.to_thread(shutil.rmtree, backend.namespace_dir, True)
@@ -234,42 +136,6 @@ async def _bounded(n: int, limit: int, one: Callable[[int], Awaitable[None]]) ->
             tg.create_task(guarded(i))
 
 
-def add_option_argument(parser: argparse.ArgumentParser, flag: str, what: str, **kwargs: Any) -> None:
-    """A repeatable ``flag KEY=VALUE`` of backend options (read by :func:`parse_options`); the
-    help is ``what`` and how a VALUE reads."""
-    parser.add_argument(flag, action="append", default=[], metavar="KEY=VALUE", help=f"{what}. VALUE: {OPTION_VALUES}",
-                        **kwargs)  # fmt: skip
-
-
-def parse_options(pairs: list[str]) -> dict[str, Any]:
-    """``["key=value", …]`` → options for :func:`open_backend`: integers become ints, other
-    finite numbers floats, ``true`` / ``false`` booleans, ``none`` ``None`` (any case), the rest
-    stays text."""
-    options: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.isidentifier():
-            raise ConfigError(f"a backend option is KEY=VALUE, got {pair!r}")
-        options[key] = _option_value(value)
-    return options
-
-
-def _option_value(text: str) -> Any:
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    if text.lower() == "none":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        number = float(text)
-    except ValueError:
-        return text
-    return number if math.isfinite(number) else text
-
-
 async def _bench(args: argparse.Namespace, uri: str, user_options: dict[str, Any]) -> dict[str, Any]:
     spec = HybridSpec.preset(args.preset, tp_size=args.tp_size)
     run_id = uuid.uuid4().hex[:12]
@@ -295,11 +161,11 @@ async def _bench(args: argparse.Namespace, uri: str, user_options: dict[str, Any
     backend = open_backend(uri, **options)
     if not isinstance(backend, ObjectBackend):
         raise ConfigError(f"{uri}: the benchmark needs a built-in backend")
-    raw: _Raw
+    raw: RawPath
     if isinstance(backend, LocalDiskBackend):
-        raw = _RawFile(backend, run_id)
+        raw = RawFile(backend, run_id)
     elif isinstance(backend, ObjectStoreBackend):
-        raw = _RawS3(backend, run_id)
+        raw = RawS3(backend, run_id)
     else:
         await backend.aclose()
         raise ConfigError(f"{uri}: no raw path to compare with (file:// and s3:// have one)")
@@ -341,7 +207,7 @@ async def _bench(args: argparse.Namespace, uri: str, user_options: dict[str, Any
         keys = [f"{round_id:08x}{i:024x}" for i in range(max(n_pages, n_states))]
         paths = [backend.object_name(PoolName.KV, k) for k in keys[:n_pages]]
         paths += [backend.object_name(PoolName.MAMBA, k) for k in keys[:n_states]]
-        _drop_from_page_cache(paths)
+        drop_from_page_cache(paths)
 
     async def raw_pass(round_id: int, write: bool) -> None:
         async def one(i: int) -> None:
