@@ -5,8 +5,8 @@
   its worker jobs' work in :mod:`~storage_backends.disk_jobs`, its reader processes in
   :mod:`~storage_backends.reader_processes` and :mod:`~storage_backends.reader_child`)
 - ``s3://bucket/prefix?endpoint_url=…&region=…`` — :mod:`storage_backends.object_store` (obstore;
-  the URI and endpoint in :mod:`~storage_backends.s3_location`, its errors' messages in
-  :mod:`~storage_backends.s3_errors`)
+  its bucket requests in :mod:`~storage_backends.s3_requests`, the URI and endpoint in
+  :mod:`~storage_backends.s3_location`, its errors' messages in :mod:`~storage_backends.s3_errors`)
 
 Shared parts:
 

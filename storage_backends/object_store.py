@@ -15,7 +15,10 @@ obstore.
 
 A failed request is a ``BackendError`` whose message leads with the HTTP status and the S3 error
 code (``403 Forbidden SignatureDoesNotMatch``), then the request (method and URL, without its
-query) and the server's message; obstore's error, in full, is its ``__cause__``.
+query) and the server's message; obstore's error, in full, is its ``__cause__``. The requests
+(HEAD, GET, ranged GET, DELETE, LIST) are those of the backend's base,
+:class:`~storage_backends.s3_requests.S3RequestsMixin`; the conditional and multipart PUTs of a
+write are made here.
 
 - Reads: one GET per object; the length and header are verified, then the payload is copied
   into the host slot and checksummed there, piece by piece. Objects larger than
@@ -54,18 +57,13 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from asynccache.errors import BackendError, ConfigError, ObjectFormatError
 from asynccache.storage import PoolName
-from storage_backends.base import (
-    BatchItem,
-    ObjectBackend,
-    check_int,
-    usable_cores,
-)
+from storage_backends.base import BatchItem, check_int, usable_cores
 from storage_backends.object_format import (
     CHECKSUM_BLOCK_BYTES,
     add_checksums,
@@ -73,6 +71,7 @@ from storage_backends.object_format import (
 )
 from storage_backends.s3_errors import backend_error
 from storage_backends.s3_location import S3Location, parse_s3_uri, store_endpoint
+from storage_backends.s3_requests import S3RequestsMixin
 from storage_backends.workers import WorkerPool
 
 if TYPE_CHECKING:
@@ -87,7 +86,7 @@ T = TypeVar("T")
 WORKER_PIECE_BYTES = 4 << 20
 
 
-class ObjectStoreBackend(ObjectBackend):
+class ObjectStoreBackend(S3RequestsMixin):
     """Objects in an S3-compatible bucket (see the module docstring)."""
 
     probe_window = 32
@@ -177,44 +176,7 @@ class ObjectStoreBackend(ObjectBackend):
     async def _close(self) -> None:
         await self._workers.aclose()
 
-    # ---- primitives ------------------------------------------------------------------------
-    async def _head_size(self, name: str) -> int | None:
-        try:
-            meta = await self._obstore.head_async(self._store, name)
-        except FileNotFoundError:
-            return None
-        except self._errors as e:
-            raise backend_error(e) from e
-        return int(meta["size"])
-
-    async def _object_sizes(self, names: Sequence[str]) -> list[int | None]:
-        async def one(name: str) -> int | None | BackendError:
-            async with self._limit():
-                if self._closed:  # closing: no more requests
-                    return self._closed_error()
-                try:
-                    return await self._head_size(name)
-                except BackendError as e:
-                    return e
-
-        async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(one(n)) for n in names]
-        sizes = [t.result() for t in tasks]
-        for size in sizes:
-            if isinstance(size, BackendError):
-                raise size  # the window fails as a whole: its keys count as absent
-        return sizes  # type: ignore[return-value]
-
-    async def _get(self, name: str) -> Any | None:
-        """The whole object ``name`` (one GET), or ``None`` when absent."""
-        try:
-            result = await self._obstore.get_async(self._store, name)
-            return await result.bytes_async()
-        except FileNotFoundError:
-            return None
-        except self._errors as e:
-            raise backend_error(e) from e
-
+    # ---- item reads and writes (the other requests: S3RequestsMixin) -------------------------
     async def _read_object(self, item: BatchItem) -> bool:
         if self.codec.object_bytes(item.geometry, item.key) > self.multipart_threshold_bytes:
             return await self._read_ranges(item)
@@ -226,21 +188,6 @@ class ObjectStoreBackend(ObjectBackend):
         else:
             await self._workers.run(self._decode, data, item)
         return True
-
-    async def _get_range(self, name: str, start: int, end: int, etag: str | None) -> tuple[Any, dict[str, Any]] | None:
-        """Bytes ``[start, end)`` of ``name`` and its metadata, or ``None`` when absent. With
-        ``etag``, only from that version of the object (another version fails the request)."""
-        options: dict[str, Any] = {"range": (start, end)}
-        if etag is not None:
-            options["if_match"] = etag
-        try:
-            result = await self._obstore.get_async(self._store, name, options=options)
-            meta = result.meta
-            return await result.bytes_async(), meta
-        except FileNotFoundError:
-            return None
-        except self._errors as e:
-            raise backend_error(e) from e
 
     async def _read_ranges(self, item: BatchItem) -> bool:
         """A large object (a Mamba state) as ranged GETs of ``multipart_part_bytes``,
@@ -335,27 +282,6 @@ class ObjectStoreBackend(ObjectBackend):
         removed) by the next read."""
         size = await self._head_size(item.name)
         return size is not None and self.codec.valid_size(item.geometry, item.key, size)
-
-    async def _delete_objects(self, names: Sequence[str], *, background: bool) -> None:
-        # no request slot taken, in either class of work: a DELETE is one short request
-        try:
-            await self._obstore.delete_async(self._store, list(names))
-        except FileNotFoundError:
-            return  # already gone: the state we want
-        except self._errors as e:
-            raise backend_error(e) from e
-
-    async def _list_objects(self, progress: Callable[[int], None]) -> list[tuple[str, int]]:
-        found: list[tuple[Any, str, int]] = []
-        try:
-            async for batch in self._obstore.list(self._store, prefix=self.codec.digest_hex, chunk_size=1000):
-                found.extend((m["last_modified"], m["path"], int(m["size"])) for m in batch)
-                progress(len(found))
-        except self._errors as e:
-            raise backend_error(e) from e
-        found.sort()
-        return [(path, size) for _, path, size in found]
-
 
 async def _on_loop(steps: Generator[None, None, T]) -> T:
     """Run a stepwise codec operation (see :func:`~storage_backends.payload_pieces.run_steps`)
