@@ -304,3 +304,89 @@ def test_alloc_hands_out_sorted_distinct_free_indices_whether_the_run_is_contigu
         assert alloc.num_free == len(free)
     assert contiguous and scattered  # both paths ran
     assert set(alloc.allocated_indices().tolist()) == set(range(64)) - free
+
+
+# ---- the duplicate check of free() in every order ----------------------------------------
+
+
+@pytest.mark.parametrize("form", ["tensor", "numpy", "list"])
+@pytest.mark.parametrize(
+    "order",
+    [
+        [0, 1, 1, 2],  # ascending but for the repeat
+        [3, 1, 2, 3],  # unsorted, the repeat at both ends
+        [2, 2, 1, 0],  # descending with a repeat
+        [1, 3, 0, 3, 2],
+    ],
+)
+def test_a_repeat_in_any_order_is_refused_and_frees_nothing(form: str, order: list[int]) -> None:
+    import numpy as np
+
+    alloc = make_allocator(4)
+    held = alloc.alloc(4)
+    assert held is not None
+    indices: object = {"tensor": torch.tensor(order), "numpy": np.array(order), "list": order}[form]
+    with pytest.raises(AllocationError, match="test_pool: free\\(\\) got duplicate indices"):
+        alloc.free(indices)  # type: ignore[arg-type]
+    assert alloc.num_free == 0
+    assert all(alloc.is_allocated(i) for i in range(4))
+
+
+@pytest.mark.parametrize("order", [[3, 2, 1, 0], [2, 0, 3, 1], [0, 1, 2, 3], [5, 0, 7, 2]])
+def test_distinct_indices_are_freed_whatever_their_order(order: list[int]) -> None:
+    import numpy as np
+
+    alloc = make_allocator(8)
+    assert alloc.alloc(8) is not None
+    alloc.free(torch.tensor(order))
+    assert alloc.num_free == len(order)
+    assert sorted(set(range(8)) - set(alloc.allocated_indices().tolist())) == sorted(order)
+    rest = sorted(set(range(8)) - set(order))
+    alloc.free(np.array(rest[::-1]))
+    assert alloc.num_free == 8
+
+
+def test_a_single_index_is_freed_and_a_second_free_of_it_is_a_double_free() -> None:
+    alloc = make_allocator(4)
+    held = alloc.alloc(4)
+    assert held is not None
+    alloc.free(held[2:3])
+    assert alloc.num_free == 1 and not alloc.is_allocated(2)
+    with pytest.raises(AllocationError, match="double free of indices \\[2\\]"):
+        alloc.free([2])
+
+
+def test_the_checks_of_free_keep_their_order() -> None:
+    """Out of range is reported before a repeat, a repeat before a double free."""
+    alloc = make_allocator(4)
+    assert alloc.alloc(2) is not None  # 0 and 1 held, 2 and 3 free
+    with pytest.raises(AllocationError, match="outside 0..3"):
+        alloc.free([1, 1, 9])
+    with pytest.raises(AllocationError, match="duplicate"):
+        alloc.free([3, 3])  # free twice over: the repeat is what is reported
+    with pytest.raises(AllocationError, match="double free"):
+        alloc.free([3, 1])
+    assert alloc.num_free == 2 and alloc.is_allocated(0) and alloc.is_allocated(1)
+
+
+@pytest.mark.parametrize("order", ["ascending", "descending", "shuffled"])
+def test_a_long_free_with_one_repeat_is_refused(order: str) -> None:
+    """Past any short-list special case: 4,096 indices, one of them given twice, far apart."""
+    import numpy as np
+
+    n = 4096
+    alloc = make_allocator(n)
+    held = alloc.alloc(n)
+    assert held is not None
+    values = held.numpy().copy()
+    if order == "descending":
+        values = values[::-1].copy()
+    elif order == "shuffled":
+        values = np.random.default_rng(1).permutation(values)
+    dup = values.copy()
+    dup[-1] = dup[0]
+    with pytest.raises(AllocationError, match="duplicate"):
+        alloc.free(torch.from_numpy(dup))
+    assert alloc.num_free == 0
+    alloc.free(torch.from_numpy(values))
+    assert alloc.num_free == n
