@@ -1,15 +1,19 @@
-"""CUDA graphs of the recurrent decoder layers, for passes of few tokens.
+"""CUDA graphs of the recurrent decoder layers, for passes of up to a few thousand tokens.
 
 A pass of a few tokens (a decode step, the last chunk of a prompt whose prefix was cached) is
 bound by the host: a Gated DeltaNet layer issues ~70 operators, each a trip through the
-dispatcher. :class:`LayerGraphs` captures each recurrent :class:`DecoderLayer` (norm → gated
-DeltaNet → residual → norm → MLP → residual) once per *pass shape* and replays it: one launch
-per layer instead of ~70. Attention layers stay eager (their key spans change every step).
+dispatcher, plus two per 64-token chunk of its recurrence. So is a prefill chunk of up to ~2k
+tokens on a fast GPU: on an H200 the hybrid-3b preset's 1,024-token pass takes ~47 ms of GPU
+time and ~100 ms of host time eagerly (docs/benchmarks.md, "Reference model prefill").
+:class:`LayerGraphs` captures each recurrent :class:`DecoderLayer` (norm → gated DeltaNet →
+residual → norm → MLP → residual) once per *pass shape* and replays it: one launch per layer
+instead of hundreds. Attention layers stay eager (their key spans change every step).
 
 Primitives:
 
 - :class:`LayerGraphs` — the graphs of one model, by pass shape, least recently used dropped
-  past ``max_shapes``.
+  past ``max_shapes`` shapes or ``max_total_tokens`` tokens (a shape's memory grows with its
+  tokens).
 - :class:`GraphedPass` — one pass bound to its shape's graphs: ``run(layer, h, …)``.
 
 A pass shape is the number of tokens and, per recurrent group, its length, size, row range,
@@ -108,15 +112,22 @@ class LayerGraphs:
     """CUDA graphs of a model's recurrent layers for passes of at most ``max_tokens`` tokens.
 
     ``eager_runs``: times a shape is computed eagerly before it is captured. ``max_shapes``:
-    shapes whose graphs are kept (each holds its layers' intermediate memory).
+    shapes whose graphs are kept (each holds its layers' intermediate memory, which grows with
+    its tokens: ~0.45 MB a token for the hybrid-3b preset in bf16); ``max_total_tokens``: the
+    most tokens the kept shapes may add up to (the least recently used go first; a shape is
+    always kept while it is the only one).
     """
 
-    def __init__(self, *, max_tokens: int = 256, eager_runs: int = 1, max_shapes: int = 32) -> None:
-        if max_tokens < 1 or eager_runs < 0 or max_shapes < 1:
-            raise ValueError("max_tokens and max_shapes must be >= 1 and eager_runs >= 0")
+    def __init__(
+        self, *, max_tokens: int = 2048, eager_runs: int = 1, max_shapes: int = 32, max_total_tokens: int = 8192
+    ) -> None:
+        if max_tokens < 1 or eager_runs < 0 or max_shapes < 1 or max_total_tokens < 1:
+            raise ValueError("max_tokens, max_shapes and max_total_tokens must be >= 1 and eager_runs >= 0")
         self.max_tokens = max_tokens
         self.eager_runs = eager_runs
         self.max_shapes = max_shapes
+        self.max_total_tokens = max_total_tokens
+        self._total_tokens = 0
         self._shapes: OrderedDict[_Key, _ShapeGraphs] = OrderedDict()
         self._seen: dict[_Key, int] = {}
         self._pools: dict[int, weakref.finalize] = {}
@@ -143,8 +154,11 @@ class LayerGraphs:
             self._seen.pop(shape, None)
             entry = _ShapeGraphs(ctx, hidden)
             self._shapes[shape] = entry
-            while len(self._shapes) > self.max_shapes:
-                self._shapes.popitem(last=False)
+            self._total_tokens += ctx.num_tokens
+            while len(self._shapes) > 1 and (
+                len(self._shapes) > self.max_shapes or self._total_tokens > self.max_total_tokens
+            ):
+                self._drop(next(iter(self._shapes)))
         else:
             self._shapes.move_to_end(shape)
         if entry.failed:
@@ -156,9 +170,23 @@ class LayerGraphs:
         """Drop the graphs of a pool that is gone (its id may be reused by a new one)."""
         self._pools.pop(pool_id, None)
         for key in [k for k in self._shapes if k[0] == pool_id]:
-            del self._shapes[key]
+            self._drop(key)
         for key in [k for k in self._seen if k[0] == pool_id]:
             del self._seen[key]
+
+    def _drop(self, key: _Key) -> None:
+        del self._shapes[key]
+        self._total_tokens -= key[1][0]
+
+    @property
+    def num_shapes(self) -> int:
+        """Shapes whose graphs are kept."""
+        return len(self._shapes)
+
+    @property
+    def total_tokens(self) -> int:
+        """The tokens of the kept shapes, added up."""
+        return self._total_tokens
 
     def _capture_stream(self) -> torch.cuda.Stream:
         if self._stream is None:

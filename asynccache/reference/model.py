@@ -9,8 +9,8 @@ Primitives:
   and returns the fp32 logits of each sequence's last new token.
 - :class:`SequenceInput`, :class:`ForwardBatch` (from ``asynccache.reference.batch``).
 
-On CUDA, passes of few tokens replay their recurrent layers from CUDA graphs
-(``asynccache.reference.graphs``): the same kernels, one launch per layer.
+On CUDA, passes of up to 2,048 tokens (decode steps, prefill chunks) replay their recurrent
+layers from CUDA graphs (``asynccache.reference.graphs``): the same kernels, one launch per layer.
 
 Structure: embedding → per layer [RMSNorm → attention | gated DeltaNet → residual → RMSNorm →
 SwiGLU MLP → residual] → RMSNorm → LM head. Attention layers write the new tokens' K/V into the
@@ -101,8 +101,8 @@ class HybridModel(nn.Module):
     ``dtype``: what it computes in, one of :data:`MODEL_DTYPES` (the spec's KV and state
     dtypes, any floating-point ones). ``weights``: a ``{name: tensor}`` mapping to load instead
     of the seeded random init (see :meth:`from_safetensors`). ``pack_sequences``: compute the sequences of a batch together
-    (``None``: on CUDA only). ``cuda_graphs``: replay the recurrent layers of passes of few
-    tokens from CUDA graphs (``None``: on CUDA; see ``asynccache.reference.graphs``).
+    (``None``: on CUDA only). ``cuda_graphs``: replay the recurrent layers of passes of up
+    to 2,048 tokens from CUDA graphs (``None``: on CUDA; see ``asynccache.reference.graphs``).
     """
 
     def __init__(
@@ -135,7 +135,7 @@ class HybridModel(nn.Module):
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if use_graphs and self.device.type != "cuda":
             raise ConfigError("cuda_graphs needs a CUDA device")
-        #: CUDA graphs of the recurrent layers for passes of few tokens (None: always eager).
+        #: CUDA graphs of the recurrent layers for passes of up to 2,048 tokens (None: always eager).
         self.layer_graphs: LayerGraphs | None = LayerGraphs() if use_graphs else None
 
     # ---- weights -----------------------------------------------------------------------

@@ -5,22 +5,30 @@ Primitives:
 
 - :class:`PrefillResult` — one measurement (timed iterations, tokens/s, host enqueue time).
 - :func:`make_prefill_batch` — ``batch`` random prompts of ``seq_len`` tokens on their own pages and slots.
-- :func:`prefill_tokens_per_s` — build (or reuse) a model and pools, warm up, time full prefills.
+- :func:`chunk_batches` — such a batch as the forwards of a chunked prefill.
+- :func:`prefill_tokens_per_s` — build (or reuse) a model and pools, warm up, time prefills (whole or chunked).
 
 Command line (on a GPU)::
 
     python -m asynccache.reference.speed --preset hybrid-3b --seq-len 8192 --batch 1 4 8 --profile
 
 Each timed iteration prefills every prompt from position 0 in one forward (no snapshots, so one
-pass) and synchronises the device before stopping the clock. ``enqueue_s`` is the host time until
-``forward`` returned, before the synchronisation: close to ``seconds`` means the run is bound by
-kernel launches, not by the GPU.
+pass) — or, with ``--chunk-size N``, in forwards of ``N`` tokens a prompt, each continuing the
+one before, as a scheduler's chunked prefill does — and synchronises the device before stopping
+the clock. ``enqueue_s`` is the host time until the last ``forward`` returned, before the
+synchronisation: close to ``seconds`` means the run is bound by kernel launches, not by the GPU.
+``--cuda-graphs off`` computes the recurrent layers eagerly, ``both`` measures eagerly and then
+with their CUDA graphs (``asynccache.reference.graphs``; the default ``auto`` uses them on CUDA),
+in the same run::
+
+    python -m asynccache.reference.speed --seq-len 8192 --batch 1 --chunk-size 1024 --cuda-graphs both
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import statistics
 import sys
@@ -37,7 +45,7 @@ from asynccache.reference.batch import ForwardBatch, SequenceInput
 from asynccache.reference.model import MODEL_DTYPE_NAMES, HybridModel
 from asynccache.spec import HybridSpec, dtype_from_name
 
-__all__ = ["PrefillResult", "main", "make_prefill_batch", "prefill_tokens_per_s"]
+__all__ = ["PrefillResult", "chunk_batches", "main", "make_prefill_batch", "prefill_tokens_per_s"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,7 +57,9 @@ class PrefillResult:
     dtype: str
     num_parameters: int
     seconds: tuple[float, ...]  # per timed iteration, synchronised
-    enqueue_s: tuple[float, ...]  # host time until forward returned
+    enqueue_s: tuple[float, ...]  # host time until the last forward returned
+    chunk_size: int | None = None  # tokens a prompt per forward (None: the whole prompt)
+    cuda_graphs: bool = False  # recurrent layers replayed from CUDA graphs
 
     @property
     def tokens_per_s(self) -> float:
@@ -76,6 +86,29 @@ def make_prefill_batch(spec: HybridSpec, seq_len: int, batch: int, *, seed: int 
     )
 
 
+def chunk_batches(batch: ForwardBatch, chunk_size: int) -> list[ForwardBatch]:
+    """``batch``'s prompts (each from position 0) as forwards of ``chunk_size`` tokens a prompt,
+    each continuing the one before (a prompt shorter than the others leaves them early)."""
+    out = []
+    longest = max(s.token_ids.numel() for s in batch.sequences)
+    for begin in range(0, longest, chunk_size):
+        out.append(
+            ForwardBatch(
+                sequences=tuple(
+                    SequenceInput(
+                        token_ids=s.token_ids[begin : begin + chunk_size],
+                        start=begin,
+                        kv_page_indices=s.kv_page_indices,
+                        state_slot=s.state_slot,
+                    )
+                    for s in batch.sequences
+                    if begin < s.token_ids.numel()
+                )
+            )
+        )
+    return out
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -92,23 +125,29 @@ def prefill_tokens_per_s(
     iters: int = 3,
     seed: int = 0,
     model: HybridModel | None = None,
+    chunk_size: int | None = None,
 ) -> PrefillResult:
-    """Time ``iters`` cold prefills of ``batch × seq_len`` tokens after ``warmup`` untimed ones."""
+    """Time ``iters`` cold prefills of ``batch × seq_len`` tokens after ``warmup`` untimed ones
+    (``chunk_size``: each prompt in forwards of that many tokens, see :func:`chunk_batches`)."""
     spec = model.spec if model is not None else HybridSpec.preset(preset)
     dev = torch.device(device)
     if model is None:
         model = HybridModel(spec, device=dev, dtype=dtype, seed=seed)
+    if chunk_size is not None and chunk_size < 1:
+        raise ConfigError(f"chunk_size must be >= 1, got {chunk_size}")
     pages_per_seq = -(-seq_len // spec.page_size)
     kv_pool = DeviceKVPool(spec, batch * pages_per_seq, device=dev)
     state_pool = DeviceMambaPool(spec, batch, device=dev)
     fwd_batch = make_prefill_batch(spec, seq_len, batch, seed=seed)
+    forwards = [fwd_batch] if chunk_size is None else chunk_batches(fwd_batch, chunk_size)
 
     async def measure() -> tuple[list[float], list[float]]:
         seconds, enqueue = [], []
         for i in range(warmup + iters):
             _sync(dev)
             t0 = time.perf_counter()
-            await model.forward(fwd_batch, kv_pool, state_pool)
+            for fwd in forwards:
+                await model.forward(fwd, kv_pool, state_pool)
             t1 = time.perf_counter()
             _sync(dev)
             t2 = time.perf_counter()
@@ -127,6 +166,8 @@ def prefill_tokens_per_s(
         num_parameters=model.num_parameters,
         seconds=tuple(seconds),
         enqueue_s=tuple(enqueue),
+        chunk_size=chunk_size,
+        cuda_graphs=model.layer_graphs is not None,
     )
 
 
@@ -176,6 +217,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--dtype", default=None, choices=MODEL_DTYPE_NAMES, metavar="DTYPE",
                         help="fp32, bf16 or fp16 (default: bfloat16 on CUDA, float32 on CPU)")  # fmt: skip
+    parser.add_argument("--chunk-size", type=positive_int, default=None,
+                        help="prefill each prompt in forwards of this many tokens (default: one forward)")  # fmt: skip
+    parser.add_argument("--cuda-graphs", choices=("auto", "off", "both"), default="auto",
+                        help="recurrent layers from CUDA graphs: auto (on CUDA), off (eager), both (eager, then graphs)")  # fmt: skip
     parser.add_argument("--warmup", type=nonnegative_int, default=1)
     parser.add_argument("--iters", type=positive_int, default=3)
     parser.add_argument("--tf32", action="store_true", help="also measure with TF32 fp32 matmuls (recurrent core)")
@@ -189,6 +234,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.cuda_graphs != "auto" and device.type != "cuda":
+        print("error: --cuda-graphs off/both needs a CUDA device (there are no graphs on the CPU)", file=sys.stderr)
+        return 2
     if device.type == "cuda":
         print(f"# {torch.cuda.get_device_name(device)}, torch {torch.__version__}", flush=True)
     t0 = time.perf_counter()
@@ -196,13 +244,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     _sync(device)
     print(f"# built {args.preset}: {model.num_parameters / 1e9:.3f} B parameters in {time.perf_counter() - t0:.1f} s", flush=True)
 
+    graphs = model.layer_graphs
+    graph_modes = {"auto": [graphs is not None], "off": [False], "both": [False, True]}[args.cuda_graphs]
     variants = [False, True] if args.tf32 else [False]
     results = []
-    for tf32 in variants:
+    for tf32, with_graphs in itertools.product(variants, graph_modes):
         _set_tf32(tf32)
+        model.layer_graphs = graphs if with_graphs else None
         for batch in args.batch:
             res = prefill_tokens_per_s(
-                args.preset, args.seq_len, batch, device=device, warmup=args.warmup, iters=args.iters, model=model
+                args.preset,
+                args.seq_len,
+                batch,
+                device=device,
+                warmup=args.warmup,
+                iters=args.iters,
+                model=model,
+                chunk_size=args.chunk_size,
             )
             row = {**res.as_dict(), "tf32": tf32}
             results.append(row)
@@ -211,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 with open(args.json, "a") as f:
                     f.write(json.dumps(row) + "\n")
     _set_tf32(False)
+    model.layer_graphs = graphs
     if args.profile:
         print(_profile(model, args.seq_len, args.batch[0]), flush=True)
     return 0

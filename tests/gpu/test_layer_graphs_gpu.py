@@ -61,12 +61,50 @@ def test_large_passes_stay_eager() -> None:
     model = HybridModel(MID, device="cuda", dtype=torch.bfloat16)
     assert model.layer_graphs is not None
     model.layer_graphs.eager_runs = 0
-    kv, st = pools(MID)
-    ids = tokens(model.layer_graphs.max_tokens + 1, MID.vocab_size, 5)
-    forward(model, kv, st, seq(ids, 0, list(range(5)), 0))
+    n = model.layer_graphs.max_tokens + 1
+    num_pages = -(-(n + 1) // MID.page_size)
+    kv, st = pools(MID, num_pages=num_pages)
+    ids = tokens(n, MID.vocab_size, 5)
+    forward(model, kv, st, seq(ids, 0, list(range(num_pages)), 0))
     assert model.layer_graphs.num_captures == 0
-    forward(model, kv, st, seq(ids[:1], ids.numel(), list(range(5)), 0))
+    forward(model, kv, st, seq(ids[:1], ids.numel(), list(range(num_pages)), 0))
     assert model.layer_graphs.num_captures == len(MID.mamba_layer_ids)
+
+
+def test_prefill_chunks_replay_bit_identical_to_eager() -> None:
+    """Chunks of 1,024 tokens continuing a prefix (a chunked prefill, the head of a split
+    restore): replayed from the second one on, the same bits as eager chunks."""
+    runs = []
+    for graphs in (False, True):
+        model = HybridModel(MID, device="cuda", dtype=torch.bfloat16, cuda_graphs=graphs)
+        kv, st = pools(MID, num_pages=80)
+        ids = tokens(4 * 1024 + 1, MID.vocab_size, 9)
+        out = [forward(model, kv, st, seq(ids[i : i + 1024], i, list(range(80)), 0)) for i in range(0, 4096, 1024)]
+        out.append(forward(model, kv, st, seq(ids[4096:], 4096, list(range(80)), 0)))
+        torch.cuda.synchronize()
+        runs.append((out, st.buffer.clone(), kv.buffer.clone(), model.layer_graphs))  # type: ignore[union-attr]
+    (want, st_want, kv_want, _), (got, st_got, kv_got, graphs) = runs
+    assert graphs is not None and graphs.num_replays >= 2 * len(MID.mamba_layer_ids)
+    for i, (x, y) in enumerate(zip(want, got, strict=True)):
+        assert torch.equal(x, y), f"chunk {i} differs"
+    assert torch.equal(st_want, st_got) and torch.equal(kv_want, kv_got)
+
+
+def test_kept_shapes_are_bounded_by_their_tokens() -> None:
+    model = HybridModel(MID, device="cuda", dtype=torch.bfloat16)
+    graphs = model.layer_graphs
+    assert graphs is not None
+    graphs.eager_runs = 0
+    graphs.max_total_tokens = 1000
+    kv, st = pools(MID, num_pages=40)
+    ids = tokens(2048, MID.vocab_size, 10)
+    for n in (300, 400, 200):  # 900 tokens: all kept
+        forward(model, kv, st, seq(ids[:n], 0, list(range(40)), 0))
+    assert graphs.num_shapes == 3 and graphs.total_tokens == 900
+    forward(model, kv, st, seq(ids[:500], 0, list(range(40)), 0))  # the oldest two go
+    assert graphs.num_shapes == 2 and graphs.total_tokens == 700
+    forward(model, kv, st, seq(ids[:1500], 0, list(range(40)), 0))  # alone over the budget: kept alone
+    assert graphs.num_shapes == 1 and graphs.total_tokens == 1500
 
 
 def test_graphs_go_with_their_pool() -> None:

@@ -336,3 +336,16 @@ def test_overlap_prefix_too_large_for_the_pools_is_a_typed_error(capsys: pytest.
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err and "error: CapacityError" in err
+
+
+@pytest.mark.parametrize("argv", [["--cuda-graphs", "both"], ["--cuda-graphs", "off"], ["--chunk-size", "0"]])
+def test_speed_graphs_off_the_gpu_or_a_bad_chunk_is_a_usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    from asynccache.reference import speed
+
+    try:
+        code = speed.main(["--preset", "tiny", "--seq-len", "8", "--iters", "1", "--warmup", "0", "--device", "cpu", *argv])
+    except SystemExit as e:  # argparse's refusal
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA device" in err or "--chunk-size" in err
