@@ -14,8 +14,11 @@ tier within budget by evicting through the tree:
   one call (demote, write back or drop, as the tree's write policy says), and the round repeats
   until the tier fits or nothing can go.
 
-``on_host_victim`` (optional) sees each host victim before it is dropped: the replay's storage
-tier uses it to demote host data to storage. ``count_states=False`` leaves states out of the
+``on_host_victim`` (optional) sees each host victim the budget peeked before the eviction call:
+the replay's storage tier uses it to demote host data to storage. The tree's own hook,
+``evict_host(demote=…)``, hands over the victims the tree actually evicts, which differ (the
+peek can use up a ranked policy's ranking, so the tree ranks again), so it changes results: see
+docs/followups.md, item 11. ``count_states=False`` leaves states out of the
 tier's bytes (the attention-only reference: states cost nothing and leave with their KV).
 """
 
