@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -11,6 +11,7 @@ import pytest
 from trace_builders import BLOCK, make_config, make_spec, make_trace, mixed_trace
 
 from asynccache.errors import ConfigError
+from asynccache.storage import PoolName
 from asynccache.trace.bound import infinite_cache_bound
 from asynccache.trace.loader import Trace
 from asynccache.trace.policies import parse_combo
@@ -273,6 +274,41 @@ def test_the_tree_reports_every_state_its_evictions_free_in_a_replay(combo: str)
     released = sum(n for (key, how), n in heard.items() if how is EvictHow.RELEASE)
     assert released >= r.evictions["released_states"]  # per tier, so a state on both counts twice
     assert (released > 0) == combo.startswith("adaptive/reuse")
+
+
+def test_demote_writes_the_host_victims_the_tree_drops_in_its_order() -> None:
+    """``storage_write=demote`` goes through the tree's ``evict_host(demote=…)``: storage gets
+    each host victim (with a state) just before the tree drops its copy, in the tree's victim
+    order, and nothing the tree keeps."""
+    trace = mixed_trace(7, 80, shared=3)
+    replay = TraceReplay(trace, make_config("branch/lru/write_back/demote", device_pages=24, host_pages=30, storage_pages=BIG))
+    tier, budget = replay.storage_tier, replay.host_budget
+    assert tier is not None and budget is not None and budget.demote == tier.demote
+    handed: list[tuple[int, str]] = []
+    victims: list[tuple[int, str]] = []
+
+    def demote(nodes: Sequence[TreeNode], list_key: str) -> None:
+        victim = nodes[-1]
+        assert all(n.alive and n.host_kv is not None for n in nodes)  # before any copy goes
+        assert all(not n.archived for n in nodes[:-1])
+        handed.append((victim.node_id, list_key))
+        tier.demote(nodes, list_key)
+        if victim.has_state:  # written, state included, before the tree drops it
+            assert tier.storage.contains(PoolName.MAMBA, victim.page_hashes[-1])
+            assert all(n.archived for n in replay.tree.path_to(victim))
+
+    def heard(node: TreeNode, list_key: str, how: EvictHow) -> None:
+        if list_key.startswith("host") and how is not EvictHow.CASCADE:
+            assert how is EvictHow.DEMOTE
+            if victims and victims[-1] == (node.node_id, "host_kv") and list_key == "host_state":
+                return  # the state that left with its KV
+            victims.append((node.node_id, list_key))
+
+    budget.demote = demote
+    replay.tree.add_evict_listener(heard)
+    replay.run()
+    assert victims and handed == victims
+    assert any(key == "host_state" for _, key in victims) and any(key == "host_kv" for _, key in victims)
 
 
 async def test_a_branch_state_split_off_an_archived_node_reaches_storage_in_both_engines() -> None:
