@@ -5,7 +5,8 @@
   of the states offered to ``insert``.
 - :class:`AdmissionContext` — what the tree knows about an insert when it asks ``keep_states``.
 - :class:`EvictionPolicy` — the order in which the nodes of one LRU list are offered for
-  eviction. The tree decides whether each offered node can be evicted and how.
+  eviction. The tree decides whether each offered node can be evicted and how, and tells a
+  policy that overrides ``on_evict`` what it evicted.
 - :class:`ScoredEviction` — base for utility-aware eviction (FLOP- or byte-aware): lowest score
   first among a window of the least recently used candidates.
 
@@ -25,7 +26,7 @@ from asynccache.errors import ConfigError
 
 if TYPE_CHECKING:
     from asynccache.tree.lru import LRUList
-    from asynccache.tree.node import Tier, TreeNode
+    from asynccache.tree.node import EvictHow, Tier, TreeNode
     from asynccache.tree.results import MatchResult
 
 __all__ = ["AdmissionContext", "AdmissionPolicy", "EvictionPolicy", "ScoredEviction"]
@@ -99,6 +100,12 @@ class EvictionPolicy(ABC):
         from ``lru`` (the yielded one, its ancestors) but never adds any; the iterator must
         tolerate that (``LRUList.iter_oldest`` does) and must not yield nodes that left the list.
         """
+
+    def on_evict(self, node: TreeNode, list_key: str, how: EvictHow) -> None:
+        """Called by the tree after it evicted ``node`` from list ``list_key`` (``how``: demoted,
+        written back, dropped, deleted by the cascade, released); see ``asynccache.tree.evict``.
+        The tree subscribes a policy that overrides it; the default does nothing. Must not change
+        the tree."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

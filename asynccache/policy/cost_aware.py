@@ -249,6 +249,10 @@ class CostAwareEviction(RankedEviction):
         for node in super().candidates(lru, now=now):
             had_state = node.has_state
             yield node
+            # Not run for the last victim of a KV eviction call (the tree closes the generator)
+            # nor for a parent the tree takes once its child went; the tree's eviction
+            # notifications (``on_evict``) report those too, but would change what this policy
+            # learns (docs/followups.md, item 11).
             if had_state and node not in lru and (not node.alive or not node.has_state):
                 # Evicted from this list and no tier keeps its state: remember it as a ghost.
                 features = self._ranked_terms.get((key, node.node_id))

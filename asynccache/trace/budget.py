@@ -14,20 +14,21 @@ tier within budget by evicting through the tree:
   one call (demote, write back or drop, as the tree's write policy says), and the round repeats
   until the tier fits or nothing can go.
 
-``on_host_victim`` (optional) sees each host victim before it is dropped: the replay's storage
-tier uses it to demote host data to storage. ``count_states=False`` leaves states out of the
-tier's bytes (the attention-only reference: states cost nothing and leave with their KV).
+``demote`` (optional, host tier) goes to ``tree.evict_host``: the tree hands it each host victim
+just before dropping the copy, in its own victim order (the replay's storage tier writes it to
+storage). ``count_states=False`` leaves states out of the tier's bytes (the attention-only
+reference: states cost nothing and leave with their KV).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from asynccache.errors import ConfigError
 from asynccache.policy.ranked import evictable
 from asynccache.pools.base import ItemPool
-from asynccache.tree import HybridRadixTree, Tier, TreeNode
+from asynccache.tree import DemoteFn, HybridRadixTree, Tier, TreeNode
 from asynccache.tree.lru import LRUList
 
 __all__ = ["ByteBudget", "EvictionCounts"]
@@ -52,7 +53,7 @@ class ByteBudget:
     tree: HybridRadixTree
     tier: Tier
     budget_bytes: int
-    on_host_victim: Callable[[TreeNode, str], None] | None = None
+    demote: DemoteFn | None = None
     count_states: bool = True
     counts: EvictionCounts = field(default_factory=EvictionCounts)
     peak_bytes: int = 0
@@ -62,6 +63,8 @@ class ByteBudget:
             raise ConfigError("ByteBudget manages the device and host tiers; storage keeps its own")
         if self.tier is Tier.HOST and self.tree.host_kv is None:
             raise ConfigError("no host tier to budget")
+        if self.demote is not None and self.tier is not Tier.HOST:
+            raise ConfigError("only host eviction demotes to storage")
 
     # ---- geometry ----------------------------------------------------------------------
     @property
@@ -130,7 +133,7 @@ class ByteBudget:
         state_bytes = state_pool.bytes_per_index if state_pool is not None and self.count_states else 0
         prefix = self.tier.value
         kv_key, state_key = f"{prefix}_kv", f"{prefix}_state"
-        evict = tree.evict_device if self.tier is Tier.DEVICE else tree.evict_host
+        evict = tree.evict_device if self.tier is Tier.DEVICE else partial(tree.evict_host, demote=self.demote)
         while used > self.budget_bytes:
             deficit = used - self.budget_bytes
             now = tree.clock()
@@ -153,7 +156,6 @@ class ByteBudget:
                 if j >= len(st_nodes) or (i < len(kv_nodes) and kv_keys[i] <= st_keys[j]):
                     node = kv_nodes[i]
                     i += 1
-                    self._before_drop(node, kv_key)
                     pages += node.num_pages
                     freed += node.num_pages * kv_bytes
                     if (node.device_state if self.tier is Tier.DEVICE else node.host_state) is not None:
@@ -162,7 +164,6 @@ class ByteBudget:
                 else:
                     node = st_nodes[j]
                     j += 1
-                    self._before_drop(node, state_key)
                     states += 1
                     freed += state_bytes
             result = evict(num_kv_pages=pages, num_states=states)
@@ -176,7 +177,3 @@ class ByteBudget:
                 self.counts.stuck += 1
                 return
             used = new_used
-
-    def _before_drop(self, node: TreeNode, key: str) -> None:
-        if self.on_host_victim is not None and self.tier is Tier.HOST:
-            self.on_host_victim(node, key)

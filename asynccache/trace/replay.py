@@ -186,7 +186,7 @@ class TraceReplay:
                 tree=self.tree,
                 tier=Tier.HOST,
                 budget_bytes=budget.host,
-                on_host_victim=self.storage_tier.on_host_victim if self.storage_tier else None,
+                demote=self.storage_tier.demote if self.storage_tier and combo.storage_write == "demote" else None,
                 count_states=count_states,
             )
         self._observers = [p for p in (self.admission, self.eviction) if hasattr(p, "observe_match")]

@@ -9,8 +9,8 @@ bytes are kept.
 - **Archive** (``write="through"``): every node that reaches the host with a state is written with
   the KV of its whole path (put-if-absent, which also refreshes the path's recency in storage).
 - **Demote** (``write="demote"``): nothing is written on backup; a host victim is written just
-  before host eviction drops it (the budget's ``on_host_victim`` hook), so storage holds what the
-  host lets go — GPU → host → storage by the same eviction order.
+  before host eviction drops it (:meth:`demote`, the tree's ``evict_host(demote=…)`` callback), so
+  storage holds what the host lets go — GPU → host → storage by the tree's own victim order.
 - **Dense states** (:meth:`archive_states`): states the admission policy wants in storage only
   (e.g. at every page) are written straight from the request's snapshots, as *speculative*
   objects (they fill free space and never displace proven data); they never enter the tree
@@ -98,13 +98,16 @@ class ReplayStorageTier:
             if node.host_state is not None:
                 self.archive_node(node)
 
-    def on_host_victim(self, node: TreeNode, list_key: str) -> None:
-        """Before host eviction drops ``node`` (``write="demote"``): write it to storage."""
+    def demote(self, nodes: Sequence[TreeNode], list_key: str) -> None:
+        """``evict_host``'s ``demote`` callback (``write="demote"``): before the tree drops the
+        host copy of victim ``nodes[-1]``, write it to storage with its path (which covers the
+        ancestors ``nodes`` names)."""
         if self.write != "demote":
             return
-        if list_key == "host_kv" and not node.has_state:
+        victim = nodes[-1]
+        if list_key == "host_kv" and not victim.has_state:
             return  # KV past the deepest state: dead weight, not worth a write
-        self.archive_node(node)
+        self.archive_node(victim)
 
     def archive_states(self, last_node: TreeNode, positions: Sequence[int]) -> None:
         """Write snapshots at page-aligned ``positions`` (tokens, on ``last_node``'s path) to

@@ -2,6 +2,8 @@
 
 - :class:`HybridRadixTree` — match / insert / evict / lock / load and backup protocols.
 - :class:`TreeNode`, :class:`Tier`, :class:`Resource` — nodes and where their data lives.
+- :class:`EvictHow`, :data:`EvictListener`, :data:`DemoteFn`, :data:`WriteBackFn` — eviction
+  notifications and callbacks.
 - :class:`LRUList`, :class:`HostLRUList` — the four intrusive LRU lists.
 - Results: :class:`MatchResult`, :class:`InsertResult`, :class:`EvictResult`,
   :class:`LoadPlan`, :class:`BackupPlan`, :class:`Allocation`, :class:`ReleasedIndices`,
@@ -11,12 +13,12 @@
   replay in accounting mode).
 """
 
-from asynccache.tree.core import POOL_NAMES, WriteBackFn
+from asynccache.tree.core import POOL_NAMES, DemoteFn, EvictListener, WriteBackFn
 from asynccache.tree.errors import TreeError
 from asynccache.tree.hashing import PageHashes, TokenIds, encode_tokens, seed_hash
 from asynccache.tree.integrity import check_integrity
 from asynccache.tree.lru import HostLRUList, LRUList
-from asynccache.tree.node import Resource, Tier, TreeNode
+from asynccache.tree.node import EvictHow, Resource, Tier, TreeNode
 from asynccache.tree.results import (
     Allocation,
     BackupPlan,
@@ -34,6 +36,9 @@ __all__ = [
     "POOL_NAMES",
     "Allocation",
     "BackupPlan",
+    "DemoteFn",
+    "EvictHow",
+    "EvictListener",
     "EvictResult",
     "HostLRUList",
     "HybridRadixTree",

@@ -9,6 +9,8 @@ Primitives:
   membership, child counters and totals in step), and the frees of what the tree owns;
   ``stats`` and ``check_integrity``. Not used on its own.
 - :data:`WriteBackFn` — the write-back callback device eviction hands nodes to.
+- :data:`DemoteFn` — the callback host eviction hands each victim to before dropping its copy.
+- :data:`EvictListener` — an eviction notification (``add_evict_listener``).
 - :data:`POOL_NAMES` — the names of the four pools.
 
 Nothing here allocates from a pool; frees happen only where the tree owns the indices.
@@ -31,17 +33,28 @@ from asynccache.pools.base import ItemPool
 from asynccache.spec import HybridSpec
 from asynccache.tree.hashing import TOKEN_BYTES, seed_hash
 from asynccache.tree.lru import HostLRUList, LRUList
-from asynccache.tree.node import Resource, Tier, TreeNode
+from asynccache.tree.node import EvictHow, Resource, Tier, TreeNode
 from asynccache.tree.results import TreeStats
 
 if TYPE_CHECKING:
     from asynccache.tree.results import BackupPlan, LoadPlan
 
-__all__ = ["POOL_NAMES", "TreeBookkeeping", "WriteBackFn"]
+__all__ = ["POOL_NAMES", "DemoteFn", "EvictListener", "TreeBookkeeping", "WriteBackFn"]
 
 #: ``write_back(nodes) -> bool``: start a device→host backup of ``nodes`` (top-down, ancestors
 #: first) through ``tree.begin_backup``; return whether it was started.
 WriteBackFn = Callable[[Sequence[TreeNode]], bool]
+
+#: ``demote(nodes, list_key)``: host eviction is about to drop the host copy of the victim
+#: ``nodes[-1]`` from list ``list_key`` (``"host_kv"`` or ``"host_state"``); ``nodes`` are its
+#: ancestors not marked archived, then the victim, top-down. Called while the victim still holds
+#: everything; it may ``mark_archived`` nodes and must not otherwise change the tree.
+DemoteFn = Callable[[Sequence[TreeNode], str], None]
+
+#: ``listener(node, list_key, how)``: ``node`` was evicted from list ``list_key``
+#: (``"device_kv"``, ``"device_state"``, ``"host_kv"``, ``"host_state"``) in the way ``how`` says;
+#: called after the tree has freed it. It must not change the tree.
+EvictListener = Callable[[TreeNode, str, EvictHow], None]
 
 #: Names of the four pools, as used by ``claim_in_flight`` / ``release_in_flight``.
 POOL_NAMES = ("device_kv", "device_mamba", "host_kv", "host_mamba")
@@ -108,6 +121,10 @@ class TreeBookkeeping:
         self._plans: dict[int, LoadPlan | BackupPlan] = {}
         self._next_plan_id = 0
         self._in_flight: dict[str, set[int]] = {name: set() for name in POOL_NAMES}
+        self._evict_listeners: list[EvictListener] = []
+        # A policy that learns from its victims overrides ``on_evict``: it hears every eviction.
+        if getattr(type(self.eviction), "on_evict", EvictionPolicy.on_evict) is not EvictionPolicy.on_evict:
+            self._evict_listeners.append(self.eviction.on_evict)
 
     # ---- configuration -------------------------------------------------------------------
     @property
@@ -130,6 +147,24 @@ class TreeBookkeeping:
             if getattr(self, name) is pool:
                 return name
         raise ConfigError(f"{pool!r} is not one of this tree's pools")
+
+    # ---- eviction notifications -----------------------------------------------------------
+    def add_evict_listener(self, listener: EvictListener) -> None:
+        """Call ``listener(node, list_key, how)`` after every eviction from then on (see
+        ``asynccache.tree.evict``). The tree's eviction policy is subscribed at construction when
+        it overrides ``EvictionPolicy.on_evict``."""
+        self._evict_listeners.append(listener)
+
+    def remove_evict_listener(self, listener: EvictListener) -> None:
+        """Stop notifying ``listener`` (``ConfigError`` if it was not subscribed)."""
+        try:
+            self._evict_listeners.remove(listener)
+        except ValueError:
+            raise ConfigError(f"{listener!r} is not an eviction listener of this tree") from None
+
+    def _notify_evict(self, node: TreeNode, list_key: str, how: EvictHow) -> None:
+        for listener in self._evict_listeners:
+            listener(node, list_key, how)
 
     # ---- roots and nodes -----------------------------------------------------------------
     def _new_node_id(self) -> int:

@@ -9,7 +9,8 @@ Primitives:
   policy wants backed up now); the checks of a call's page indices and state slots. The base of
   :class:`~asynccache.tree.evict.EvictionMixin` and :class:`~asynccache.tree.transfer.TransferMixin`;
   not used on its own.
-- :data:`WriteBackFn`, :data:`POOL_NAMES` — re-exported from :mod:`asynccache.tree.bookkeeping`.
+- :data:`WriteBackFn`, :data:`DemoteFn`, :data:`EvictListener`, :data:`POOL_NAMES` — re-exported
+  from :mod:`asynccache.tree.bookkeeping`.
 
 Nothing here allocates from a pool; frees happen only where the tree owns the indices.
 """
@@ -22,12 +23,12 @@ import torch
 
 from asynccache.errors import ConfigError
 from asynccache.policy.write import WriteMode
-from asynccache.tree.bookkeeping import POOL_NAMES, WriteBackFn
+from asynccache.tree.bookkeeping import POOL_NAMES, DemoteFn, EvictListener, WriteBackFn
 from asynccache.tree.locks import TreeLocks
-from asynccache.tree.node import TreeNode
+from asynccache.tree.node import EvictHow, TreeNode
 from kernels.api import all_distinct
 
-__all__ = ["POOL_NAMES", "TreeCore", "WriteBackFn"]
+__all__ = ["POOL_NAMES", "DemoteFn", "EvictListener", "TreeCore", "WriteBackFn"]
 
 
 class TreeCore(TreeLocks):
@@ -106,9 +107,12 @@ class TreeCore(TreeLocks):
             del self._roots[parent.salt]
             parent.alive = False
 
-    def _cascade(self, node: TreeNode) -> None:
+    def _cascade(self, node: TreeNode, list_key: str | None = None) -> None:
         """Tombstone cascade: delete ``node`` and then its ancestors while each is childless,
-        holds no state on any tier (its KV can never be part of a usable match) and is unpinned."""
+        holds no state on any tier (its KV can never be part of a usable match) and is unpinned.
+        ``list_key``: the list of the eviction that caused it; each deleted node is then reported
+        to the eviction listeners as ``CASCADE``."""
+        notify = list_key is not None and bool(self._evict_listeners)
         while (
             node.parent is not None
             and node.alive
@@ -121,6 +125,8 @@ class TreeCore(TreeLocks):
         ):
             parent = node.parent
             self._delete(node)
+            if notify:
+                self._notify_evict(node, list_key, EvictHow.CASCADE)  # type: ignore[arg-type]
             node = parent
 
     def _touch(self, node: TreeNode) -> None:

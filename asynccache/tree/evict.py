@@ -21,6 +21,34 @@ are never evicted. Host eviction is the same without write-back: host copies are
 leaf-first, so they stay a contiguous prefix from the root; a node left with no KV at all is
 deleted.
 
+**Demote to storage** (``evict_host(…, demote=callback)``): the host's counterpart of
+write-back. Just before the tree drops a host victim's copy (KV or state), in the tree's own
+victim order, it calls ``demote(nodes, list_key)`` with the victim last and, before it, its
+ancestors not marked archived, top-down (storage keys chain from the root: a stored page is
+usable only after its ancestors'). The callback writes what it wants to storage synchronously
+(and may ``mark_archived``); the tree then drops the copy as usual. Only victims get the call:
+nodes the cascade deletes with one are its ancestors, so they were in its ``nodes`` unless
+already archived.
+
+**Notifications** (``tree.add_evict_listener``; the eviction policy is subscribed when it
+overrides ``EvictionPolicy.on_evict``): every listener gets ``(node, list_key, how)`` once
+``node`` has left list ``list_key``, ``how`` an :class:`~asynccache.tree.node.EvictHow`:
+
+- ``DEMOTE``: the tier below holds a copy (the device victim was backed up; the host victim went
+  to the ``demote`` callback);
+- ``WRITE_BACK``: freed after this call's write-back copied it to the host;
+- ``DROP``: no copy was made below (a dropped state is lost unless the other tier has one);
+- ``CASCADE``: deleted by the tombstone cascade that an eviction set off (reported with that
+  eviction's list; the victim itself too when the cascade takes it);
+- ``RELEASE``: a state freed by ``release_states`` (once per tier).
+
+Per victim: its own list first, then, for a KV victim, its state on the same tier, which leaves
+with it (on the state list, same ``how``; ``DROP`` when it could not follow a demoted device copy:
+no host state pool), then the cascade. Listeners run after the frees, so ``node.alive`` and
+``node.has_state`` tell what is left anywhere. Write-back victims still in flight are reported
+when a later call frees them. Frees outside eviction (an aborted load dropping what used its
+pages) are not reported.
+
 **Release** (:meth:`EvictionMixin.release_states`) frees the states of chosen nodes on every
 tier at once, whatever the LRU order: for states the caller knows can no longer be resumed (a
 prompt end that a later turn has extended). The KV stays; a childless node left without any state
@@ -33,8 +61,8 @@ from collections.abc import Callable, Iterable
 
 from asynccache.errors import ConfigError
 from asynccache.pools.base import ItemPool
-from asynccache.tree.core import TreeCore, WriteBackFn
-from asynccache.tree.node import Tier, TreeNode
+from asynccache.tree.core import DemoteFn, TreeCore, WriteBackFn
+from asynccache.tree.node import EvictHow, Tier, TreeNode
 from asynccache.tree.results import Allocation, EvictResult
 
 __all__ = ["EvictionMixin"]
@@ -114,13 +142,13 @@ class EvictionMixin(TreeCore):
                     break
                 parent = node.parent
                 if self._backed_up(node):
-                    self._demote_device(node)
+                    self._demote_device(node, EvictHow.DEMOTE)
                 elif callback is not None and (node.has_state or node.children):
                     victims.append(node)
                     pending += node.num_pages
                     break
                 else:
-                    self._drop_device(node)
+                    self._drop_device(node, EvictHow.DROP)
                 # The parent may be a device leaf now: if the policy already offered it (it
                 # ranks below this node), take it at once rather than leave it behind.
                 node = parent if parent in deferred else None
@@ -140,9 +168,9 @@ class EvictionMixin(TreeCore):
                 continue
             parent = node.parent
             if self._backed_up(node):
-                self._demote_device(node)
+                self._demote_device(node, EvictHow.WRITE_BACK)
             else:
-                self._drop_device(node)
+                self._drop_device(node, EvictHow.DROP)
             # A synchronous write-back backed the ancestors up too: those that are device
             # leaves now go as well while more room is needed.
             while (
@@ -152,7 +180,7 @@ class EvictionMixin(TreeCore):
                 and self._backed_up(parent)
             ):
                 node, parent = parent, parent.parent
-                self._demote_device(node)
+                self._demote_device(node, EvictHow.WRITE_BACK)
         return pending_pages, pending_states, written
 
     def _evict_device_states(self, need: int, callback: WriteBackFn | None) -> tuple[int, int]:
@@ -165,6 +193,7 @@ class EvictionMixin(TreeCore):
                 continue
             if node.host_state is not None:
                 self._free_device_state(node)
+                self._notify_evict(node, "device_state", EvictHow.DEMOTE)
             elif callback is not None and self.host_mamba is not None:
                 victims.append(node)
             else:
@@ -179,6 +208,7 @@ class EvictionMixin(TreeCore):
             if node.device_lock == 0 and node.loading == 0:
                 if node.host_state is not None:
                     self._free_device_state(node)
+                    self._notify_evict(node, "device_state", EvictHow.WRITE_BACK)
                 else:
                     self._drop_device_state(node)
             else:
@@ -190,43 +220,66 @@ class EvictionMixin(TreeCore):
         callback(nodes)
         return len(nodes)
 
-    def _demote_device(self, node: TreeNode) -> None:
+    def _demote_device(self, node: TreeNode, how: EvictHow) -> None:
         """Free the device copy of a backed-up node (its state too)."""
+        state_how: EvictHow | None = None
         if node.device_state is not None:
+            state_how = how
             if node.host_state is None:  # no host state pool: the state cannot follow
                 self._lost_states += 1
+                state_how = EvictHow.DROP
             self._free_device_state(node)
         self._free_device_kv(node)
-        self._cascade(node)
+        self._notify_evict(node, "device_kv", how)
+        if state_how is not None:
+            self._notify_evict(node, "device_state", state_how)
+        self._cascade(node, "device_kv")
 
-    def _drop_device(self, node: TreeNode) -> None:
-        """Free the device copy of a node that is not (fully) backed up."""
-        if node.device_state is not None:
+    def _drop_device(self, node: TreeNode, how: EvictHow | None = None) -> None:
+        """Free the device copy of a node that is not (fully) backed up. ``how``: report it to
+        the eviction listeners (an eviction); ``None`` for other frees (an aborted load)."""
+        key = "device_kv" if how is not None else None
+        had_state = node.device_state is not None
+        if had_state:
             if node.host_state is None:
                 self._lost_states += 1
             self._free_device_state(node)
         self._free_device_kv(node)
-        if node.host_kv is None:
+        parent = node.parent
+        assert parent is not None
+        deleted = node.host_kv is None
+        if deleted:
             # No KV left on any tier: the node goes (it is a leaf: children would need its KV).
-            parent = node.parent
-            assert parent is not None
             self._delete(node)
-            self._cascade(parent)
-        else:
-            self._cascade(node)
+        if how is not None:
+            self._notify_evict(node, "device_kv", how)
+            if had_state:
+                self._notify_evict(node, "device_state", EvictHow.DROP)
+        self._cascade(parent if deleted else node, key)
 
     def _drop_device_state(self, node: TreeNode) -> None:
         self._lost_states += 1
         self._free_device_state(node)
-        self._cascade(node)
+        self._notify_evict(node, "device_state", EvictHow.DROP)
+        self._cascade(node, "device_state")
 
     # ---- host --------------------------------------------------------------------------------
-    def evict_host(self, num_kv_pages: int = 0, num_states: int = 0, *, archived_only: bool = False) -> EvictResult:
+    def evict_host(
+        self,
+        num_kv_pages: int = 0,
+        num_states: int = 0,
+        *,
+        archived_only: bool = False,
+        demote: DemoteFn | None = None,
+    ) -> EvictResult:
         """Free at least ``num_kv_pages`` host pages and ``num_states`` host state slots if
         possible. A host-only node that loses its copy is deleted (with the cascade above it); a
         node also on the device just loses its host copy. ``archived_only`` restricts eviction
-        to nodes marked archived (their bytes are in storage). Mutates the tree and frees
-        indices to the host pools (and to the device pools when the cascade deletes nodes).
+        to nodes marked archived (their bytes are in storage). ``demote``: called with each
+        victim (after its ancestors not archived yet) just before its host copy is dropped, in
+        the tree's victim order, to write it to storage (see the module docstring). Mutates the
+        tree and frees indices to the host pools (and to the device pools when the cascade
+        deletes nodes).
         """
         if num_kv_pages < 0 or num_states < 0:
             raise ConfigError(f"cannot evict a negative amount ({num_kv_pages} pages, {num_states} states)")
@@ -234,10 +287,10 @@ class EvictionMixin(TreeCore):
         lost0, deleted0 = self._lost_states, self._deleted_nodes
         if self.host_kv is not None:
             if num_kv_pages:
-                self._evict_host_kv(num_kv_pages, archived_only)
+                self._evict_host_kv(num_kv_pages, archived_only, demote)
             need_states = num_states - (states0 - self._host_states)
             if need_states > 0 and self.host_mamba is not None:
-                self._evict_host_states(need_states, archived_only)
+                self._evict_host_states(need_states, archived_only, demote)
         return EvictResult(
             tier=Tier.HOST,
             num_kv_pages=pages0 - self._host_pages,
@@ -246,8 +299,15 @@ class EvictionMixin(TreeCore):
             num_deleted_nodes=self._deleted_nodes - deleted0,
         )
 
-    def _evict_host_kv(self, need: int, archived_only: bool) -> None:
+    def _demote_path(self, node: TreeNode) -> list[TreeNode]:
+        """What ``demote`` gets for victim ``node``: its ancestors not archived, then ``node``."""
+        nodes = [n for n in self.path_to(node) if not n.archived and n is not node]
+        nodes.append(node)
+        return nodes
+
+    def _evict_host_kv(self, need: int, archived_only: bool, demote: DemoteFn | None) -> None:
         pages0 = self._host_pages
+        how = EvictHow.DEMOTE if demote is not None else EvictHow.DROP
         deferred: set[TreeNode] = set()  # offered while a child still held host KV
         for offered in self.eviction.candidates(self.host_kv_lru, now=self.clock()):
             node: TreeNode | None = offered
@@ -259,27 +319,33 @@ class EvictionMixin(TreeCore):
                     break
                 parent = node.parent
                 assert parent is not None
+                if node.device_kv is None and (node.device_lock or node.loading):
+                    break
+                if demote is not None:
+                    demote(self._demote_path(node), "host_kv")
+                had_state = node.host_state is not None
                 if node.device_kv is None:
-                    if node.device_lock or node.loading:
-                        break
                     assert not node.children
                     self._delete(node)
-                    self._cascade(parent)
                 else:
-                    if node.host_state is not None:
+                    if had_state:
                         if node.device_state is None:
                             self._lost_states += 1
                         self._free_host_state(node)
                     self._free_host_kv(node)
-                    self._cascade(node)
+                self._notify_evict(node, "host_kv", how)
+                if had_state:
+                    self._notify_evict(node, "host_state", how)
+                self._cascade(parent if not node.alive else node, "host_kv")
                 # As for the device: a parent offered earlier may be a host leaf now.
                 node = parent if parent in deferred else None
                 deferred.discard(parent)
             if pages0 - self._host_pages >= need:
                 break
 
-    def _evict_host_states(self, need: int, archived_only: bool) -> None:
+    def _evict_host_states(self, need: int, archived_only: bool, demote: DemoteFn | None) -> None:
         states0 = self._host_states
+        how = EvictHow.DEMOTE if demote is not None else EvictHow.DROP
         for node in self.eviction.candidates(self.host_state_lru, now=self.clock()):
             if states0 - self._host_states >= need:
                 break
@@ -287,10 +353,13 @@ class EvictionMixin(TreeCore):
                 continue
             if archived_only and not node.archived:
                 continue
+            if demote is not None:
+                demote(self._demote_path(node), "host_state")
             if node.device_state is None:
                 self._lost_states += 1
             self._free_host_state(node)
-            self._cascade(node)
+            self._notify_evict(node, "host_state", how)
+            self._cascade(node, "host_state")
 
     # ---- release -----------------------------------------------------------------------------
     def release_states(self, nodes: Iterable[TreeNode]) -> EvictResult:
@@ -305,16 +374,18 @@ class EvictionMixin(TreeCore):
         for node in nodes:
             if node.parent is None or not node.alive or not node.has_state:
                 continue
-            freed = False
+            freed: str | None = None  # the last list a state left
             if node.device_state is not None and node.device_lock == 0 and node.loading == 0:
                 self._free_device_state(node)
-                freed = True
+                freed = "device_state"
+                self._notify_evict(node, freed, EvictHow.RELEASE)
             if node.host_state is not None and node.host_lock == 0:
                 self._free_host_state(node)
-                freed = True
-            if freed and not node.has_state:
+                freed = "host_state"
+                self._notify_evict(node, freed, EvictHow.RELEASE)
+            if freed is not None and not node.has_state:
                 self._lost_states += 1
-                self._cascade(node)
+                self._cascade(node, freed)
         return EvictResult(
             tier=Tier.DEVICE,
             num_kv_pages=pages0 - self._device_pages - self._host_pages,

@@ -27,7 +27,7 @@ import torch
 
 from asynccache.tree.hashing import chain_hashes
 
-__all__ = ["Resource", "Tier", "TreeNode"]
+__all__ = ["EvictHow", "Resource", "Tier", "TreeNode"]
 
 
 class Tier(str, Enum):
@@ -43,6 +43,16 @@ class Resource(str, Enum):
 
     KV = "kv"
     STATE = "state"
+
+
+class EvictHow(str, Enum):
+    """What an eviction did with a victim's copy on its tier (see ``asynccache.tree.evict``)."""
+
+    DEMOTE = "demote"  # freed; the tier below keeps a copy (the host, or storage via ``demote``)
+    WRITE_BACK = "write_back"  # freed once the eviction had written it back to the host
+    DROP = "drop"  # freed; no copy was made below by this eviction
+    CASCADE = "cascade"  # deleted by the tombstone cascade after an eviction
+    RELEASE = "release"  # state freed on every tier by ``release_states``
 
 
 #: Number of LRU lists a node can be linked into (device KV, device state, host KV, host state).

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
 from trace_builders import BLOCK, make_config, make_spec, make_trace, mixed_trace
 
 from asynccache.errors import ConfigError
+from asynccache.storage import PoolName
 from asynccache.trace.bound import infinite_cache_bound
 from asynccache.trace.loader import Trace
 from asynccache.trace.policies import parse_combo
 from asynccache.trace.replay import ReplayConfig, TraceReplay, replay_trace
 from asynccache.trace.results import TierBudget
+from asynccache.tree import EvictHow, EvictResult, TreeNode
 
 BIG = 10_000  # pages: nothing is ever evicted
 
@@ -228,6 +232,83 @@ async def test_demote_writes_to_storage_only_what_the_host_evicts_in_both_engine
     sync, ctrl = replay_trace(trace, tight), await ControllerReplay(trace, tight).arun()
     assert ctrl.bytes_moved["storage_write"] == sync.bytes_moved["storage_write"] > 0
     assert ctrl.hit_tokens_by_tier == sync.hit_tokens_by_tier == {"device": 0, "host": 0, "storage": 3 * BLOCK}
+
+
+@pytest.mark.parametrize("combo", ["branch/cost-aware/write_back", "adaptive/reuse/write_back/demote", "every-page/lru"])
+def test_the_tree_reports_every_state_its_evictions_free_in_a_replay(combo: str) -> None:
+    """Eviction notifications under a replay's load: each state an eviction frees is reported
+    once on its tier's state list (how it left: demoted, written back or dropped), each state
+    ``release_states`` frees as released; a cascade never takes a state."""
+    replay = TraceReplay(_mixed_trace(11), make_config(combo, device_pages=20, host_pages=40, storage_pages=80))
+    tree = replay.tree
+    freed = {"device": 0, "host": 0}
+    heard: dict[tuple[str, EvictHow], int] = {}
+
+    def listener(node: TreeNode, list_key: str, how: EvictHow) -> None:
+        heard[(list_key, how)] = heard.get((list_key, how), 0) + 1
+        if how is EvictHow.CASCADE:
+            assert not node.alive and not node.has_state
+
+    def counting(evict: Callable[..., EvictResult]) -> Callable[..., EvictResult]:
+        def wrapped(*args: Any, **kwargs: Any) -> EvictResult:
+            result = evict(*args, **kwargs)
+            freed[result.tier.value] += result.num_states
+            return result
+
+        return wrapped
+
+    tree.add_evict_listener(listener)
+    tree.evict_device = counting(tree.evict_device)  # type: ignore[method-assign]
+    tree.evict_host = counting(tree.evict_host)  # type: ignore[method-assign]
+    r = replay.run()
+    for tier in ("device", "host"):
+        reported = sum(
+            n
+            for (key, how), n in heard.items()
+            if key == f"{tier}_state" and how not in (EvictHow.RELEASE, EvictHow.CASCADE)
+        )
+        assert reported == freed[tier] > 0, (tier, heard)
+    device_hows = {how for key, how in heard if key.startswith("device")}
+    assert (EvictHow.WRITE_BACK in device_hows) == ("write_back" in combo)  # else backed up at insert
+    assert EvictHow.DEMOTE in device_hows
+    released = sum(n for (key, how), n in heard.items() if how is EvictHow.RELEASE)
+    assert released >= r.evictions["released_states"]  # per tier, so a state on both counts twice
+    assert (released > 0) == combo.startswith("adaptive/reuse")
+
+
+def test_demote_writes_the_host_victims_the_tree_drops_in_its_order() -> None:
+    """``storage_write=demote`` goes through the tree's ``evict_host(demote=…)``: storage gets
+    each host victim (with a state) just before the tree drops its copy, in the tree's victim
+    order, and nothing the tree keeps."""
+    trace = mixed_trace(7, 80, shared=3)
+    replay = TraceReplay(trace, make_config("branch/lru/write_back/demote", device_pages=24, host_pages=30, storage_pages=BIG))
+    tier, budget = replay.storage_tier, replay.host_budget
+    assert tier is not None and budget is not None and budget.demote == tier.demote
+    handed: list[tuple[int, str]] = []
+    victims: list[tuple[int, str]] = []
+
+    def demote(nodes: Sequence[TreeNode], list_key: str) -> None:
+        victim = nodes[-1]
+        assert all(n.alive and n.host_kv is not None for n in nodes)  # before any copy goes
+        assert all(not n.archived for n in nodes[:-1])
+        handed.append((victim.node_id, list_key))
+        tier.demote(nodes, list_key)
+        if victim.has_state:  # written, state included, before the tree drops it
+            assert tier.storage.contains(PoolName.MAMBA, victim.page_hashes[-1])
+            assert all(n.archived for n in replay.tree.path_to(victim))
+
+    def heard(node: TreeNode, list_key: str, how: EvictHow) -> None:
+        if list_key.startswith("host") and how is not EvictHow.CASCADE:
+            assert how is EvictHow.DEMOTE
+            if victims and victims[-1] == (node.node_id, "host_kv") and list_key == "host_state":
+                return  # the state that left with its KV
+            victims.append((node.node_id, list_key))
+
+    budget.demote = demote
+    replay.tree.add_evict_listener(heard)
+    replay.run()
+    assert victims and handed == victims
+    assert any(key == "host_state" for _, key in victims) and any(key == "host_kv" for _, key in victims)
 
 
 async def test_a_branch_state_split_off_an_archived_node_reaches_storage_in_both_engines() -> None:
