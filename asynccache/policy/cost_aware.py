@@ -17,7 +17,8 @@ to [0, 1] (recency over a sliding time window, efficiency against the largest se
 online: every ``tune_every`` requests the policy replays its recent eviction decisions against
 what happened next (a *ghost* of every evicted state remembers its key; a later prompt that
 passes through it and resumes shallower is a regret) and keeps the α of a grid that ranks the
-regretted victims highest (AUC), instead of fixing α once.
+regretted victims highest (AUC), instead of fixing α once. The ghosts come from the tree's
+eviction notifications (:meth:`CostAwareEviction.on_evict`): every victim whose last state went.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from asynccache.spec import HybridSpec
 
 if TYPE_CHECKING:
     from asynccache.trace.flops import FlopModel
-    from asynccache.tree.node import TreeNode
+    from asynccache.tree.node import EvictHow, TreeNode
     from asynccache.tree.results import MatchResult
 
 __all__ = ["STATE_CLASSES", "CostAwareEviction", "NodeValue", "node_value", "state_class"]
@@ -212,6 +213,7 @@ class CostAwareEviction(RankedEviction):
         self._eff_ref = 0.0
         self._ghosts = _GhostLedger(horizon_s=regret_horizon_s)
         self._num_requests = 0
+        self._now = 0.0
         self._ranked_terms: dict[tuple[str, int], tuple[float, float]] = {}
         self.alpha_history: list[tuple[float, float]] = []
 
@@ -245,19 +247,23 @@ class CostAwareEviction(RankedEviction):
 
     # ---- learning --------------------------------------------------------------------------
     def candidates(self, lru: Any, *, now: float) -> Any:
-        key = f"{lru.tier.value}_{lru.resource.value}"
-        for node in super().candidates(lru, now=now):
-            had_state = node.has_state
-            yield node
-            # Not run for the last victim of a KV eviction call (the tree closes the generator)
-            # nor for a parent the tree takes once its child went; the tree's eviction
-            # notifications (``on_evict``) report those too, but would change what this policy
-            # learns (docs/followups.md, item 11).
-            if had_state and node not in lru and (not node.alive or not node.has_state):
-                # Evicted from this list and no tier keeps its state: remember it as a ghost.
-                features = self._ranked_terms.get((key, node.node_id))
-                if features is not None:
-                    self._ghosts.add(node.last_raw_hash(), features, now)
+        self._now = now  # the eviction's time, for the ghosts its victims leave (``on_evict``)
+        yield from super().candidates(lru, now=now)
+
+    def on_evict(self, node: TreeNode, list_key: str, how: EvictHow) -> None:
+        """A state left a tier and no tier keeps one for ``node``: remember it as a ghost, with
+        the terms it was ranked by (on the state list, or on the KV list of the same tier when
+        the state went with a KV victim). The tree reports every eviction, so every such victim
+        is seen (the last one of a call and a parent taken once its child went included)."""
+        # (``how`` is a str enum: compared by value, without importing the tree at run time)
+        if not list_key.endswith("_state") or how == "release" or (node.alive and node.has_state):
+            return
+        tier = list_key.removesuffix("_state")
+        features = self._ranked_terms.get((list_key, node.node_id)) or self._ranked_terms.get(
+            (f"{tier}_kv", node.node_id)
+        )
+        if features is not None:
+            self._ghosts.add(node.last_raw_hash(), features, self._now)
 
     def observe_match(self, match: MatchResult, *, prompt_len: int, now: float) -> None:
         self._ghosts.observe(match, max_pages=(prompt_len - 1) // match.last_node.page_size, now=now)

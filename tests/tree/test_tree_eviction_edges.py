@@ -80,3 +80,28 @@ def test_cost_aware_scores_do_not_depend_on_the_scan_order() -> None:
     nodes = {name: put(tree, seq(seed, pages * PAGE)).last_node for name, seed, pages in (("A", 1, 1), ("B", 2, 10), ("C", 3, 5))}
     tree.evict_device(num_states=1)
     assert [k for k, n in nodes.items() if n.device_state is None] == ["A"]
+
+
+def test_cost_aware_remembers_every_state_its_evictions_lose() -> None:
+    """The tree reports each eviction to the policy: every victim whose last state went is a
+    ghost — the last victim of a KV eviction call too (the tree stops iterating the ranking
+    there, so a check after each yield never saw it) — and one whose state only moved to the
+    host is not."""
+    policy = cost_aware()
+    tree, _ = make_tree(device_pages=16, device_states=8, host_pages=None, host_states=None, eviction=policy)
+    for i in range(3):
+        put(tree, seq(10 + i, 2 * PAGE), states=[2 * PAGE])
+    res = tree.evict_device(num_kv_pages=2)  # one leaf, the only victim of the call
+    assert res.num_kv_pages == 2
+    assert len(policy._ghosts._by_key) == 1
+    tree.evict_device(num_kv_pages=4)
+    assert len(policy._ghosts._by_key) == 3
+    tree.check_integrity()
+
+    policy = cost_aware()
+    tree, _ = make_tree(device_pages=16, device_states=8, host_pages=32, host_states=8, eviction=policy,
+                        write_policy="write_back")  # fmt: skip
+    put(tree, seq(20, 2 * PAGE), states=[2 * PAGE])
+    assert tree.evict_device(num_kv_pages=2).num_kv_pages == 2
+    assert tree.match_prefix(seq(20, 2 * PAGE)).num_tokens > 0  # on the host now
+    assert not policy._ghosts._by_key
