@@ -254,9 +254,16 @@ class CostAwareEviction(RankedEviction):
         """A state left a tier and no tier keeps one for ``node``: remember it as a ghost, with
         the terms it was ranked by (on the state list, or on the KV list of the same tier when
         the state went with a KV victim). The tree reports every eviction, so every such victim
-        is seen (the last one of a call and a parent taken once its child went included)."""
+        is seen (the last one of a call and a parent taken once its child went included).
+        Released states are not victims; nor is a ``CASCADE`` report: the cascade deletes only
+        nodes without a state, so a victim it then takes was already reported (and counted) when
+        its state went."""
         # (``how`` is a str enum: compared by value, without importing the tree at run time)
-        if not list_key.endswith("_state") or how == "release" or (node.alive and node.has_state):
+        if (
+            not list_key.endswith("_state")
+            or how in ("release", "cascade")
+            or (node.alive and node.has_state)
+        ):
             return
         tier = list_key.removesuffix("_state")
         features = self._ranked_terms.get((list_key, node.node_id)) or self._ranked_terms.get(

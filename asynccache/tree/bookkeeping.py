@@ -53,7 +53,8 @@ DemoteFn = Callable[[Sequence[TreeNode], str], None]
 
 #: ``listener(node, list_key, how)``: ``node`` was evicted from list ``list_key``
 #: (``"device_kv"``, ``"device_state"``, ``"host_kv"``, ``"host_state"``) in the way ``how`` says;
-#: called after the tree has freed it. It must not change the tree.
+#: called after the tree has freed it. It must not change the tree; it may add or remove
+#: listeners (from the next notification on).
 EvictListener = Callable[[TreeNode, str, EvictHow], None]
 
 #: Names of the four pools, as used by ``claim_in_flight`` / ``release_in_flight``.
@@ -163,7 +164,9 @@ class TreeBookkeeping:
             raise ConfigError(f"{listener!r} is not an eviction listener of this tree") from None
 
     def _notify_evict(self, node: TreeNode, list_key: str, how: EvictHow) -> None:
-        for listener in self._evict_listeners:
+        # A copy: a listener may add or remove listeners (itself included) while it is told; the
+        # change applies from the next notification and every other listener still hears this one.
+        for listener in tuple(self._evict_listeners):
             listener(node, list_key, how)
 
     # ---- roots and nodes -----------------------------------------------------------------

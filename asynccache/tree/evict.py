@@ -36,7 +36,8 @@ overrides ``EvictionPolicy.on_evict``): every listener gets ``(node, list_key, h
 
 - ``DEMOTE``: the tier below holds a copy (the device victim was backed up; the host victim went
   to the ``demote`` callback);
-- ``WRITE_BACK``: freed after this call's write-back copied it to the host;
+- ``WRITE_BACK``: freed after this call's write-back copied it to the host (an ancestor freed
+  with a victim that was on the host already is ``DEMOTE``);
 - ``DROP``: no copy was made below (a dropped state is lost unless the other tier has one);
 - ``CASCADE``: deleted by the tombstone cascade that an eviction set off (reported with that
   eviction's list; the victim itself too when the cascade takes it);
@@ -157,7 +158,8 @@ class EvictionMixin(TreeCore):
                 break
         if not victims:
             return 0, 0, 0
-        written = self._call_write_back(victims, callback)  # type: ignore[arg-type]
+        handed = self._call_write_back(victims, callback)  # type: ignore[arg-type]
+        written = len(handed)
         pending_pages = pending_states = 0
         for node in victims:
             if not node.alive or node.device_kv is None:
@@ -172,7 +174,8 @@ class EvictionMixin(TreeCore):
             else:
                 self._drop_device(node, EvictHow.DROP)
             # A synchronous write-back backed the ancestors up too: those that are device
-            # leaves now go as well while more room is needed.
+            # leaves now go as well while more room is needed. One that was backed up before
+            # (not handed to this write-back) is a plain demotion.
             while (
                 parent is not None
                 and pages0 - self._device_pages < need
@@ -180,7 +183,7 @@ class EvictionMixin(TreeCore):
                 and self._backed_up(parent)
             ):
                 node, parent = parent, parent.parent
-                self._demote_device(node, EvictHow.WRITE_BACK)
+                self._demote_device(node, EvictHow.WRITE_BACK if node in handed else EvictHow.DEMOTE)
         return pending_pages, pending_states, written
 
     def _evict_device_states(self, need: int, callback: WriteBackFn | None) -> tuple[int, int]:
@@ -200,7 +203,7 @@ class EvictionMixin(TreeCore):
                 self._drop_device_state(node)
         if not victims:
             return 0, 0
-        written = self._call_write_back(victims, callback)  # type: ignore[arg-type]
+        written = len(self._call_write_back(victims, callback))  # type: ignore[arg-type]
         pending = 0
         for node in victims:
             if not node.alive or node.device_state is None:
@@ -215,10 +218,12 @@ class EvictionMixin(TreeCore):
                 pending += 1
         return pending, written
 
-    def _call_write_back(self, victims: list[TreeNode], callback: WriteBackFn) -> int:
+    def _call_write_back(self, victims: list[TreeNode], callback: WriteBackFn) -> set[TreeNode]:
+        """Hand ``victims`` with their ancestors that lack a host copy to ``callback``; returns
+        the nodes handed over."""
         nodes = self._with_ancestors(victims)
         callback(nodes)
-        return len(nodes)
+        return set(nodes)
 
     def _demote_device(self, node: TreeNode, how: EvictHow) -> None:
         """Free the device copy of a backed-up node (its state too)."""

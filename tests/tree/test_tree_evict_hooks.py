@@ -304,3 +304,47 @@ def test_an_aborted_load_is_not_an_eviction() -> None:
     tree.device_mamba.free(released.state_slots)
     assert heard.events == []
     tree.check_integrity()
+
+
+def test_a_listener_that_leaves_while_told_does_not_hide_the_eviction_from_the_next() -> None:
+    tree, _ = make_tree(host_pages=None, host_states=None)
+    leaf = put(tree, seq(1, 2 * PAGE), states=[2 * PAGE]).last_node
+    once = Listener()
+
+    def leave(node: TreeNode, list_key: str, how: EvictHow) -> None:
+        once(node, list_key, how)
+        tree.remove_evict_listener(leave)
+
+    tree.add_evict_listener(leave)
+    heard = listening(tree)
+    tree.evict_device(num_kv_pages=2)
+    n = leaf.node_id
+    assert once.events == [(n, "device_kv", DROP)]  # gone from the next notification on
+    assert heard.events == [(n, "device_kv", DROP), (n, "device_state", DROP)]
+
+
+def test_an_ancestor_backed_up_before_the_write_back_is_reported_demoted() -> None:
+    """Write-back hands over a victim and its ancestors without a host copy; an ancestor that
+    already had one and goes after it in the same call was not written back by it."""
+    tree, transfer = make_tree(write_policy="write_back")
+    first = seq(1, 2 * PAGE)
+    upper = put(tree, first, states=[2 * PAGE]).last_node
+    assert transfer.write_back([upper])  # on the host already
+    leaf = put(tree, first + seq(2, 2 * PAGE), states=[4 * PAGE]).last_node
+    assert leaf.parent is upper and leaf.host_kv is None
+    handed: list[int] = []
+
+    def write_back(nodes: Sequence[TreeNode]) -> bool:
+        handed.extend(n.node_id for n in nodes)
+        return transfer.write_back(nodes)
+
+    heard = listening(tree)
+    res = tree.evict_device(num_kv_pages=4, write_back=write_back)
+    assert res.num_kv_pages == 4 and handed == [leaf.node_id]
+    assert heard.events == [
+        (leaf.node_id, "device_kv", WRITE_BACK),
+        (leaf.node_id, "device_state", WRITE_BACK),
+        (upper.node_id, "device_kv", DEMOTE),
+        (upper.node_id, "device_state", DEMOTE),
+    ]
+    tree.check_integrity()

@@ -105,3 +105,36 @@ def test_cost_aware_remembers_every_state_its_evictions_lose() -> None:
     assert tree.evict_device(num_kv_pages=2).num_kv_pages == 2
     assert tree.match_prefix(seq(20, 2 * PAGE)).num_tokens > 0  # on the host now
     assert not policy._ghosts._by_key
+
+
+def test_cost_aware_counts_a_state_victim_once_and_no_released_state() -> None:
+    """A state victim the cascade then deletes is reported twice (its state list, then
+    ``CASCADE``): one ghost. A released state is no victim, nor is the node the cascade after
+    ``release_states`` deletes."""
+    for host in (False, True):
+        policy = cost_aware()
+        tree, transfer = make_tree(eviction=policy, write_policy="write_through",
+                                   host_pages=32 if host else None, host_states=8 if host else None)  # fmt: skip
+        r = put(tree, seq(1, 2 * PAGE), states=[2 * PAGE])
+        put(tree, seq(2, 2 * PAGE), states=[2 * PAGE])
+        if host:
+            transfer.backup(r.backup_nodes)
+            tree.evict_device(num_kv_pages=4)  # both tiers' copies of the first on the host only
+            before = len(policy._ghosts._order)
+            res = tree.evict_host(num_states=1)
+        else:
+            before = len(policy._ghosts._order)
+            res = tree.evict_device(num_states=1)
+        assert res.num_states == 1 and res.num_deleted_nodes == 1
+        assert len(policy._ghosts._order) - before == 1, host
+
+    policy = cost_aware()
+    tree, _ = make_tree(eviction=policy, host_pages=None, host_states=None)
+    nodes = [put(tree, seq(i, 2 * PAGE), states=[2 * PAGE]).last_node for i in (1, 2)]
+    tree.evict_device(num_states=1)  # a ranking: the survivor has terms
+    (kept,) = [n for n in nodes if n.alive]
+    assert kept.has_state
+    before = len(policy._ghosts._order)
+    assert tree.release_states([kept]).num_deleted_nodes == 1
+    assert len(policy._ghosts._order) == before
+    tree.check_integrity()
