@@ -44,12 +44,16 @@ from asynccache.pools import DeviceKVPool, DeviceMambaPool
 from asynccache.reference.context import GdnGroup, PassContext
 from asynccache.reference.layers import DecoderLayer
 
-__all__ = ["GraphedPass", "LayerGraphs"]
+__all__ = ["MAX_SEEN_SHAPES", "GraphedPass", "LayerGraphs"]
 
 log = logging.getLogger("asynccache.reference")
 
 _Shape = tuple[int, tuple[tuple[int, int, int, int, bool, bool, int], ...]]
 _Key = tuple[int, _Shape]  # (id of the state pool, pass shape)
+
+#: Shapes seen but not captured yet that are remembered (the oldest forgotten past this): a
+#: server sees a new shape for nearly every prefill's last chunk.
+MAX_SEEN_SHAPES = 4096
 
 
 def pass_shape(ctx: PassContext) -> _Shape:
@@ -150,6 +154,8 @@ class LayerGraphs:
             seen = self._seen.get(shape, 0)
             if seen < self.eager_runs:
                 self._seen[shape] = seen + 1
+                if len(self._seen) > MAX_SEEN_SHAPES:
+                    del self._seen[next(iter(self._seen))]
                 return None
             self._seen.pop(shape, None)
             entry = _ShapeGraphs(ctx, hidden)
