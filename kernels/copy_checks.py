@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from asynccache.checks import as_int
+from asynccache.checks import as_int, distinct_ints
 from asynccache.errors import TransferError
 from kernels.plan import DEFAULT_MAX_CTAS
 
@@ -185,10 +185,8 @@ _SMALL_OVERLAP = 64
 def all_distinct(array: np.ndarray | torch.Tensor) -> bool:
     """No value twice (any shape: the values are taken flat; a CPU tensor is read as NumPy).
 
-    Integers: one comparison of neighbours settles a strictly ascending list (what the allocators
-    hand out; ~1 ns a value), any other order is sorted and its neighbours compared (~10 ns a
-    value). ``np.unique``, hash-based in NumPy 2.4, costs ~150-220 ns a value, so it is kept only
-    for other dtypes, where it also decides what counts as equal (NaNs are one value)."""
+    Integers: :func:`~asynccache.checks.distinct_ints` (no ``np.unique``, which is slow); other
+    dtypes: ``np.unique``, which also decides what counts as equal (NaNs are one value)."""
     a = array if isinstance(array, np.ndarray) else np.asarray(array)
     if a.ndim != 1:
         a = a.reshape(-1)
@@ -196,11 +194,7 @@ def all_distinct(array: np.ndarray | torch.Tensor) -> bool:
         return True
     if a.dtype.kind not in "iub":
         return int(np.unique(a).size) == a.size
-    # Comparisons, not ``np.diff``: a difference of two int64s can wrap around and look positive.
-    if bool((a[1:] > a[:-1]).all()):
-        return True
-    ordered = np.sort(a)
-    return not bool((ordered[1:] == ordered[:-1]).any())
+    return distinct_ints(a)
 
 
 def check_overlap(

@@ -131,7 +131,6 @@ class LayerGraphs:
         self.eager_runs = eager_runs
         self.max_shapes = max_shapes
         self.max_total_tokens = max_total_tokens
-        self._total_tokens = 0
         self._shapes: OrderedDict[_Key, _ShapeGraphs] = OrderedDict()
         self._seen: dict[_Key, int] = {}
         self._pools: dict[int, weakref.finalize] = {}
@@ -160,11 +159,10 @@ class LayerGraphs:
             self._seen.pop(shape, None)
             entry = _ShapeGraphs(ctx, hidden)
             self._shapes[shape] = entry
-            self._total_tokens += ctx.num_tokens
             while len(self._shapes) > 1 and (
-                len(self._shapes) > self.max_shapes or self._total_tokens > self.max_total_tokens
+                len(self._shapes) > self.max_shapes or self.total_tokens > self.max_total_tokens
             ):
-                self._drop(next(iter(self._shapes)))
+                self._shapes.popitem(last=False)
         else:
             self._shapes.move_to_end(shape)
         if entry.failed:
@@ -176,13 +174,9 @@ class LayerGraphs:
         """Drop the graphs of a pool that is gone (its id may be reused by a new one)."""
         self._pools.pop(pool_id, None)
         for key in [k for k in self._shapes if k[0] == pool_id]:
-            self._drop(key)
+            del self._shapes[key]
         for key in [k for k in self._seen if k[0] == pool_id]:
             del self._seen[key]
-
-    def _drop(self, key: _Key) -> None:
-        del self._shapes[key]
-        self._total_tokens -= key[1][0]
 
     @property
     def num_shapes(self) -> int:
@@ -192,7 +186,7 @@ class LayerGraphs:
     @property
     def total_tokens(self) -> int:
         """The tokens of the kept shapes, added up."""
-        return self._total_tokens
+        return sum(key[1][0] for key in self._shapes)
 
     def _capture_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
