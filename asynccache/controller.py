@@ -353,9 +353,35 @@ class HybridCacheController:
         self._load_queue.append(op)
         return op
 
-    async def wait_prefetch(self, task: asyncio.Task[Any], num_tokens: int) -> Any | None:
-        """The prefetch's result if it finished within the policy's deadline, else None."""
-        return await self._prefetcher.wait(task, num_tokens)
+    async def wait_prefetch(self, task: asyncio.Task[Any], num_tokens: int, *, elapsed_s: float = 0.0) -> Any | None:
+        """The prefetch's result if it finished within the policy's deadline, else None (its
+        split restore, if any, is then released when it lands). ``elapsed_s``: how long the
+        caller has already let it run — a scheduler that computes other requests meanwhile and
+        asks again later (see :meth:`prefetch_overdue`); the deadline counts from its start."""
+        return await self._prefetcher.wait(task, num_tokens, elapsed_s=elapsed_s)
+
+    async def wait_prefetch_probed(
+        self, task: asyncio.Task[Any], num_tokens: int, *, elapsed_s: float = 0.0, at_most_s: float | None = None
+    ) -> None:
+        """Wait until the prefetch has probed storage — a few lookups: it then reads what it
+        restores, or it has ended — at most until the policy's deadline and ``at_most_s``. A
+        scheduler with other requests to compute waits this long, never for the read."""
+        await self._prefetcher.wait_probed(task, num_tokens, elapsed_s=elapsed_s, at_most_s=at_most_s)
+
+    def prefetch_overdue(self, num_tokens: int, elapsed_s: float) -> bool:
+        """Whether a prefetch of ``num_tokens`` running for ``elapsed_s`` has passed the
+        policy's deadline (never under ``wait_complete``)."""
+        return self.prefetch_time_left(num_tokens, elapsed_s) == 0.0
+
+    def prefetch_time_left(self, num_tokens: int, elapsed_s: float) -> float | None:
+        """Seconds a prefetch of ``num_tokens`` running for ``elapsed_s`` may still be waited
+        for (None: no limit, under ``wait_complete``; 0: its deadline has passed)."""
+        return self._prefetcher.time_left(num_tokens, elapsed_s)
+
+    def abandon_prefetch(self, task: asyncio.Task[Any]) -> None:
+        """The caller will not wait for ``task`` (its request is gone): the split restore it
+        may bring is released when it lands. Its fetched pages still land on host."""
+        self._prefetcher.abandon(task)
 
     # ---- completion, cancellation ------------------------------------------------------
     def _finish_ops(

@@ -22,6 +22,7 @@ Call from the event-loop thread only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -110,6 +111,8 @@ class Prefetcher:
         self._stats = stats
         #: storage lookups in flight (each holds its match's KV locked until it ends)
         self.tasks: set[asyncio.Task[Any]] = set()
+        #: each lookup's event set once it has probed storage (see ``tiering.prefetch``)
+        self._probed: dict[asyncio.Task[Any], asyncio.Event] = {}
 
     def start(
         self, tg: asyncio.TaskGroup, tiering: Any, tokens: Sequence[int], match: Any, *, salt: str, allow_tail: bool
@@ -125,7 +128,8 @@ class Prefetcher:
             self.tree.unlock(node)
             self.tree.unlock_host(node)
 
-        coro = tiering.prefetch(tokens, match, salt=salt, allow_tail=allow_tail)
+        probed = asyncio.Event()
+        coro = tiering.prefetch(tokens, match, salt=salt, allow_tail=allow_tail, probed=probed)
         try:
             task = tg.create_task(coro, name="asynccache-prefetch")
         except RuntimeError as e:  # the group is shutting down: a background task failed
@@ -134,26 +138,60 @@ class Prefetcher:
             raise ClosedError(f"the controller is shutting down: {e}") from e
         task.add_done_callback(unlock)
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        self._probed[task] = probed
+
+        def forget(_: asyncio.Task[Any]) -> None:
+            self.tasks.discard(task)
+            self._probed.pop(task, None)
+
+        task.add_done_callback(forget)
         return task
 
-    async def wait(self, task: asyncio.Task[Any], num_tokens: int) -> Any | None:
-        """The prefetch's result if it finished within the policy's deadline, else None."""
-        timeout = self.config.prefetch_timeout_s(num_tokens)
+    async def wait_probed(
+        self, task: asyncio.Task[Any], num_tokens: int, *, elapsed_s: float = 0.0, at_most_s: float | None = None
+    ) -> None:
+        """Wait until ``task`` has probed storage (it reads, or it has ended), at most until the
+        policy's deadline (``elapsed_s`` already spent) and at most ``at_most_s``."""
+        event = self._probed.get(task)
+        if event is None or event.is_set():
+            return
+        timeout = self.time_left(num_tokens, elapsed_s)
+        if at_most_s is not None:
+            timeout = at_most_s if timeout is None else min(timeout, at_most_s)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await event.wait()
+
+    async def wait(self, task: asyncio.Task[Any], num_tokens: int, *, elapsed_s: float = 0.0) -> Any | None:
+        """The prefetch's result if it finished within the policy's deadline, else None.
+        ``elapsed_s``: how long the caller has already waited for it (the deadline counts from
+        then: a request that waited while others computed does not wait a whole deadline more)."""
+        timeout = self.time_left(num_tokens, elapsed_s)
         try:
             if timeout == 0.0 and not task.done():
                 await asyncio.sleep(0)
             done, _ = await asyncio.wait({task}, timeout=timeout)
         except asyncio.CancelledError:
             # The waiter is gone (its request was cancelled): nobody takes a split restore.
-            task.add_done_callback(_release_late_tail)
+            self.abandon(task)
             raise
         if task not in done:
             self._stats.count("prefetch_deadline_passed")
             # Nobody takes a split restore that arrives after the deadline: release it then.
-            task.add_done_callback(_release_late_tail)
+            self.abandon(task)
             return None
         return task.result()
+
+    def time_left(self, num_tokens: int, elapsed_s: float) -> float | None:
+        """Seconds left to wait for a prefetch that has run ``elapsed_s`` (None: no limit)."""
+        timeout = self.config.prefetch_timeout_s(num_tokens)
+        return None if timeout is None else max(0.0, timeout - elapsed_s)
+
+    @staticmethod
+    def abandon(task: asyncio.Task[Any]) -> None:
+        """Nobody will take ``task``'s result: release the split restore it brings, if any,
+        once it has ended (at once if it has)."""
+        task.add_done_callback(_release_late_tail)
 
     def tail_load_op(self, tail: Any, device_pages: torch.Tensor, state_slots: torch.Tensor) -> CacheOperation:
         """The load of a landed tail restore (see ``HybridCacheController.load_tail``): no tree

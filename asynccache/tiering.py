@@ -183,28 +183,42 @@ class StorageTier:
                 self.counts["backup_failed"] += 1
 
     # ---- prefetch ----------------------------------------------------------------------
-    async def prefetch(self, tokens: Any, match: Any, *, salt: str = "", allow_tail: bool = False) -> PrefetchResult:
+    async def prefetch(
+        self,
+        tokens: Any,
+        match: Any,
+        *,
+        salt: str = "",
+        allow_tail: bool = False,
+        probed: asyncio.Event | None = None,
+    ) -> PrefetchResult:
         """Fetch from storage the part of ``tokens`` past ``match`` (see module docstring).
 
         With ``allow_tail`` the result may carry a :class:`TailRestore` that the caller owns.
+        ``probed`` is set once storage has been probed: when the fetch starts reading (a whole
+        restore), or when it ends (a miss, a split restore, a failure).
         """
-        page = self.tree.spec.page_size
-        start_page = match.num_tokens // page
-        if len(match.page_hashes) <= start_page or self.controller.pools[PoolName.MAMBA][1] is None:
-            return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
-        # The lookup below awaits storage; meanwhile the KV the match holds (which the fetched
-        # pages extend) must not be evicted.
-        node = held_node(match)
-        self.tree.lock(node)
-        self.tree.lock_host(node)
         try:
-            return await self._prefetch(tokens, match, start_page, salt=salt, allow_tail=allow_tail)
+            page = self.tree.spec.page_size
+            start_page = match.num_tokens // page
+            if len(match.page_hashes) <= start_page or self.controller.pools[PoolName.MAMBA][1] is None:
+                return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
+            # The lookup below awaits storage; meanwhile the KV the match holds (which the
+            # fetched pages extend) must not be evicted.
+            node = held_node(match)
+            self.tree.lock(node)
+            self.tree.lock_host(node)
+            try:
+                return await self._prefetch(tokens, match, start_page, salt=salt, allow_tail=allow_tail, probed=probed)
+            finally:
+                self.tree.unlock(node)
+                self.tree.unlock_host(node)
         finally:
-            self.tree.unlock(node)
-            self.tree.unlock_host(node)
+            if probed is not None:
+                probed.set()
 
     async def _prefetch(
-        self, tokens: Any, match: Any, start_page: int, *, salt: str, allow_tail: bool
+        self, tokens: Any, match: Any, start_page: int, *, salt: str, allow_tail: bool, probed: asyncio.Event | None
     ) -> PrefetchResult:
         keys = list(match.page_hashes)
         # The tree holds the KV of the pages before ``held`` on some tier (the state only at
@@ -245,6 +259,8 @@ class StorageTier:
                 return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
         if begin > start_page:
             return self._start_tail(match, keys, begin, n)
+        if probed is not None:
+            probed.set()  # reading from here on
         return await self._fetch(tokens, match, keys, first, n, salt=salt)
 
     async def _deepest_stored(self, keys: list[str], start_page: int, held: int) -> int:

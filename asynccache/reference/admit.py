@@ -6,12 +6,16 @@ Primitives:
   run: the prefix match (of ``prompt[:-1]``), the storage prefetch within the policy's deadline
   (the tail of a split restore kept for later), the match pinned on both tiers while room is
   made, then the working and snapshot slots, the host → device load and the request's own pages.
-  Without room everything is undone and the request waits. A base of
+  Without room everything is undone and the request waits. The storage lookups of the requests
+  the device could take start side by side; with nothing running the step waits for them (one
+  batched prefill), otherwise at most ``lookup_wait_s`` for the next request's probe — a
+  restore's read goes on while the running requests compute (docs/architecture.md). A base of
   :class:`~asynccache.reference.scheduler.Scheduler`; not used on its own.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,31 +55,82 @@ class AdmitMixin:
 
     # ---- admission ---------------------------------------------------------------------
     async def _admit(self) -> None:
+        window = self._waiting[: max(0, self.config.max_running - len(self._running))]
+        for req in window:
+            self._start_lookup(req)
+        if window and not self._running:
+            await self._lookups_of(window)
         while self._waiting and len(self._running) < self.config.max_running:
             req = self._waiting[0]
-            if not await self._try_admit(req):
+            if not await self._lookup_over(req):
+                return  # its storage lookup reads on while the running requests compute
+            if not self._try_admit(req):
                 return
             self._waiting.pop(0)
             self._running.append(req)
 
-    async def _try_admit(self, req: Request) -> bool:
-        tree, ctrl = self.cache.tree, self.cache.controller
+    def _start_lookup(self, req: Request) -> None:
+        """Start ``req``'s storage lookup if it has had none (one per request: one that waits
+        for room does not repeat it)."""
+        if req.storage_tokens is not None:
+            return
+        req.storage_tokens = 0
+        ctrl = self.cache.controller
+        if not self.config.use_cache or ctrl.tiering is None:
+            return
+        key = req.prompt[:-1]
+        match = self.cache.tree.match_prefix(key, salt=req.salt)
+        req.lookup = ctrl.prefetch(key, match, salt=req.salt, allow_tail=True)
+        req.lookup_from, req.lookup_started = match.num_tokens, asyncio.get_running_loop().time()
+
+    async def _lookups_of(self, reqs: list[Request]) -> None:
+        """With nothing running, wait for the lookups of the requests the device can take now
+        (they read side by side) up to the policy's deadline, so they start together — one
+        batched prefill — rather than one a step."""
+        ctrl, now = self.cache.controller, asyncio.get_running_loop().time()
+        pending = [r for r in reqs if r.lookup is not None and not r.lookup.done()]
+        if not pending:
+            return
+        limits = [ctrl.prefetch_time_left(len(r.prompt) - 1, now - r.lookup_started) for r in pending]
+        timeout = None if None in limits else max(t for t in limits if t is not None)
+        await asyncio.wait([r.lookup for r in pending if r.lookup is not None], timeout=timeout)
+
+    async def _lookup_over(self, req: Request) -> bool:
+        """True once ``req``'s storage lookup is over — its result taken within the prefetch
+        policy's deadline, counted from the lookup's start — or when it has none. False while
+        it reads and other requests are running: the loop computes them meanwhile instead of
+        waiting (a lookup that restores a prefix reads for tens of milliseconds and more), and
+        asks again at the next step. With nothing running it waits here."""
+        ctrl, tree = self.cache.controller, self.cache.tree
+        key = req.prompt[:-1]
+        loop = asyncio.get_running_loop()
+        task = req.lookup
+        if task is None:
+            return True
+        elapsed = loop.time() - req.lookup_started
+        if not task.done() and self._running and not ctrl.prefetch_overdue(len(key), elapsed):
+            # A miss or a split restore ends with its probe (a few file lookups): wait that
+            # long (up to ``lookup_wait_s``), so the request joins this step; a whole
+            # restore's read goes on meanwhile.
+            await ctrl.wait_prefetch_probed(task, len(key), elapsed_s=elapsed, at_most_s=self.config.lookup_wait_s)
+            elapsed = loop.time() - req.lookup_started
+            if not task.done() and not ctrl.prefetch_overdue(len(key), elapsed):
+                return False
+        req.lookup = None  # taken from here on (a cancellation meanwhile abandons it in the wait)
+        res = await ctrl.wait_prefetch(task, len(key), elapsed_s=elapsed)
+        req.lookup_tail = res.tail if res is not None else None
+        req.storage_tokens = max(0, tree.match_prefix(key, salt=req.salt).num_tokens - req.lookup_from)
+        return True
+
+    def _try_admit(self, req: Request) -> bool:
+        tree = self.cache.tree
         key = req.prompt[:-1]
         match = tree.match_prefix(key, salt=req.salt) if self.config.use_cache else None
         by_tier = {"device": 0, "host": 0, "storage": 0}
-        tail = None
-        if match is not None and ctrl.tiering is not None and req.storage_tokens is None:
-            before = match.num_tokens
-            task = ctrl.prefetch(key, match, salt=req.salt, allow_tail=True)
-            req.storage_tokens = 0
-            if task is not None:
-                res = await ctrl.wait_prefetch(task, len(key))
-                tail = res.tail if res is not None else None
-                match = tree.match_prefix(key, salt=req.salt)
-                req.storage_tokens = max(0, match.num_tokens - before)
-                if tail is not None and tail.begin_tokens <= match.num_tokens:
-                    tail.release()  # the tree caught up meanwhile (another request restored it)
-                    tail = None
+        tail, req.lookup_tail = req.lookup_tail, None
+        if tail is not None and match is not None and tail.begin_tokens <= match.num_tokens:
+            tail.release()  # the tree caught up meanwhile (another request restored it)
+            tail = None
         num_cached = match.num_tokens if match is not None else 0
         by_tier["storage"] = min(req.storage_tokens or 0, num_cached)
         if match is None:

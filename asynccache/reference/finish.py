@@ -99,6 +99,12 @@ class FinishMixin:
         the slots are freed once it has completed."""
         if req in self._waiting:
             self._waiting.remove(req)
+        if req.lookup is not None:  # its storage lookup runs on; nobody takes what it brings
+            self.cache.controller.abandon_prefetch(req.lookup)
+            req.lookup = None
+        if req.lookup_tail is not None:
+            req.lookup_tail.release()
+            req.lookup_tail = None
         if req in self._running:
             self._running.remove(req)
             own = req.own_pages

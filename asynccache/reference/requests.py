@@ -56,10 +56,17 @@ class SchedulerConfig:
     chunk_size: int = 512  # prefill tokens per request per step
     max_batch_tokens: int = 4096
     use_cache: bool = True
+    #: Seconds a step waits, while other requests run, for the storage probe of the request
+    #: next in line (a miss or a split restore then joins this step; a probe that takes longer,
+    #: and a whole restore's read, go on while the running requests compute).
+    lookup_wait_s: float = 0.01
 
     def __post_init__(self) -> None:
         for name in ("max_running", "chunk_size", "max_batch_tokens"):
             object.__setattr__(self, name, check_int(f"SchedulerConfig.{name}", getattr(self, name), minimum=1))
+        wait = self.lookup_wait_s
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0.0 <= wait < float("inf"):
+            raise ConfigError(f"SchedulerConfig.lookup_wait_s must be a finite number >= 0, got {wait!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,6 +116,10 @@ class Request:
     #: tokens its storage lookup brought (None: not looked up yet; one lookup per request, so a
     #: request that waits for room does not repeat it every step)
     storage_tokens: int | None = None
+    lookup: asyncio.Task[Any] | None = None  # its storage lookup while it runs, not yet taken
+    lookup_from: int = 0  # tokens the tree matched when the lookup started
+    lookup_started: float = 0.0  # the event loop's time then
+    lookup_tail: Any = None  # a split restore the lookup brought, until admission takes it
 
     @property
     def total_len(self) -> int:

@@ -197,10 +197,10 @@ async def test_a_request_cancelled_while_its_lookup_runs_does_not_stop_the_sched
             assert again.output_ids == first.output_ids
 
 
-async def test_leaving_the_scheduler_mid_admission_leaves_no_load_queued(tmp_path: Path) -> None:
-    """Request A is admitted with a host load queued into its working slot; request B's storage
-    lookup is awaited when the scheduler exits. A's load is cancelled with A (it would copy
-    into a slot that A no longer owns) and B's split restore is released."""
+async def test_leaving_the_scheduler_mid_lookup_leaves_nothing_taken(tmp_path: Path) -> None:
+    """Request A is admitted with a host load into its working slot and runs; request B's
+    storage lookup runs in the background when the scheduler exits. A is cancelled with
+    nothing queued, and B's split restore is released when its lookup ends."""
     model = HybridModel(SPEC, seed=0)
     cfg = config(storage_uri=tmp_path.as_uri(), prefetch_policy="wait_complete")
     p1 = [(7 * t + 3) % 250 + 1 for t in range(48)]
@@ -224,10 +224,15 @@ async def test_leaving_the_scheduler_mid_admission_leaves_no_load_queued(tmp_pat
         slow_backend(cache, "batch_exists_v2", 0.05)
         sched = Scheduler(model, cache, SchedulerConfig(chunk_size=PAGE))
         await sched.__aenter__()
-        sched.submit([*p2, *r2.output_ids, 9, 9, 9], 2)  # a host hit: its load is queued
-        sched.submit([*p1, *r1.output_ids, 8, 8, 8], 2)  # from storage: its lookup is awaited
-        await asyncio.sleep(0.08)
-        assert ctrl.statistics().load_queue == 1
+        sched.submit([*p2, *r2.output_ids, 9, 9, 9], 2)  # a host hit, loaded into its working slot
+        async with asyncio.timeout(10):
+            while not sched._running:
+                await asyncio.sleep(0.001)
+        sched.submit([*p1, *r1.output_ids, 8, 8, 8], 2)  # from storage: a split restore
+        async with asyncio.timeout(10):
+            while not (sched._waiting and sched._waiting[0].lookup is not None):
+                await asyncio.sleep(0.001)
+        assert sched._running and not sched._waiting[0].lookup.done()  # A runs while B looks up
         await sched.__aexit__(None, None, None)
         assert ctrl.statistics().load_queue == 0 and tree.stats().num_active_plans == 0
         await asyncio.sleep(0.2)

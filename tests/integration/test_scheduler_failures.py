@@ -107,14 +107,25 @@ async def test_a_stopped_loop_fails_its_requests_and_refuses_new_ones() -> None:
 
 
 def test_scheduler_config_is_validated() -> None:
-    for bad in ({"chunk_size": 0}, {"max_running": -1}, {"max_batch_tokens": 1.5}, {"chunk_size": True}):
+    for bad in (
+        {"chunk_size": 0},
+        {"max_running": -1},
+        {"max_batch_tokens": 1.5},
+        {"chunk_size": True},
+        {"lookup_wait_s": -0.1},
+        {"lookup_wait_s": float("nan")},
+        {"lookup_wait_s": float("inf")},
+        {"lookup_wait_s": "0.01"},
+        {"lookup_wait_s": True},
+    ):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             SchedulerConfig(**bad)  # type: ignore[arg-type]
 
 
 async def test_leaving_with_loads_that_build_on_each_other_frees_everything() -> None:
-    """Two admitted host hits, the newer one's load below the older one's: leaving cancels the
-    newer first, so neither load stays queued with pages, slots and locks held."""
+    """Two admitted host hits, the newer one's load below the older one's, and a third request
+    whose storage lookup runs when the scheduler is left: leaving cancels the running ones newest
+    first and abandons the lookup, so no load stays queued and nothing stays held."""
     p1, p3 = prompt(48, 7, 3), prompt(30, 5, 1)
     cfg = config(storage_uri="memory://leave_two_loads", prefetch_policy="wait_complete")
     async with HybridCache(SPEC, cfg, admission=EveryPageAdmission()) as cache:
@@ -128,9 +139,9 @@ async def test_leaving_with_loads_that_build_on_each_other_frees_everything() ->
         await sched.__aenter__()
         sched.submit(p1[:24] + [9, 9, 9], 2)  # loads p1's first pages
         sched.submit(p1 + [8, 8, 8], 2)  # loads the pages below them
-        sched.submit(p3, 2)  # the step waits for its storage lookup
+        sched.submit(p3, 2)  # its storage lookup runs while the other two compute
         await asyncio.sleep(0.1)
-        assert ctrl.statistics().load_queue == 2
+        assert sched._waiting and sched._waiting[0].storage_tokens is not None  # looking up
         await sched.__aexit__(None, None, None)
         assert ctrl.statistics().load_queue == 0 and cache.tree.stats().num_active_plans == 0
         await settle(cache)

@@ -1,0 +1,199 @@
+"""The reference scheduler's storage lookups run beside the running requests: the loop keeps
+stepping them while a waiting request's lookup (which may read a whole prefix) is in flight,
+a restore found that way still serves its request exactly, and a ``timeout`` policy's deadline
+counts from the lookup's start, not from when the scheduler comes back to it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from serving import (
+    arith_prompt,
+    config_with,
+    free_counts,
+    slow_backend,
+    store_only,
+    tiny_model,
+    tiny_spec,
+)
+
+from asynccache.cache import HybridCache
+from asynccache.config import HybridCacheConfig
+from asynccache.reference.scheduler import Scheduler, SchedulerConfig
+
+SPEC = tiny_spec()
+PAGE = SPEC.page_size
+
+
+def _timeout_config(storage: Path, seconds: float) -> HybridCacheConfig:
+    """The ``timeout`` prefetch policy with a fixed deadline of ``seconds``."""
+    return config_with(
+        SPEC,
+        storage_uri=storage.as_uri(),
+        prefetch_policy="timeout",
+        prefetch_timeout_base_s=seconds,
+        prefetch_timeout_per_1k_tokens_s=0.0,
+    )
+
+
+async def test_running_requests_step_while_a_lookup_is_in_flight(tmp_path: Path) -> None:
+    model = tiny_model(SPEC, "cpu", seed=0)
+    async with HybridCache(SPEC, config_with(SPEC, storage_uri=tmp_path.as_uri())) as cache:
+        async with Scheduler(model, cache, SchedulerConfig(chunk_size=64)) as sched:
+            long_run = sched.submit(arith_prompt(24, 3, 1), 400)
+            async with asyncio.timeout(10):
+                while not sched._running:
+                    await asyncio.sleep(0.001)
+            calls = slow_backend(cache, "batch_exists_v2", 0.5)  # the next lookups take half a second
+            waiting = sched.submit(arith_prompt(32, 5, 2), 2)
+            async with asyncio.timeout(10):
+                while not calls[0]:  # its lookup has started
+                    await asyncio.sleep(0.001)
+            steps0, t0 = sched.num_steps, time.perf_counter()
+            async with asyncio.timeout(10):
+                while sched._waiting:
+                    await asyncio.sleep(0.001)
+            lookup_s = time.perf_counter() - t0
+            # The lookup waited its half second; the running request was stepped meanwhile
+            # (a loop that awaited the lookup would have taken no step at all).
+            assert lookup_s >= 0.45
+            assert sched.num_steps - steps0 >= 5
+            await waiting
+            long_run.cancel()  # (it has served its purpose: freed now, not decoded to its end)
+        await cache.controller.wait_idle()
+        assert cache.controller.tiering is not None
+        await cache.controller.tiering.drain()
+        cache.flush_device()
+        cache.flush_host()
+        assert free_counts(cache) == (128, 32, 256, 32)
+
+
+async def test_a_restore_found_beside_a_running_request_is_exact(tmp_path: Path) -> None:
+    """A prefix in storage only, looked up and restored while another request decodes, gives
+    the same greedy output as the same request computed cold."""
+    model = tiny_model(SPEC, "cpu", seed=1)
+    prefix = arith_prompt(12 * PAGE, 7, 3)
+    prompt = [*prefix, 11, 12, 13]
+    cold_config = config_with(SPEC, storage_uri=None)
+    async with HybridCache(SPEC, cold_config) as cold_cache, Scheduler(model, cold_cache, SchedulerConfig(use_cache=False)) as cold_sched:
+        cold = await cold_sched.generate(prompt, 6)
+    config = config_with(SPEC, storage_uri=tmp_path.as_uri())
+    async with HybridCache(SPEC, config) as cache, Scheduler(model, cache, SchedulerConfig(chunk_size=64)) as sched:
+        await sched.generate(prefix, 1)  # cached (its states at the admission's positions)
+        await cache.controller.wait_idle()
+        assert cache.controller.tiering is not None
+        await cache.controller.tiering.drain()
+        cache.flush_device()
+        cache.flush_host()
+        assert cache.tree.match_prefix(prompt[:-1]).num_tokens == 0
+        long_run = sched.submit(arith_prompt(24, 3, 1), 400)
+        async with asyncio.timeout(10):
+            while not sched._running:
+                await asyncio.sleep(0.001)
+        slow_backend(cache, "batch_exists_v2", 0.2)
+        warm = await sched.generate(prompt, 6)
+        assert not long_run.done()  # the restore was served while it ran
+        long_run.cancel()
+    assert warm.cached_tokens > 0 and warm.cached_by_tier["storage"] == warm.cached_tokens
+    assert warm.output_ids == cold.output_ids
+
+
+async def test_the_timeout_deadline_counts_from_the_lookups_start(tmp_path: Path) -> None:
+    """Under ``timeout`` a lookup that the scheduler leaves running while others compute is
+    given up once the deadline from its start has passed (the request then computes cold)."""
+    model = tiny_model(SPEC, "cpu", seed=2)
+    async with HybridCache(SPEC, _timeout_config(tmp_path, 0.3)) as cache:
+        await store_only(cache, arith_prompt(8 * PAGE, 7, 3), grid=2)
+        async with Scheduler(model, cache, SchedulerConfig(chunk_size=64)) as sched:
+            long_run = sched.submit(arith_prompt(24, 3, 1), 400)
+            async with asyncio.timeout(10):
+                while not sched._running:
+                    await asyncio.sleep(0.001)
+            slow_backend(cache, "batch_exists_v2", 3.0)
+            t0 = time.perf_counter()
+            late = await asyncio.wait_for(sched.generate([*arith_prompt(8 * PAGE, 7, 3), 5], 2), 10)
+            waited = time.perf_counter() - t0
+            long_run.cancel()
+        assert late.cached_tokens == 0  # the lookup was given up: computed cold
+        assert 0.25 <= waited < 2.0  # its deadline (0.3 s), not the lookup's 3 s
+        assert cache.controller.statistics().counts.get("prefetch_deadline_passed", 0) == 1
+
+
+async def test_wait_prefetch_counts_the_time_already_waited(tmp_path: Path) -> None:
+    tokens = arith_prompt(8 * PAGE, 7, 3)
+    async with HybridCache(SPEC, _timeout_config(tmp_path, 1.0)) as cache:
+        await store_only(cache, tokens, grid=2)
+        ctrl = cache.controller
+        slow_backend(cache, "batch_exists_v2", 5.0)
+        task = ctrl.prefetch(tokens, cache.tree.match_prefix(tokens))
+        assert task is not None
+        assert not ctrl.prefetch_overdue(len(tokens), 0.9) and ctrl.prefetch_overdue(len(tokens), 1.0)
+        t0 = time.perf_counter()
+        assert await ctrl.wait_prefetch(task, len(tokens), elapsed_s=0.9) is None
+        assert time.perf_counter() - t0 < 0.5  # the 0.1 s left of its 1 s, not a whole second
+        task.cancel()
+
+
+async def test_waiting_for_the_probe_does_not_wait_for_the_read(tmp_path: Path) -> None:
+    """``wait_prefetch_probed`` returns once storage has been probed: at once after a miss's
+    lookup has ended, while a whole restore is still reading, and after ``at_most_s`` when the
+    probe itself is slow."""
+    tokens = arith_prompt(8 * PAGE, 7, 3)
+    async with HybridCache(SPEC, config_with(SPEC, storage_uri=tmp_path.as_uri())) as cache:
+        await store_only(cache, tokens, grid=2)
+        ctrl = cache.controller
+        miss = arith_prompt(8 * PAGE, 5, 1)
+        task = ctrl.prefetch(miss, cache.tree.match_prefix(miss))
+        assert task is not None
+        await ctrl.wait_prefetch_probed(task, len(miss))
+        assert task.done() and task.result().num_pages_fetched == 0
+
+        reads = slow_backend(cache, "batch_get_v2", 1.0)
+        task = ctrl.prefetch(tokens, cache.tree.match_prefix(tokens))
+        assert task is not None
+        t0 = time.perf_counter()
+        await ctrl.wait_prefetch_probed(task, len(tokens))
+        assert time.perf_counter() - t0 < 0.5 and reads[0] == 1 and not task.done()  # reading
+        assert (await task).num_pages_fetched == 8
+
+        cache.flush_device()
+        cache.flush_host()
+        slow_backend(cache, "batch_exists_v2", 1.0)
+        task = ctrl.prefetch(tokens, cache.tree.match_prefix(tokens))
+        assert task is not None
+        t0 = time.perf_counter()
+        await ctrl.wait_prefetch_probed(task, len(tokens), at_most_s=0.05)
+        assert time.perf_counter() - t0 < 0.5 and not task.done()
+        await task
+
+
+async def test_with_nothing_running_the_next_requests_lookups_read_side_by_side(tmp_path: Path) -> None:
+    """Requests that arrive together at an idle scheduler start their lookups together: their
+    restores read at the same time, and the requests start in one step, not one a step."""
+    model = tiny_model(SPEC, "cpu", seed=3)
+    prefixes = [arith_prompt(8 * PAGE, 7, b) for b in (1, 2, 3)]
+    async with HybridCache(SPEC, config_with(SPEC, storage_uri=tmp_path.as_uri())) as cache:
+        for p in prefixes:
+            await store_only(cache, p, grid=2)
+        tier = cache.controller.tiering
+        assert tier is not None
+        real = tier.backend.batch_get_v2
+        in_flight, most = [0], [0]
+
+        async def slow_read(*args: object, **kwargs: object) -> object:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+            try:
+                await asyncio.sleep(0.3)
+                return await real(*args, **kwargs)  # type: ignore[arg-type]
+            finally:
+                in_flight[0] -= 1
+
+        tier.backend.batch_get_v2 = slow_read  # type: ignore[method-assign]
+        async with Scheduler(model, cache, SchedulerConfig(chunk_size=64)) as sched:
+            results = await asyncio.gather(*(sched.generate([*p, 9], 2) for p in prefixes))
+            assert sched.num_steps == 2  # one prefill step for the three, one decode step
+    assert most[0] == 3
+    assert all(r.cached_by_tier["storage"] == 8 * PAGE for r in results)
