@@ -5,8 +5,9 @@
   of the states offered to ``insert``.
 - :class:`AdmissionContext` — what the tree knows about an insert when it asks ``keep_states``.
 - :class:`EvictionPolicy` — the order in which the nodes of one LRU list are offered for
-  eviction. The tree decides whether each offered node can be evicted and how, and tells a
-  policy that overrides ``on_evict`` what it evicted.
+  eviction, and (``victim_key``) how a KV victim and a state victim of one tier compare when
+  the tree evicts by bytes. The tree decides whether each offered node can be evicted and how,
+  and tells a policy that overrides ``on_evict`` what it evicted.
 - :class:`ScoredEviction` — base for utility-aware eviction (FLOP- or byte-aware): lowest score
   first among a window of the least recently used candidates.
 
@@ -100,6 +101,14 @@ class EvictionPolicy(ABC):
         from ``lru`` (the yielded one, its ancestors) but never adds any; the iterator must
         tolerate that (``LRUList.iter_oldest`` does) and must not yield nodes that left the list.
         """
+
+    def victim_key(self, node: TreeNode, *, key: str, now: float) -> float:
+        """Rank of ``node``'s resource in list ``key`` among the victims of both lists of its
+        tier (KV and state), lower goes first: eviction by bytes (``tree.evict_bytes``) compares
+        the next KV victim with the next state victim by it, so keys must be comparable across
+        the two lists. Default: the last access (least recently used first). Must not change
+        the tree."""
+        return node.last_access
 
     def on_evict(self, node: TreeNode, list_key: str, how: EvictHow) -> None:
         """Called by the tree after it evicted ``node`` from list ``list_key`` (``how``: demoted,

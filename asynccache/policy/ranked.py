@@ -18,8 +18,9 @@ a list instead, but not on every call:
 So a ranking costs O(list) score calls and is amortised over many evictions.
 
 Scores must be comparable across the four lists (device KV, device state, host KV, host state):
-they are *utility per byte* (``score(node) / bytes``), which lets a single byte budget per tier
-choose between evicting KV and evicting a state (:meth:`victim_key`).
+they are *utility per byte* (``score(node) / bytes``), which lets eviction by bytes
+(``tree.evict_bytes``, one byte budget per tier) choose between evicting KV and evicting a
+state (:meth:`victim_key`).
 
 Evictability mirrors the tree's own checks (``asynccache.tree.evict``): a KV victim must be a
 leaf of its tier, nothing locked or loading.
@@ -107,7 +108,7 @@ class RankedEviction(EvictionPolicy):
 
     # ---- ordering ------------------------------------------------------------------------
     def victim_key(self, node: TreeNode, *, key: str, now: float) -> float:
-        """Comparable across lists: the score (utility per byte)."""
+        """Comparable across lists: the score (utility per byte), not the last access."""
         return self.score(node, key=key, now=now)
 
     def _rank(self, lru: LRUList, key: str, now: float) -> _Ranking:

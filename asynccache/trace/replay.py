@@ -9,7 +9,7 @@ time: a request's prefill and insert complete before the next arrives)::
     load   = host → device copy of what the match needs         (SyncTransfer: tree protocol)
     insert = tree.insert(full pages, fresh device pages, states at the admission's positions)
     backup = write policy's device → host copies; storage archive / dense storage states
-    budget = evict device, then host, down to their byte budgets (ByteBudget)
+    budget = evict device, then host, down to their byte budgets (ByteBudget: tree.evict_bytes)
 
 Pools are ``materialize=False`` (indices and bytes only), so a TiB host tier costs a few MB;
 every copy goes through ``kernels.copy_items``, which counts bytes. The tree's clock is the
@@ -24,8 +24,6 @@ Policies hook in three ways beyond the tree's own interfaces (all optional, duck
   to storage only (dense checkpoints where bytes are cheap);
 - ``policy.observe_match(match, prompt_len=, now=)`` and ``policy.observe_insert(result, now=)``
   for admission and eviction policies that learn from observed reuse;
-- ``eviction.victim_key(node, key=, now=)``: utility per byte, compared across KV and states by
-  :class:`~asynccache.trace.budget.ByteBudget`;
 - ``eviction.superseded_states(match, result) -> list[TreeNode]``: states an insert made
   useless (a resumed prompt end the request extended), released at once through
   ``tree.release_states`` (counted as ``evictions["released_states"]``).

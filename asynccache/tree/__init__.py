@@ -1,6 +1,7 @@
 """The hybrid radix tree (synchronous; never awaits).
 
-- :class:`HybridRadixTree` — match / insert / evict / lock / load and backup protocols.
+- :class:`HybridRadixTree` — match / insert / evict (by count or by bytes) / lock / load and
+  backup protocols.
 - :class:`TreeNode`, :class:`Tier`, :class:`Resource` — nodes and where their data lives.
 - :class:`EvictHow`, :data:`EvictListener`, :data:`DemoteFn`, :data:`WriteBackFn` — eviction
   notifications and callbacks.

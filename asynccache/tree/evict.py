@@ -1,4 +1,6 @@
-"""Eviction of the hybrid radix tree, and allocation that evicts to make room.
+"""Eviction of the hybrid radix tree, and allocation that evicts to make room. (Eviction by
+bytes, which lets the policy choose between KV and states, builds on it:
+:mod:`asynccache.tree.evict_bytes`.)
 
 Device eviction, per victim (offered by the eviction policy, least valuable first):
 

@@ -2,7 +2,7 @@
 
 - :class:`MatchResult` — ``match_prefix``: the usable prefix and where its pieces live.
 - :class:`InsertResult` — ``insert`` / ``insert_host``.
-- :class:`EvictResult` — ``evict_device`` / ``evict_host``.
+- :class:`EvictResult` — ``evict_device`` / ``evict_host`` / ``evict_bytes``.
 - :class:`LoadPlan`, :class:`BackupPlan` — an in-flight host→device load or device→host backup;
   the controller copies ``src → dst`` index pairs and hands the plan back to ``finish_*``.
 - :class:`Allocation` — indices from ``alloc_device`` / ``alloc_host`` (owned by the caller).

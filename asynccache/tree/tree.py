@@ -6,8 +6,8 @@ its KV pages and its states live (device, host), what may be evicted, and how mu
 request can reuse. It is plain synchronous code: it never awaits and never copies bytes — the
 controller moves the bytes and reports back through the load / backup protocol.
 
-Operations (this module; eviction in ``evict``, copies in ``transfer``, split and cascade in
-``core``, locks in ``locks``, bookkeeping in ``bookkeeping``):
+Operations (this module; eviction in ``evict`` and, by bytes, ``evict_bytes``, copies in
+``transfer``, split and cascade in ``core``, locks in ``locks``, bookkeeping in ``bookkeeping``):
 
 - :meth:`HybridRadixTree.match_prefix` — walk page-aligned keys, cut back to the deepest state.
 - :meth:`HybridRadixTree.insert` — device pages and states of a finished (or prefilled) request.
@@ -29,7 +29,7 @@ import torch
 from asynccache.errors import ConfigError
 from asynccache.policy.base import AdmissionContext
 from asynccache.pools.base import ItemPool
-from asynccache.tree.evict import EvictionMixin
+from asynccache.tree.evict_bytes import ByteEvictionMixin
 from asynccache.tree.hashing import PageHashes, TokenIds, encode_tokens
 from asynccache.tree.node import Tier, TreeNode
 from asynccache.tree.results import InsertResult, MatchResult
@@ -40,7 +40,7 @@ __all__ = ["HybridRadixTree"]
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
-class HybridRadixTree(EvictionMixin, TransferMixin):
+class HybridRadixTree(ByteEvictionMixin, TransferMixin):
     """Radix tree over page-aligned token ids with per-tier KV and recurrent-state bookkeeping.
 
     ``device_kv`` / ``device_mamba``: device pools (pages, state slots). ``host_kv`` /

@@ -1,7 +1,7 @@
 """Hypothesis state machine over the hybrid radix tree, on real (CPU) pools.
 
 Rules: insert, match, lock / unlock (device and host), evict_device (write-back callbacks that
-finish at once or stay in flight), evict_host, back up a path, begin / finish / abort a load or a
+finish at once or stay in flight), evict_host, evict_bytes (either tier), back up a path, begin / finish / abort a load or a
 backup, insert_host (prefetched data), mark_archived, claim / release in-flight indices.
 ``check_integrity()`` runs after every step, and every match checks that the device pages and
 states it hands out hold the bytes of the pages they stand for (each page is written with its
@@ -28,6 +28,7 @@ from hypothesis.stateful import (
 )
 
 from asynccache.policy import BlockGridAdmission, EndsAdmission, EveryPageAdmission
+from asynccache.policy.ranked import evictable
 from asynccache.pools import DeviceKVPool, DeviceMambaPool, HostKVPool, MambaPoolHost
 from asynccache.pools.base import ItemPool
 from asynccache.spec import HybridSpec
@@ -258,6 +259,42 @@ class TreeMachine(RuleBasedStateMachine):
     def evict_host(self, pages: int, states: int, archived_only: bool) -> None:
         self.step()
         self.tree.evict_host(num_kv_pages=pages, num_states=states, archived_only=archived_only)
+
+    @rule(
+        data=st.data(),
+        pages=st.integers(0, 8),
+        states=st.integers(0, 2),
+        count_states=st.booleans(),
+        defer=st.booleans(),
+    )
+    def evict_bytes(self, data: st.DataObject, pages: int, states: int, count_states: bool, defer: bool) -> None:
+        """What the tier's pools got back is what the result counts, and at least what was asked
+        unless nothing evictable is left (or write-backs are still in flight)."""
+        self.step()
+        self.defer = defer
+        tree = self.tree
+        if tree.host_kv is not None and data.draw(st.booleans()):
+            tier, kv_pool, state_pool = Tier.HOST, tree.host_kv, tree.host_mamba
+            kv_lru, state_lru = tree.host_kv_lru, tree.host_state_lru
+        else:
+            tier, kv_pool, state_pool = Tier.DEVICE, tree.device_kv, tree.device_mamba
+            kv_lru, state_lru = tree.device_kv_lru, tree.device_state_lru
+        counted = state_pool if count_states else None
+        ask = pages * kv_pool.bytes_per_index + (states * counted.bytes_per_index if counted is not None else 0)
+
+        def free() -> tuple[int, int, int]:
+            kv, slots = kv_pool.num_free, state_pool.num_free if state_pool is not None else 0
+            return kv, slots, kv * kv_pool.bytes_per_index + (slots * counted.bytes_per_index if counted else 0)
+
+        kv0, slots0, bytes0 = free()
+        r = tree.evict_bytes(tier, ask, count_states=count_states)
+        kv1, slots1, bytes1 = free()
+        assert (kv1 - kv0, slots1 - slots0) == (r.num_kv_pages, r.num_states)
+        if bytes1 - bytes0 < ask and not (r.num_pending_kv_pages or r.num_pending_states):
+            key = tier.value
+            assert not any(evictable(n, f"{key}_kv") for n in kv_lru.iter_oldest())
+            if counted is not None:
+                assert not any(evictable(n, f"{key}_state") for n in state_lru.iter_oldest())
 
     @rule(data=st.data())
     def release_states(self, data: st.DataObject) -> None:
