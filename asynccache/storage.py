@@ -7,7 +7,8 @@ Primitives:
   ``ALL_PAGES`` (every page of the prefix: attention KV) or ``TRAILING_PAGES`` (only the last
   ``num_trailing`` pages: a Mamba state is needed only at the last hit page).
 - :class:`PoolTransfer` — one pool's part of a batch: storage keys, host indices (and, for
-  host↔device copies, device indices), hit policy.
+  host↔device copies, device indices), hit policy, and for writes whether the objects are
+  *speculative*.
 - :class:`PoolTransferResult` — the answer of ``batch_exists_v2``: the longest prefix of pages
   that honours every pool's policy.
 - :class:`StorageBackend` — the async protocol every backend implements.
@@ -71,6 +72,12 @@ class PoolTransfer:
 
     For storage calls ``keys[i]`` pairs with ``host_indices[i]``. For host↔device copies
     ``host_indices[i]`` pairs with ``device_indices[i]`` and ``keys`` may be empty.
+
+    ``speculative`` (``batch_set_v2`` only): objects nobody has asked for yet (storage-only
+    snapshots). A backend that evicts for room stores them only in room it can make without
+    evicting a regular object, and evicts them before any regular object; a regular write of the
+    same key, or a read that finds one, makes it regular. A backend without a capacity treats
+    them as regular writes.
     """
 
     pool_name: PoolName
@@ -79,6 +86,7 @@ class PoolTransfer:
     device_indices: torch.Tensor = field(default_factory=_empty_indices)
     hit_policy: PoolHitPolicy = PoolHitPolicy.ALL_PAGES
     num_trailing: int = 1
+    speculative: bool = False
 
     def __post_init__(self) -> None:
         # The enums' plain values are accepted and made members: the backends pick pools by
@@ -92,6 +100,8 @@ class PoolTransfer:
                     raise ConfigError(f"{name} must be one of {[m.value for m in kind]}, got {value!r}") from None
         if self.num_trailing < 1:
             raise ConfigError(f"num_trailing must be >= 1, got {self.num_trailing}")
+        if not isinstance(self.speculative, bool):
+            raise ConfigError(f"speculative must be True or False, got {self.speculative!r}")
 
     @property
     def num_items(self) -> int:
@@ -150,7 +160,9 @@ class StorageBackend(Protocol):
       item. A missing, truncated, corrupted or foreign object is a miss (``False``), never data.
     - ``batch_set_v2`` writes ``host_indices[i]`` under ``keys[i]`` (put-if-absent: an existing
       object is success); returns success per item. Failures are ``False``, never exceptions,
-      unless the call itself is malformed.
+      unless the call itself is malformed. A ``speculative`` transfer's objects never displace
+      regular ones in a backend that evicts for room (see :class:`PoolTransfer`); one that
+      finds no such room is ``False``.
     - The host slots named in a get/set must stay allocated and unwritten until the call returns.
     """
 

@@ -44,7 +44,7 @@ from asynccache.checks import check_int, check_seconds
 from asynccache.errors import BackendError, ConfigError
 from asynccache.pools.base import ItemPool
 from asynccache.storage import PoolName
-from storage_backends.capacity import LRUCapacity
+from storage_backends.capacity import LRUCapacity, Stored
 from storage_backends.first_use import (
     FirstUseSetup,
     SetupProgress,
@@ -88,13 +88,15 @@ def pool_value(pool_name: PoolName | str) -> str:
 
 @dataclass(slots=True)
 class BatchItem:
-    """One object of a batch and the host slot it moves to or from."""
+    """One object of a batch and the host slot it moves to or from; ``speculative``: a write of
+    a speculative object (see :class:`~asynccache.storage.PoolTransfer`)."""
 
     name: str
     key: str
     geometry: ObjectGeometry
     pool: ItemPool
     index: int
+    speculative: bool = False
 
     def buffers(self) -> list[np.ndarray]:
         return slot_buffers(self.pool, self.index)
@@ -271,7 +273,7 @@ class BackendCore(ABC):
         report: BatchReport | None,
         *,
         background: bool,
-        counted: Sequence[tuple[str, int]] | None = None,
+        counted: Sequence[Stored] | None = None,
     ) -> BaseException | None:
         """Delete objects: invalid ones found by a read or a probe (``background=False``: the
         call waits for it, so it goes before write-back like the read itself), or eviction

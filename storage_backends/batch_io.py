@@ -13,6 +13,11 @@ Primitives:
   and probes, no item started once the backend is closing; a backend whose items are cheap
   overrides them to move several items per job.
 
+Speculative writes (``PoolTransfer.speculative``): their room comes from free space and other
+speculative objects only (``LRUCapacity.reserve(speculative=True)``); one that finds none is
+skipped (``False``) and counted in ``num_speculative_skipped``, not reported as a failure. A
+read that finds a speculative object, or a regular write of its key, makes it regular.
+
 Capacity: a write waits until the deletes its room rests on have settled — its own eviction
 victims' and any other call's in flight when it reserved (a victim larger than the object it
 made room for leaves room that another call may take). A delete that failed leaves its objects
@@ -35,6 +40,7 @@ import torch
 from asynccache.errors import BackendError, ConfigError, ObjectFormatError
 from asynccache.storage import PoolTransfer
 from storage_backends.backend_core import BackendCore, BatchItem, Outcome
+from storage_backends.capacity import Stored
 from storage_backends.reporting import BatchReport, describe_error
 
 __all__ = ["BatchIOMixin"]
@@ -62,7 +68,8 @@ class BatchIOMixin(BackendCore):
             raise ConfigError("a batch reads two objects into one host slot")
         plan = _Plan()
         for key, index in zip(transfer.keys, idx, strict=True):
-            plan.items.append(BatchItem(self.object_name(geometry.pool_name, key), key, geometry, pool, index))
+            name = self.object_name(geometry.pool_name, key)
+            plan.items.append(BatchItem(name, key, geometry, pool, index, speculative=transfer.speculative))
         return plan
 
     async def batch_get_v2(self, transfers: Sequence[PoolTransfer]) -> list[list[bool]]:
@@ -133,7 +140,7 @@ class BatchIOMixin(BackendCore):
             evicted: BaseException | None = None
             try:
                 if victims:
-                    names = [name for name, _ in victims]
+                    names = [victim.name for victim in victims]
                     evicted = await self._remove(names, None, background=True, counted=victims)
                     if evicted is None:
                         self._counts["num_evictions"] += len(victims)
@@ -150,9 +157,7 @@ class BatchIOMixin(BackendCore):
                 # so the index never undercounts the disk; one that did not land is dropped
                 # from it by a later read's miss or by its eviction.
                 for i in accepted:
-                    size = self._stored_size(items[i].name, sizes[i])
-                    if self._capacity is not None:
-                        self._capacity.commit(items[i].name, size, reserved[i])
+                    self._commit(items[i], sizes[i], reserved[i])
                 raise
         for i, outcome in zip(accepted, outcomes, strict=True):
             if isinstance(outcome, BaseException):
@@ -162,9 +167,7 @@ class BatchIOMixin(BackendCore):
                 report.fail(items[i].name, outcome)
                 continue
             done[i] = True
-            size = self._stored_size(items[i].name, sizes[i])
-            if self._capacity is not None:
-                self._capacity.commit(items[i].name, size, reserved[i])
+            self._commit(items[i], sizes[i], reserved[i])
             if outcome:
                 self._counts["num_writes"] += 1
                 self._counts["bytes_written"] += items[i].geometry.payload_bytes
@@ -173,21 +176,31 @@ class BatchIOMixin(BackendCore):
         report.emit()
         return done
 
+    def _commit(self, item: BatchItem, size: int, reserved: int) -> None:
+        """Count an object a write of this batch stored or found (``size``: the bytes reserved
+        for it at most)."""
+        stored = self._stored_size(item.name, size)
+        if self._capacity is not None:
+            self._capacity.commit(item.name, stored, reserved, speculative=item.speculative)
+
     def _reserve(
         self, items: Sequence[BatchItem], sizes: Sequence[int], report: BatchReport
-    ) -> tuple[dict[int, int], list[tuple[str, int]]]:
+    ) -> tuple[dict[int, int], list[Stored]]:
         """The items that may be written (in order) with the bytes reserved for each (nothing
         for an object the index already holds: the put finds it), and the victims to delete
         (already out of the index, with the sizes it counted)."""
         if self._capacity is None:
             return dict.fromkeys(range(len(items)), 0), []
         reserved: dict[int, int] = {}
-        victims: list[tuple[str, int]] = []
+        victims: list[Stored] = []
         for i, size in enumerate(sizes):
             if self._capacity.holds(items[i].name):
                 reserved[i] = 0
                 continue
-            room = self._capacity.reserve(size)
+            room = self._capacity.reserve(size, speculative=items[i].speculative)
+            if room is None and items[i].speculative:
+                self._counts["num_speculative_skipped"] += 1  # no room without displacing: expected
+                continue
             if room is None:
                 self._counts["num_rejected"] += 1
                 report.fail(items[i].name, f"no room: {size} bytes, capacity {self._capacity.capacity_bytes}")

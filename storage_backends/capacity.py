@@ -8,6 +8,14 @@ Primitives:
   adds the objects found on first use, ``touch`` / ``discard`` follow reads and absent objects;
   ``take`` takes objects out to delete them and ``restore`` puts back those whose delete failed;
   ``excess_bytes`` is what the index counts beyond the capacity.
+- :class:`Stored` — an object the index counted: name, size, and whether it is speculative.
+
+Speculative objects (``speculative=True`` on ``reserve`` and ``commit``: storage-only snapshots
+nobody has asked for yet) have a recency order of their own. They are every reservation's first
+victims, least recently used first, and a speculative reservation takes only free room and
+speculative victims: it never displaces a regular object. A read (``touch``) or a regular
+``commit`` of one makes it regular. Objects found on first use count as regular (whether an
+object was speculative is not stored with it).
 
 The index counts more than the capacity only when deletes failed (their objects are counted
 again) or the first-use scan found more: the room the reservations took is then not there, and
@@ -24,8 +32,17 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import NamedTuple
 
-__all__ = ["LRUCapacity"]
+__all__ = ["LRUCapacity", "Stored"]
+
+
+class Stored(NamedTuple):
+    """An object counted by the index (a victim or an object taken out to delete it)."""
+
+    name: str
+    size: int
+    speculative: bool = False
 
 
 class LRUCapacity:
@@ -36,71 +53,96 @@ class LRUCapacity:
     ``release`` settle the reservation. An object the index already holds reserves nothing (a
     put of it is a put-if-absent that finds it) and is never its own victim. A victim (or an
     object taken out with ``take``) whose delete fails is still stored: ``restore`` counts it
-    again, so the index never counts less than what its deletes left."""
+    again, so the index never counts less than what its deletes left. Speculative objects: see
+    the module docstring."""
 
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
-        self._sizes: OrderedDict[str, int] = OrderedDict()
+        self._sizes: OrderedDict[str, int] = OrderedDict()  # regular objects, least recent first
+        self._speculative: OrderedDict[str, int] = OrderedDict()  # evicted before any regular one
         self._busy: Counter[str] = Counter()
 
+    def _order(self, speculative: bool) -> OrderedDict[str, int]:
+        return self._speculative if speculative else self._sizes
+
     def load(self, entries: Iterable[tuple[str, int]]) -> None:
-        """Add existing objects, least recently used first."""
+        """Add existing objects (regular), least recently used first."""
         for name, size in entries:
-            if name not in self._sizes:
+            if not self.holds(name):
                 self._sizes[name] = size
                 self.used_bytes += size
 
     def touch(self, name: str) -> None:
-        if name in self._sizes:
+        """``name`` was read: the most recently used, and regular."""
+        size = self._speculative.pop(name, None)
+        if size is not None:
+            self._sizes[name] = size
+        elif name in self._sizes:
             self._sizes.move_to_end(name)
 
     def discard(self, name: str) -> None:
         size = self._sizes.pop(name, None)
+        if size is None:
+            size = self._speculative.pop(name, None)
         if size is not None:
             self.used_bytes -= size
 
     def holds(self, name: str) -> bool:
-        return name in self._sizes
+        return name in self._sizes or name in self._speculative
 
-    def take(self, names: Iterable[str]) -> list[tuple[str, int]]:
-        """Take the objects the index holds among ``names`` out of it, to delete them: their
-        ``(name, size)``, for :meth:`restore` should the delete fail."""
-        taken = [(name, self._sizes[name]) for name in dict.fromkeys(names) if name in self._sizes]
-        for name, _ in taken:
-            self.discard(name)
+    def is_speculative(self, name: str) -> bool:
+        return name in self._speculative
+
+    def take(self, names: Iterable[str]) -> list[Stored]:
+        """Take the objects the index holds among ``names`` out of it, to delete them, for
+        :meth:`restore` should the delete fail."""
+        taken = [self._entry(name) for name in dict.fromkeys(names) if self.holds(name)]
+        for entry in taken:
+            self.discard(entry.name)
         return taken
 
-    def restore(self, entries: Sequence[tuple[str, int]]) -> None:
+    def _entry(self, name: str) -> Stored:
+        if name in self._speculative:
+            return Stored(name, self._speculative[name], True)
+        return Stored(name, self._sizes[name])
+
+    def restore(self, entries: Sequence[Stored]) -> None:
         """Count again objects that :meth:`take` or :meth:`reserve` took out but whose delete
-        failed, as the least recently used (they were chosen as such, or are invalid). A name
-        the index holds again meanwhile (a put found the object and counted it) stays as it is."""
-        for name, size in reversed(entries):
-            if name not in self._sizes:
-                self._sizes[name] = size
-                self._sizes.move_to_end(name, last=False)
+        failed, as the least recently used of their kind (they were chosen as such, or are
+        invalid). A name the index holds again meanwhile (a put found the object and counted
+        it) stays as it is."""
+        for name, size, speculative in reversed(entries):
+            if not self.holds(name):
+                order = self._order(speculative)
+                order[name] = size
+                order.move_to_end(name, last=False)
                 self.used_bytes += size
 
-    def reserve(self, size: int) -> list[tuple[str, int]] | None:
-        """Room for ``size`` more bytes: the victims to delete (``(name, size)``, least recently
-        used first, out of the index), or ``None`` (nothing changed). Busy objects
-        (:meth:`busy`) are never victims."""
+    def reserve(self, size: int, *, speculative: bool = False) -> list[Stored] | None:
+        """Room for ``size`` more bytes: the victims to delete (speculative objects first, then
+        regular ones, each least recently used first; out of the index), or ``None`` (nothing
+        changed). Busy objects (:meth:`busy`) are never victims; a ``speculative`` reservation
+        takes no regular victim."""
         if size > self.capacity_bytes:
             return None
         need = self.used_bytes + size - self.capacity_bytes
-        victims: list[tuple[str, int]] = []
+        victims: list[Stored] = []
         if need > 0:
-            for name, nbytes in self._sizes.items():
-                if self._busy[name]:
-                    continue
-                victims.append((name, nbytes))
-                need -= nbytes
-                if need <= 0:
+            for order, kind in ((self._speculative, True), (self._sizes, False)):
+                if need <= 0 or (speculative and not kind):
                     break
+                for name, nbytes in order.items():
+                    if self._busy[name]:
+                        continue
+                    victims.append(Stored(name, nbytes, kind))
+                    need -= nbytes
+                    if need <= 0:
+                        break
             if need > 0:
                 return None
-            for name, _ in victims:
-                self.discard(name)
+            for victim in victims:
+                self.discard(victim.name)
         self.used_bytes += size
         return victims
 
@@ -109,14 +151,19 @@ class LRUCapacity:
         """Bytes counted beyond the capacity (0 when within it)."""
         return max(0, self.used_bytes - self.capacity_bytes)
 
-    def commit(self, name: str, size: int, reserved: int) -> None:
+    def commit(self, name: str, size: int, reserved: int, *, speculative: bool = False) -> None:
         """An object of ``size`` bytes exists under ``name``, for which ``reserved`` bytes were
-        reserved (0 when the index held it at the time)."""
-        if name in self._sizes:
+        reserved (0 when the index held it at the time), written ``speculative`` or not. A
+        regular write makes a speculative object regular; a speculative write leaves a regular
+        object regular."""
+        if self.holds(name):
             self.used_bytes -= reserved
-            self._sizes.move_to_end(name)
+            if speculative and name in self._speculative:
+                self._speculative.move_to_end(name)
+            else:
+                self.touch(name)
         else:
-            self._sizes[name] = size
+            self._order(speculative)[name] = size
             self.used_bytes += size - reserved
 
     def release(self, reserved: int) -> None:

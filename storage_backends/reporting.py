@@ -33,7 +33,8 @@ class BackendStatistics:
     ``batch_get_v2`` (a corrupt or failed item is also a miss); ``num_writes`` objects stored,
     ``num_write_skips`` objects already present (put-if-absent), ``num_rejected`` writes skipped
     for lack of room (an object larger than the capacity, or room that failed deletes did not
-    free), ``num_evictions`` objects deleted to make room; ``num_failures`` items of any call
+    free), ``num_speculative_skipped`` speculative writes skipped because only regular objects
+    could have made room for them, ``num_evictions`` objects deleted to make room; ``num_failures`` items of any call
     that failed on an I/O error, a timeout or a backend that is not set up (each key of a failed
     probe window; a failed delete counts once), ``num_timeouts`` of them on a timeout;
     ``used_bytes`` is ``None`` when no capacity is tracked."""
@@ -47,6 +48,7 @@ class BackendStatistics:
     num_writes: int = 0
     num_write_skips: int = 0
     num_rejected: int = 0
+    num_speculative_skipped: int = 0
     num_evictions: int = 0
     bytes_read: int = 0
     bytes_written: int = 0

@@ -8,7 +8,8 @@ dense checkpoints nobody has asked for yet — only ever fill free space: they n
 regular object, and one that is read becomes regular. Reads and writes only move counters.
 
 It implements :class:`asynccache.storage.StorageBackend` (so the controller's storage tier drives
-it exactly as it drives a disk or an object store) and exposes the same operations synchronously
+it exactly as it drives a disk or an object store; a ``speculative`` transfer of
+``batch_set_v2`` is a speculative ``put``) and exposes the same operations synchronously
 (``put``, ``contains``, ``longest_hit``) for callers outside an event loop.
 
 Object sizes come from the registered host pools (``bytes_per_index``: one KV page or one state
@@ -187,7 +188,7 @@ class AccountingStorage:
         return [self.get(t.pool_name, t.keys) for t in transfers]
 
     async def batch_set_v2(self, transfers: Sequence[PoolTransfer]) -> list[list[bool]]:
-        return [self.put(t.pool_name, t.keys) for t in transfers]
+        return [self.put(t.pool_name, t.keys, speculative=t.speculative) for t in transfers]
 
     async def aclose(self) -> None:
         return None

@@ -428,6 +428,71 @@ async def test_a_cancelled_put_leaves_the_capacity_usable(harness: Harness) -> N
     assert await get(backend, kv_transfer(keys[2:], [7])) == [[True]] and slot(kv, 7) == slot(kv, 1)
 
 
+def spec_transfer(keys: list[str], indices: list[int]) -> PoolTransfer:
+    """A speculative KV write (storage-only snapshots are written so)."""
+    return PoolTransfer(pool_name=PoolName.KV, keys=tuple(keys), host_indices=torch.tensor(indices), speculative=True)
+
+
+async def kv_object_bytes(h: Harness, key: str) -> int:
+    return h.open().codec.object_bytes(ObjectGeometry.of_pool(PoolName.KV, make_pools(1)[0]), key)
+
+
+async def test_speculative_objects_only_fill_free_room(harness: Harness) -> None:
+    """A speculative write takes free room or a speculative object's, never a regular object's:
+    without such room it is skipped (counted, not reported as a failure); a regular write that
+    needs room evicts speculative objects first, however recent."""
+    keys = make_keys(6, seed="spec")
+    size = await kv_object_bytes(harness, keys[0])
+    backend, _, _ = await opened(harness, capacity_bytes=3 * size)
+    assert await put(backend, kv_transfer(keys[:2], [0, 1])) == [[True, True]]
+    assert await put(backend, spec_transfer(keys[2:3], [2])) == [[True]]  # the free room
+    assert await put(backend, spec_transfer(keys[3:4], [3])) == [[True]]  # the older speculative one's
+    assert await put(backend, kv_transfer(keys[:1], [0])) == [[True]]  # key 0 refreshed: key 1 is the LRU
+    present = [await harness.raw_get(backend, backend.object_name(PoolName.KV, k)) is not None for k in keys]
+    assert present == [True, True, False, True, False, False]
+    stats = backend.statistics()
+    assert (stats.num_evictions, stats.num_speculative_skipped, stats.used_bytes) == (1, 0, 3 * size)
+    # Full of regular objects but for one speculative: a regular write evicts it, not key 1.
+    assert await put(backend, kv_transfer(keys[4:5], [4])) == [[True]]
+    present = [await harness.raw_get(backend, backend.object_name(PoolName.KV, k)) is not None for k in keys]
+    assert present == [True, True, False, False, True, False]
+    # Only regular objects left: a speculative write finds no room and displaces nothing.
+    assert await put(backend, spec_transfer(keys[5:6], [5])) == [[False]]
+    stats = backend.statistics()
+    assert (stats.num_evictions, stats.num_speculative_skipped, stats.num_rejected) == (2, 1, 0)
+    assert await hit_pages(backend, keys[:2], kv_transfer(keys[:2])) == 2
+
+
+@pytest.mark.parametrize("how", ["read", "regular-write"])
+async def test_a_speculative_object_read_or_written_again_becomes_regular(harness: Harness, how: str) -> None:
+    keys = make_keys(4, seed="promote-" + how)
+    size = await kv_object_bytes(harness, keys[0])
+    backend, kv, _ = await opened(harness, capacity_bytes=3 * size)
+    assert await put(backend, spec_transfer(keys[:1], [0])) == [[True]]
+    assert await put(backend, kv_transfer(keys[1:3], [1, 2])) == [[True, True]]
+    if how == "read":
+        assert await get(backend, kv_transfer(keys[:1], [7])) == [[True]] and slot(kv, 7) == slot(kv, 0)
+    else:
+        assert await put(backend, kv_transfer(keys[:1], [0])) == [[True]]  # put-if-absent: found
+    # Now the most recent regular object: the next write evicts key 1, the LRU regular one.
+    assert await put(backend, kv_transfer(keys[3:4], [3])) == [[True]]
+    present = [await harness.raw_get(backend, backend.object_name(PoolName.KV, k)) is not None for k in keys]
+    assert present == [True, False, True, True]
+    # A speculative write of a regular object leaves it regular (and finds it).
+    assert await put(backend, spec_transfer(keys[2:3], [2])) == [[True]]
+    assert await put(backend, kv_transfer(keys[1:2], [1])) == [[True]]  # the LRU goes: key 0
+    present = [await harness.raw_get(backend, backend.object_name(PoolName.KV, k)) is not None for k in keys]
+    assert present == [False, True, True, True]
+
+
+async def test_without_a_capacity_a_speculative_write_is_a_write(harness: Harness) -> None:
+    keys = make_keys(2, seed="nocap")
+    backend, kv, _ = await opened(harness)
+    assert await put(backend, spec_transfer(keys, [0, 1])) == [[True, True]]
+    assert await get(backend, kv_transfer(keys, [4, 5])) == [[True, True]] and slot(kv, 5) == slot(kv, 1)
+    assert backend.statistics().num_writes == 2
+
+
 # ---- misuse raises before any I/O ----------------------------------------------------------------
 TRAVERSAL_KEYS = ["../../../../etc/passwd", "ab/../../cd", "/etc/passwd", "..", "", ".", "a" * 7,
                   "ABCDEF0123456789", "0123456789abcdef/", "0123456789abcdef\0", "0123456789abcdeg",

@@ -82,6 +82,18 @@ async def test_v2_interface_round_trip() -> None:
     await s.aclose()
 
 
+async def test_a_speculative_transfer_of_batch_set_v2_is_a_speculative_put() -> None:
+    s = make_storage(40)
+    assert await s.batch_set_v2([PoolTransfer(pool_name=KV, keys=("a", "b", "c"))]) == [[True] * 3]
+    spec = PoolTransfer(pool_name=KV, keys=("s",), speculative=True)
+    assert await s.batch_set_v2([spec]) == [[True]]  # the free room
+    assert await s.batch_set_v2([PoolTransfer(pool_name=KV, keys=("t",), speculative=True)]) == [[True]]
+    assert not s.contains(KV, "s")  # the older speculative object made room, no regular one
+    assert await s.batch_set_v2([PoolTransfer(pool_name=KV, keys=("t",))]) == [[True]]  # now regular
+    assert await s.batch_set_v2([PoolTransfer(pool_name=KV, keys=("u",), speculative=True)]) == [[False]]
+    assert all(s.contains(KV, k) for k in "abct") and s.counters().num_evicted == {"kv": 1}
+
+
 def test_unknown_object_size_and_bad_capacity() -> None:
     with pytest.raises(ConfigError):
         AccountingStorage(-1)
