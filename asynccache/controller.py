@@ -23,8 +23,9 @@ Without CUDA the same code runs on CPU tensors: copies are synchronous, events c
 The controller holds the queues, the copy streams, the completion queues and the ``TaskGroup``,
 and is the API; its parts are ``asynccache.tree_ops`` (operations made from the tree's plans,
 completed, undone), ``asynccache.copy_issue`` (a step's copies issued on the streams),
-``asynccache.load_steps`` (a load's layers grouped into steps) and ``asynccache.prefetch``
-(storage prefetches and the loads of their split restores).
+``asynccache.load_steps`` (a load's layers grouped into steps), ``asynccache.prefetch``
+(storage prefetches and the loads of their split restores) and ``asynccache.snapshots``
+(storage-only snapshots).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -55,6 +56,7 @@ from asynccache.tree_ops import TreeOps
 from kernels import LayerCopy, PoolPair, copy_items
 
 if TYPE_CHECKING:
+    from asynccache.snapshots import SnapshotArchive
     from asynccache.tree import HybridRadixTree
 
 log = logging.getLogger("asynccache.controller")
@@ -382,6 +384,27 @@ class HybridCacheController:
         """The caller will not wait for ``task`` (its request is gone): the split restore it
         may bring is released when it lands. Its fetched pages still land on host."""
         self._prefetcher.abandon(task)
+
+    def archive_snapshots(
+        self, node: Any, snapshots: Mapping[int, int], *, evict_host: bool = False, priority: int = 0
+    ) -> SnapshotArchive | None:
+        """Archive storage-only snapshots ``{position: device_slot}`` (page-aligned positions on
+        ``node``'s path) under the page hash of the last page each covers, as speculative
+        objects, with the path's KV up to the deepest one; :meth:`prefetch` then finds them like
+        any stored state. Their device → host staging is queued for the next
+        :meth:`start_writing`; ``await`` the returned archive for ``{position: stored}``.
+        ``None`` when ``snapshots`` is empty or the host lacks free room (``evict_host``: make
+        it). The device slots stay the caller's, read only, and must hold the snapshots until
+        ``archive.staged`` is done. :class:`ConfigError` without a storage tier, for positions
+        off the page grid or past the path, and for slots outside the pool or given twice.
+        See :mod:`asynccache.snapshots`."""
+        self._require_started()
+        if self.tiering is None:
+            raise ConfigError("archive_snapshots needs a storage tier (the controller has no backend)")
+        archive = self.tiering.snapshots.start(node, snapshots, evict_host=evict_host, priority=priority)
+        if archive is not None:
+            self._write_queue.append(archive.op)
+        return archive
 
     # ---- completion, cancellation ------------------------------------------------------
     def _finish_ops(

@@ -11,6 +11,11 @@
   skipped). Backups run in the controller's TaskGroup, at most
   ``config.max_backups_in_flight`` at once; the queue behind them is bounded too (past it a
   backup is skipped and counted). Host copies stay locked while their bytes are read.
+- **Storage-only snapshots** (``HybridCacheController.archive_snapshots``, run by
+  :class:`~asynccache.snapshots.SnapshotArchiver`): states the tree does not keep, staged from
+  the caller's device slots and written under the page hash of the last page each covers, with
+  the KV of the path up to the deepest one, as *speculative* objects (they only take room that
+  displaces no regular object); see :mod:`asynccache.snapshots`.
 - **Prefetch** of a miss past the host tier. The tree holds the KV of the match's first
   ``num_matched_tokens`` tokens on some tier (the state only at ``num_tokens``), so storage is
   asked for what lies past them: ``batch_exists_v2`` with KV ``ALL_PAGES`` and the state
@@ -44,7 +49,8 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -52,6 +58,7 @@ from asynccache.completion import drop_done
 from asynccache.errors import ClosedError
 from asynccache.prefetch import PrefetchResult, TailRestore, held_node
 from asynccache.restore_cost import ReadTimeCorrection, RestoreCost, plan_restore
+from asynccache.snapshots import SnapshotArchiver
 from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer, StorageBackend
 
 if TYPE_CHECKING:
@@ -62,6 +69,8 @@ if TYPE_CHECKING:
 __all__ = ["PrefetchResult", "ReadTimeCorrection", "RestoreCost", "StorageTier", "TailRestore"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Backups waiting for one of the ``max_backups_in_flight`` places; past this they are skipped
 #: (and counted) rather than queued without bound.
@@ -83,11 +92,12 @@ class StorageTier:
         self.tree = controller.tree
         self.backend = backend
         self._tg = tg
-        self._sem = asyncio.Semaphore(controller.config.max_backups_in_flight)
+        #: bounds the archives writing at once (``max_backups_in_flight``)
+        self.sem = asyncio.Semaphore(controller.config.max_backups_in_flight)
         #: the backend drops objects for room (it reports a capacity): archive flags could not stay true
         stats = getattr(backend, "statistics", None)
-        self._storage_evicts = stats is not None and getattr(stats(), "capacity_bytes", None) is not None
-        self._in_flight: set[asyncio.Task[None]] = set()
+        self.storage_evicts = stats is not None and getattr(stats(), "capacity_bytes", None) is not None
+        self._in_flight: set[asyncio.Task[Any]] = set()
         self.counts: Counter[str] = Counter()
         #: Cost model for choosing how much of a stored prefix to restore (``None``: all of it).
         self.cost: RestoreCost | None = None
@@ -97,6 +107,8 @@ class StorageTier:
         #: Archive each completed device → host backup (write-through to storage). Off: storage
         #: gets only what the owner writes itself (trace replay's ``storage_write="demote"``).
         self.archive_host_writes = True
+        #: storage-only snapshots (``HybridCacheController.archive_snapshots``)
+        self.snapshots = SnapshotArchiver(self)
 
     async def register(self) -> None:
         for name, (_, host) in self.controller.pools.items():
@@ -122,23 +134,25 @@ class StorageTier:
                 continue
             coro = self._archive(node)
             try:
-                task = self._tg.create_task(coro, name="asynccache-backup")
+                self.spawn(coro, name="asynccache-backup")
             except RuntimeError:  # shutting down (a background task failed): the host copy stays
                 coro.close()
                 self.counts["backup_skipped_closing"] += 1
-                continue
-            self._in_flight.add(task)
-            task.add_done_callback(self._in_flight.discard)
 
-    def archive_now(self, node: Any) -> asyncio.Task[None]:
-        """Archive ``node`` (its path KV + state) in the background; returns the task."""
-        task = self._tg.create_task(self._archive(node), name="asynccache-backup")
+    def spawn(self, coro: Coroutine[Any, Any, T], *, name: str) -> asyncio.Task[T]:
+        """Run ``coro`` in the controller's TaskGroup, waited for by :meth:`drain`
+        (``RuntimeError`` when the group is shutting down: the caller closes ``coro``)."""
+        task = self._tg.create_task(coro, name=name)
         self._in_flight.add(task)
         task.add_done_callback(self._in_flight.discard)
         return task
 
+    def archive_now(self, node: Any) -> asyncio.Task[None]:
+        """Archive ``node`` (its path KV + state) in the background; returns the task."""
+        return self.spawn(self._archive(node), name="asynccache-backup")
+
     async def _archive(self, node: Any) -> None:
-        async with self._sem:
+        async with self.sem:
             if node.host_state is None or node.archived or not node.alive:
                 return
             path = _path_to_root(node)
@@ -148,7 +162,7 @@ class StorageTier:
             self.tree.lock_host(node)
             try:
                 # Storage that evicts may have dropped what a flag says is there: the whole path.
-                evicts = self._storage_evicts
+                evicts = self.storage_evicts
                 todo = path if evicts else [n for n in path if not n.archived]
                 kv = PoolTransfer(
                     pool_name=PoolName.KV,

@@ -11,8 +11,10 @@ plan and what it allocated is freed.
 - :class:`TreeOps` — one per controller: ``load_op`` (host → device, a tree match),
   ``write_op`` (device → host backup of nodes); ``complete`` (a copy finished or failed),
   ``cancel_queued``; ``abort`` and ``free``. Loads of storage tail restores
-  (``asynccache.prefetch``) have no tree plan: they are completed and undone here too, leaving
-  the tree and the caller's pages alone.
+  (``asynccache.prefetch``) and the staging writes of storage-only snapshots
+  (``asynccache.snapshots``) have no tree plan: they are completed and undone here too, leaving
+  the tree and the caller's pages alone (their host slots are freed by their owner once the
+  operation is done).
 
 Synchronous: call from the event-loop thread only.
 """
@@ -152,7 +154,7 @@ class TreeOps:
             if op.kind is OpKind.LOAD:
                 if op.plan is not None:  # None: a tail restore (see load_tail), not a tree load
                     self.tree.finish_load(op.plan)
-            else:
+            elif op.plan is not None:  # None: a snapshot's staging (see archive_snapshots)
                 self.tree.finish_backup(op.plan)
                 if tiering is not None:
                     tiering.on_host_write(op.plan)
@@ -200,9 +202,9 @@ class TreeOps:
 
         Only called when no copy into the plan's destination is in flight (before issue, or
         after a failed copy's stream position has completed)."""
+        if op.plan is None:  # a tail restore or a snapshot's staging: freed by their owner
+            return
         if op.kind is OpKind.LOAD:
-            if op.plan is None:  # a tail restore: its pages and slots are the caller's
-                return
             released = self.tree.abort_load(op.plan, drop_below=failed)
             self.free(released.kv_indices, released.state_slots, device=True)
         else:
