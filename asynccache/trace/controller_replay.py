@@ -13,10 +13,16 @@ controller a serving engine uses:
   controller's storage tier (``storage_write="through"``; with ``"demote"`` that archiving is
   off: storage gets only what host eviction lets go, as in the synchronous engine).
 
-The replay's own storage tier still writes the admission policy's storage-only snapshots and,
-with ``storage_write="demote"``, what host eviction lets go (the controller has no API for
-either; see docs/followups.md). On CPU the controller completes copies synchronously, so a
-request's copies have landed before the next request arrives; nothing sleeps.
+- the admission policy's storage-only snapshots: ``controller.archive_snapshots`` from device
+  state slots the replay allocates for them (and frees once they are staged), queued after the
+  request's backup and issued with it, so the path's KV is read from the host copies that
+  backup makes (under ``write_back``, staged from the device); they land in the backend as
+  speculative objects.
+
+The replay's own storage tier still writes, with ``storage_write="demote"``, what host eviction
+lets go (the controller has no demote mode; see docs/followups.md). On CPU the controller
+completes copies synchronously, so a request's copies have landed before the next request
+arrives; nothing sleeps.
 """
 
 from __future__ import annotations
@@ -25,14 +31,17 @@ import asyncio
 from collections.abc import Callable
 
 import numpy as np
+import torch
 
 from asynccache.config import HybridCacheConfig, PrefetchPolicy
 from asynccache.controller import HybridCacheController
 from asynccache.errors import CapacityError
+from asynccache.snapshots import SnapshotArchive
 from asynccache.trace.bound import BoundResult
 from asynccache.trace.loader import Trace
 from asynccache.trace.replay import ReplayConfig, TraceReplay
 from asynccache.trace.results import ReplayResult
+from asynccache.tree import TreeNode
 
 __all__ = ["ControllerReplay", "replay_trace_with_controller"]
 
@@ -72,6 +81,27 @@ class ControllerReplay(TraceReplay):
         if self.storage_tier is not None:
             # The controller's storage tier archives completed host writes itself.
             self.storage_tier.archive_backups = False
+        #: the storage-only snapshots of the request being replayed: (node, positions)
+        self._snapshots: tuple[TreeNode, list[int]] | None = None
+
+    def _archive_snapshots(self, node: TreeNode, positions: list[int]) -> None:
+        self._snapshots = (node, positions)  # archived through the controller, after the backup
+
+    def _queue_snapshots(self) -> tuple[SnapshotArchive, torch.Tensor] | None:
+        """Queue the request's storage-only snapshots (``controller.archive_snapshots``) from
+        device slots taken for them; the archive and the slots, or None."""
+        pending, self._snapshots = self._snapshots, None
+        if pending is None:
+            return None
+        node, positions = pending
+        slots = self.device_mamba.alloc(len(positions))
+        if slots is None:
+            raise CapacityError("device state pool exhausted during replay (headroom too small)")
+        archive = self.controller.archive_snapshots(node, dict(zip(positions, slots.tolist(), strict=True)))
+        if archive is None:
+            self.device_mamba.free(slots)
+            return None
+        return archive, slots
 
     async def _arequest(self, i: int) -> tuple[int, int, int]:
         tree, ctrl = self.tree, self.controller
@@ -93,11 +123,15 @@ class ControllerReplay(TraceReplay):
             ctrl.start_loading()
             await op
         result = self._insert_locked(tokens, length, match)
-        if result is not None and result.backup_nodes:
-            op = ctrl.write(result.backup_nodes)
-            if op is not None:
-                ctrl.start_writing()
-                await op
+        op = ctrl.write(result.backup_nodes) if result is not None and result.backup_nodes else None
+        snapshots = self._queue_snapshots()
+        ctrl.start_writing()
+        if op is not None:
+            await op
+        if snapshots is not None:
+            archive, slots = snapshots
+            await archive
+            self.device_mamba.free(slots)
         if ctrl.tiering is not None:
             await ctrl.tiering.drain()
         self._enforce_budgets()
@@ -127,9 +161,12 @@ class ControllerReplay(TraceReplay):
         result = self._result(hits, loop.time() - t0)
         moved = dict(result.bytes_moved)
         moved["h2d"] = stats.bytes_total("h2d")
-        moved["d2h"] = stats.bytes_total("d2h") + (self.storage_tier.staged_state_bytes if self.storage_tier else 0)
-        moved["d2h_kv"] = stats.bytes.get("d2h:kv", 0)
-        moved["d2h_state"] = stats.bytes.get("d2h:mamba", 0)
+        # d2h: every device → host copy, the snapshots' staging included; d2h_kv / d2h_state:
+        # the backups' alone, as in the synchronous engine.
+        counts = self.controller.tiering.counts if self.controller.tiering is not None else {}
+        moved["d2h"] = stats.bytes_total("d2h")
+        moved["d2h_kv"] = stats.bytes.get("d2h:kv", 0) - counts.get("snapshot_staged_kv_pages", 0) * self.spec.kv_page_bytes
+        moved["d2h_state"] = stats.bytes.get("d2h:mamba", 0) - counts.get("snapshot_staged_states", 0) * self.spec.state_bytes
         if self.attention_only:  # its states cost nothing: their copies do not count
             moved["h2d"] -= stats.bytes.get("h2d:mamba", 0)
             moved["d2h"] -= moved["d2h_state"]
@@ -138,6 +175,7 @@ class ControllerReplay(TraceReplay):
         extra["engine"] = "controller"
         if self.controller.tiering is not None:
             extra["prefetches"] = self.controller.tiering.counts.get("prefetch_hit", 0)
+            extra["snapshot_counts"] = {k: v for k, v in self.controller.tiering.counts.items() if k.startswith("snapshot_")}
         extra["controller_counts"] = {k: v for k, v in stats.counts.items() if v}
         return ReplayResult(
             **{

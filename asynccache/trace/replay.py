@@ -280,16 +280,20 @@ class TraceReplay:
         result = tree.insert(
             tokens[: full * page], kv, states=dict(zip(positions, slots.tolist(), strict=True)), prompt_len=length
         )
-        if self.storage_tier is not None:
-            storage_positions = getattr(self.admission, "storage_positions", None)
-            if storage_positions is not None:
-                dense = sorted(
-                    p
-                    for p in storage_positions(length, page_size=page, match=match)
-                    if match.num_tokens < p <= full * page
-                )
-                self.storage_tier.archive_states(result.last_node, dense)
+        storage_positions = getattr(self.admission, "storage_positions", None)
+        if self.storage_tier is not None and storage_positions is not None:
+            dense = sorted(
+                p for p in storage_positions(length, page_size=page, match=match) if match.num_tokens < p <= full * page
+            )
+            if dense:
+                self._archive_snapshots(result.last_node, dense)
         return result
+
+    def _archive_snapshots(self, node: TreeNode, positions: list[int]) -> None:
+        """Write the admission policy's storage-only snapshots at ``positions`` (on ``node``'s
+        path) to storage: here straight through the replay's storage tier."""
+        assert self.storage_tier is not None
+        self.storage_tier.archive_states(node, positions)
 
     # ---- the whole trace ---------------------------------------------------------------
     def run(self) -> ReplayResult:

@@ -216,6 +216,47 @@ async def test_controller_engine_with_storage_serves_from_storage() -> None:
     assert r.hit_tokens_by_tier == {"device": 0, "host": 0, "storage": 3 * BLOCK}
 
 
+async def test_dense_storage_states_reach_storage_through_the_controller() -> None:
+    """The controller engine archives the admission policy's storage-only snapshots through
+    ``controller.archive_snapshots`` (the replay's own tier writes none), and the second user
+    of the shared prefix resumes from them, as in the synchronous engine."""
+    from asynccache.trace.controller_replay import ControllerReplay
+
+    config = make_config("adaptive/lru/write_back", device_pages=BIG, host_pages=BIG, storage_pages=100 * BIG)
+    replay = ControllerReplay(THREE_USERS, config)
+    r = await replay.arun()
+    assert r.hit_tokens_by_tier == {"device": 3 * BLOCK, "host": 0, "storage": 3 * BLOCK}
+    assert replay.storage_tier is not None and replay.storage_tier.staged_state_bytes == 0
+    counts = r.extra["snapshot_counts"]
+    assert counts["snapshot_states_stored"] == counts["snapshot_staged_states"] > 0
+    assert counts["snapshot_staged_kv_pages"] > 0  # write_back: the path's KV is on the device only
+    assert r.bytes_moved["d2h_state"] == 0 < r.bytes_moved["d2h"]  # no backup: only the staging
+    assert replay.device_mamba.num_free == replay.device_mamba.num_items - r.extra["final_tree"]["device_states"]
+
+
+@pytest.mark.parametrize(
+    "combo,storage_pages",
+    [("adaptive/lru/write_back", 400), ("adaptive/utility/write_back/demote", 90), ("adaptive/utility/write_back/demote", 400)],
+)
+async def test_storage_only_snapshots_give_the_same_figures_in_both_engines(combo: str, storage_pages: int) -> None:
+    """In cells where the engines agree. They differ, before these snapshots too, where their
+    archives of host writes differ (under write_through the controller's tier skips the KV of
+    nodes it marked archived, where the synchronous one writes, and so refreshes, the whole
+    path; with storage this tight they also write in another order): storage evicts others."""
+    from asynccache.trace.controller_replay import ControllerReplay
+
+    trace = _mixed_trace(5)
+    config = make_config(combo, device_pages=24, host_pages=60, storage_pages=storage_pages)
+    sync = replay_trace(trace, config)
+    ctrl = await ControllerReplay(trace, config).arun()
+    assert ctrl.extra["snapshot_counts"]["snapshot_states_stored"] > 0
+    assert ctrl.hit_tokens == sync.hit_tokens and ctrl.hit_tokens_by_tier == sync.hit_tokens_by_tier
+    assert ctrl.hit_tokens_by_tier["storage"] > 0
+    assert ctrl.evictions == sync.evictions
+    assert ctrl.bytes_moved["storage_write"] == sync.bytes_moved["storage_write"]
+    assert ctrl.extra["storage_objects"] == sync.extra["storage_objects"]
+
+
 async def test_demote_writes_to_storage_only_what_the_host_evicts_in_both_engines() -> None:
     """``storage_write=demote``: a host that evicts nothing sends nothing to storage (the
     controller's tier archived every host write, so demote behaved as write-through there); a
