@@ -388,16 +388,11 @@ class HybridCacheController:
     def archive_snapshots(
         self, node: Any, snapshots: Mapping[int, int], *, evict_host: bool = False, priority: int = 0
     ) -> SnapshotArchive | None:
-        """Archive storage-only snapshots ``{position: device_slot}`` (page-aligned positions on
-        ``node``'s path) under the page hash of the last page each covers, as speculative
-        objects, with the path's KV up to the deepest one; :meth:`prefetch` then finds them like
-        any stored state. Their device → host staging is queued for the next
-        :meth:`start_writing`; ``await`` the returned archive for ``{position: stored}``.
-        ``None`` when ``snapshots`` is empty or the host lacks free room (``evict_host``: make
-        it). The device slots stay the caller's, read only, and must hold the snapshots until
-        ``archive.staged`` is done. :class:`ConfigError` without a storage tier, for positions
-        off the page grid or past the path, and for slots outside the pool or given twice.
-        See :mod:`asynccache.snapshots`."""
+        """Archive storage-only snapshots ``{position: device_slot}`` on ``node``'s path as
+        speculative objects, with the path's KV, for :meth:`prefetch` to find; their staging is
+        queued for the next :meth:`start_writing`. The caller's slots are read until
+        ``archive.staged`` is done. ``None`` for no snapshots or no free host room;
+        :class:`ConfigError` without a storage tier or for bad input (:mod:`asynccache.snapshots`)."""
         self._require_started()
         if self.tiering is None:
             raise ConfigError("archive_snapshots needs a storage tier (the controller has no backend)")

@@ -163,6 +163,8 @@ class AdmitMixin:
         last_pos = req.total_len - 1
         num_pages_total = -(-last_pos // page)
         snap_positions = self._snapshot_positions(req, num_cached, tail)
+        storage_only = self._storage_only_positions(req, num_cached, tail, snap_positions)
+        snap_positions = sorted(snap_positions + storage_only)
         # The working and snapshot slots first, then the load's pages, then the request's own:
         # the load's pages come off the free list in one piece (one copy a layer) when they
         # were freed together.
@@ -210,6 +212,7 @@ class AdmitMixin:
         req.load_op = op
         req.state_slot = int(slots[0])
         req.snapshots = dict(zip(snap_positions, (int(s) for s in slots[1:]), strict=True))
+        req.storage_only = frozenset(storage_only)
         req.num_cached = req.num_computed = num_cached
         req.cached_by_tier = by_tier
         req.tail = tail
@@ -241,5 +244,19 @@ class AdmitMixin:
         positions = self.cache.tree.admission.state_positions(
             len(req.prompt), total_len=computed_len, page_size=self.spec.page_size
         )
+        return self._computed_here(positions, num_cached, computed_len, tail)
+
+    def _storage_only_positions(self, req: Request, num_cached: int, tail: Any, kept: list[int]) -> list[int]:
+        """Positions the admission policy wants in storage only (``storage_positions``, where it
+        has one and there is a storage tier), past the cached prefix and not kept by the tree:
+        archived with ``controller.archive_snapshots`` when the request finishes."""
+        storage_positions = getattr(self.cache.tree.admission, "storage_positions", None)
+        if storage_positions is None or not self.config.use_cache or self.cache.controller.tiering is None:
+            return []
+        positions = set(storage_positions(len(req.prompt), page_size=self.spec.page_size)) - set(kept)
+        return self._computed_here(positions, num_cached, req.total_len - 1, tail)
+
+    @staticmethod
+    def _computed_here(positions: Any, num_cached: int, computed_len: int, tail: Any) -> list[int]:
         skipped = range(tail.begin_tokens + 1, tail.end_tokens) if tail is not None else range(0)
         return sorted(p for p in positions if num_cached < p <= computed_len and p not in skipped)

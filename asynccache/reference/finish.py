@@ -4,7 +4,8 @@ Primitives:
 
 - :class:`FinishMixin` — a finished request: ``tree.insert`` of its full pages and the states
   the admission policy kept, the pages and slots the insert did not take freed, its lock
-  released, the write policy's backups started and its
+  released, the write policy's backups and the archive of its storage-only snapshots
+  (``controller.archive_snapshots``; their slots freed once staged) queued, and its
   :class:`~asynccache.reference.requests.RequestResult` set; a cancelled request: everything it
   holds freed (after a load that can no longer be cancelled has completed), running ones newest
   first. A base of :class:`~asynccache.reference.scheduler.Scheduler`; not used on its own.
@@ -44,7 +45,8 @@ class FinishMixin:
         tokens = req.prompt + req.output[:-1]
         full = len(tokens) // page
         assert req.kv_pages is not None and req.own_pages is not None
-        states = {p: s for p, s in req.snapshots.items() if p <= full * page}
+        inserted = {p: s for p, s in req.snapshots.items() if p <= full * page}
+        states = {p: s for p, s in inserted.items() if p not in req.storage_only}
         result = None
         if self.config.use_cache:
             result = tree.insert(tokens[: full * page], req.kv_pages[:full], states=states, salt=req.salt)
@@ -57,13 +59,22 @@ class FinishMixin:
             leftover = list(req.snapshots.values())
         if tail.numel():
             self.cache.device_kv.free(tail)
-        slots = leftover + [req.state_slot]
-        self.cache.device_mamba.free(torch.tensor(slots, dtype=torch.int64))
         if req.locked_node is not None:
             tree.unlock(req.locked_node)
             req.locked_node = None
         if result is not None and result.backup_nodes:
             self.cache.controller.write(result.backup_nodes)
+        archived = {p: s for p, s in inserted.items() if p in req.storage_only}
+        archive = None
+        if result is not None and archived:
+            # Queued after the backup: the path's KV is read from the host copies it makes.
+            archive = self.cache.controller.archive_snapshots(result.last_node, archived)
+        if archive is not None:
+            # Their slots stay ours, read until the staging copy is done.
+            held = torch.tensor(list(archived.values()), dtype=torch.int64)
+            archive.staged.add_done_callback(lambda _: self.cache.device_mamba.free(held))
+            leftover = [s for s in leftover if s not in archived.values()]
+        self.cache.device_mamba.free(torch.tensor(leftover + [req.state_slot], dtype=torch.int64))
         req.phase = Phase.DONE
         self._running.remove(req)
         now = time.perf_counter()

@@ -106,6 +106,7 @@ class Request:
     state_slot: int = -1
     seed_slot: int | None = None  # cached boundary state to copy into state_slot
     snapshots: dict[int, int] = field(default_factory=dict)
+    storage_only: frozenset[int] = frozenset()  # snapshot positions archived to storage only
     tail: Any = None  # a TailRestore still to apply
     load_op: Any = None  # the CacheOperation bringing the request's prefix (and state) to the device
     num_restored: int = 0  # tokens a tail restore brought (not computed)

@@ -31,7 +31,8 @@ Conventions (see docs/architecture.md):
   before the forward — or, when another request's load of this step brings it, per layer from
   that request's working slot once the forward has waited for that layer;
 - snapshots at the admission policy's positions go to freshly allocated slots that ``insert``
-  hands to the tree.
+  hands to the tree; those it wants in storage only (``storage_positions``) are archived with
+  ``controller.archive_snapshots`` and their slots freed once staged.
 """
 
 from __future__ import annotations

@@ -17,11 +17,12 @@ from typing import Any
 
 import pytest
 import torch
-from serving import free_counts, serving_config, tiny_spec
+from serving import device_of, free_counts, serving_config, tiny_model, tiny_spec
 
 from asynccache.cache import HybridCache
 from asynccache.errors import ClosedError, ConfigError, TransferError, TreeError
-from asynccache.policy import EveryPageAdmission
+from asynccache.policy import EndsAdmission, EveryPageAdmission
+from asynccache.reference.scheduler import Scheduler, SchedulerConfig
 from asynccache.storage import PoolName, PoolTransfer
 from asynccache.trace.storage_index import AccountingStorage
 from storage_backends.object_format import ObjectGeometry
@@ -447,3 +448,69 @@ async def test_a_backup_cancelled_after_the_archive_began_leaves_its_pages_unwri
             keys, [PoolTransfer(pool_name=PoolName.KV)]
         )).num_hit_pages == 0
         assert all(lk == (0, 0) for lk in locks(cache))
+
+
+# ---- the reference scheduler -------------------------------------------------------------------
+class EndsPlusStorageGrid(EndsAdmission):
+    """The tree keeps the ends; storage gets a state at every page of the prompt besides."""
+
+    def storage_positions(self, prompt_len: int, *, page_size: int, match: Any = None) -> set[int]:
+        return set(range(page_size, prompt_len + 1, page_size))
+
+
+class EndsPlusTreeGrid(EndsAdmission):
+    """The same snapshots (the same prefill segments), all kept by the tree."""
+
+    def state_positions(self, prompt_len: int, *, page_size: int, total_len: Any = None, match: Any = None) -> set[int]:
+        grid = EndsPlusStorageGrid().storage_positions(prompt_len, page_size=page_size)
+        return super().state_positions(prompt_len, page_size=page_size, total_len=total_len, match=match) | grid
+
+
+PROMPT = [(7 * t + 3) % 250 + 1 for t in range(41)]
+BRANCH = 3 * PAGE  # a storage-only snapshot, not one of the prompt's ends
+
+
+def device_prefix_bytes(cache: HybridCache, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    m = cache.tree.match_prefix(tokens)
+    assert m.num_tokens == len(tokens) and not m.needs_load and m.last_node.device_state is not None
+    pages = m.device_kv_indices.to(cache.device_kv.device)
+    return kv_bytes(cache, pages).cpu(), state_bytes(cache, m.last_node.device_state).cpu()
+
+
+async def test_the_scheduler_archives_the_policy_s_storage_only_snapshots(tmp_path: Path, model_device: str) -> None:
+    """The scheduler computes the admission policy's ``storage_positions`` as snapshots and
+    archives them at the request's end; a later request that branches at one of them, with the
+    tree empty, restores it from storage: the bytes the same run with the tree keeping that
+    snapshot holds, and the greedy output of a cold run."""
+    model = tiny_model(SPEC, model_device, seed=3)
+    device = device_of(model)
+    prompt2 = PROMPT[:BRANCH] + [(5 * t + 1) % 250 + 1 for t in range(9)]
+    config = serving_config(SPEC)
+    async with HybridCache(SPEC, config, device=device, admission=EndsPlusTreeGrid()) as cache, Scheduler(
+        model, cache, SchedulerConfig(chunk_size=4096)
+    ) as sched:
+        await sched.generate(PROMPT, 4)
+        saved = device_prefix_bytes(cache, PROMPT[:BRANCH])
+    storage = dataclasses.replace(config, storage_uri=tmp_path.as_uri())
+    async with HybridCache(SPEC, storage, device=device, admission=EndsPlusStorageGrid()) as cache, Scheduler(
+        model, cache, SchedulerConfig(chunk_size=4096)
+    ) as sched:
+        before = free_counts(cache)
+        await sched.generate(PROMPT, 4)
+        assert cache.tree.match_prefix(PROMPT[:BRANCH]).num_tokens == 0  # not a tree state
+        await cache.controller.wait_idle()
+        tier = cache.controller.tiering
+        assert tier is not None
+        await tier.drain()
+        assert tier.counts["snapshot_states_stored"] == len(PROMPT) // PAGE - 1  # all but the end's page
+        cache.flush_device()
+        cache.flush_host()
+        assert free_counts(cache) == before  # every slot back: the snapshots' and their staging
+        r2 = await sched.generate(prompt2, 4)
+        assert r2.cached_by_tier["storage"] == BRANCH
+        restored = device_prefix_bytes(cache, prompt2[:BRANCH])
+        assert torch.equal(restored[0], saved[0]) and torch.equal(restored[1], saved[1])
+    async with HybridCache(SPEC, config, device=device) as cache, Scheduler(
+        model, cache, SchedulerConfig(chunk_size=4096, use_cache=False)
+    ) as sched:
+        assert (await sched.generate(prompt2, 4)).output_ids == r2.output_ids
