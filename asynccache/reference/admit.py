@@ -101,7 +101,7 @@ class AdmitMixin:
         it reads and other requests are running: the loop computes them meanwhile instead of
         waiting (a lookup that restores a prefix reads for tens of milliseconds and more), and
         asks again at the next step. With nothing running it waits here."""
-        ctrl, tree = self.cache.controller, self.cache.tree
+        ctrl = self.cache.controller
         key = req.prompt[:-1]
         loop = asyncio.get_running_loop()
         task = req.lookup
@@ -119,7 +119,7 @@ class AdmitMixin:
         req.lookup = None  # taken from here on (a cancellation meanwhile abandons it in the wait)
         res = await ctrl.wait_prefetch(task, len(key), elapsed_s=elapsed)
         req.lookup_tail = res.tail if res is not None else None
-        req.storage_tokens = max(0, tree.match_prefix(key, salt=req.salt).num_tokens - req.lookup_from)
+        req.lookup_taken = True  # what it brought is counted from the admission's match
         return True
 
     def _try_admit(self, req: Request) -> bool:
@@ -128,6 +128,9 @@ class AdmitMixin:
         match = tree.match_prefix(key, salt=req.salt) if self.config.use_cache else None
         by_tier = {"device": 0, "host": 0, "storage": 0}
         tail, req.lookup_tail = req.lookup_tail, None
+        if req.lookup_taken and match is not None:  # the lookup just ended: what it brought
+            req.lookup_taken = False
+            req.storage_tokens = max(0, match.num_tokens - req.lookup_from)
         if tail is not None and match is not None and tail.begin_tokens <= match.num_tokens:
             tail.release()  # the tree caught up meanwhile (another request restored it)
             tail = None

@@ -121,6 +121,7 @@ class Request:
     lookup_from: int = 0  # tokens the tree matched when the lookup started
     lookup_started: float = 0.0  # the event loop's time then
     lookup_tail: Any = None  # a split restore the lookup brought, until admission takes it
+    lookup_taken: bool = False  # its result taken, not yet counted in storage_tokens
 
     @property
     def total_len(self) -> int:
