@@ -44,6 +44,7 @@ from asynccache.bench.options import (
     positive_int,
     seed_int,
     spec_from_preset,
+    unit_fraction,
 )
 from asynccache.bench.progress import progress_bar
 from asynccache.cache import HybridCache, effective_storage_options
@@ -65,6 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-len", type=positive_int, default=192, help="tokens of each new question (default 192)")
     p.add_argument("--output-len", type=positive_int, default=16, help="tokens generated per answer (default 16)")
     p.add_argument("--max-parallel", type=positive_int, default=4, help="requests in flight at once (default 4)")
+    p.add_argument("--max-running", type=positive_int, default=None,
+                   help="requests the scheduler runs at once; the rest of those in flight wait for room "
+                   "(default: --max-parallel)")  # fmt: skip
+    p.add_argument("--lookahead-host-fraction", type=unit_fraction, default=SchedulerConfig().lookahead_host_fraction,
+                   help="share of the host KV pool that the storage lookups of requests waiting for room may "
+                   "bring ahead of their admission, 0 to 1 (default %(default)s)")  # fmt: skip
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("--preset", default="small", help="model preset (small, tiny, hybrid-3b, …) or an HF config path "
                    "(of a hybrid model: attention and recurrent layers)")  # fmt: skip
@@ -151,6 +158,15 @@ def _default_budgets(args: argparse.Namespace, spec: HybridSpec) -> dict[str, in
     }
 
 
+def _scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(
+        max_running=args.max_running or args.max_parallel,
+        chunk_size=4096,
+        max_batch_tokens=16384,
+        lookahead_host_fraction=args.lookahead_host_fraction,
+    )
+
+
 def _mode_config(
     mode: str, budgets: dict[str, int], storage_uri: str | None, storage_options: dict[str, Any] | None = None
 ) -> HybridCacheConfig:
@@ -195,7 +211,7 @@ async def run_mode(
     sem = asyncio.Semaphore(args.max_parallel)
     t0 = time.perf_counter()
     async with HybridCache(spec, cfg, device=args.device) as cache, Scheduler(
-        model, cache, SchedulerConfig(max_running=args.max_parallel, chunk_size=4096, max_batch_tokens=16384)
+        model, cache, _scheduler_config(args)
     ) as sched:
         if cfg.storage_uri is not None:
             res.storage_options = dict(cache.storage_options)
@@ -355,7 +371,8 @@ def run(args: argparse.Namespace) -> int:
         model = HybridModel(spec, device=args.device, dtype=dtype, seed=args.seed)
         print(
             f"multiturn: {args.clients} clients × {args.rounds} rounds, question {args.request_len} tokens, "
-            f"answer {args.output_len} tokens, ≤{args.max_parallel} in flight; model {args.preset} on {args.device} "
+            f"answer {args.output_len} tokens, ≤{args.max_parallel} in flight, "
+            f"≤{args.max_running or args.max_parallel} running; model {args.preset} on {args.device} "
             f"({dtype}), page {spec.page_size}; budgets {budgets}"
         )
         # Warm up (kernel compilation, allocator) outside the timed modes.

@@ -22,6 +22,7 @@ __all__ = [
     "positive_int_list",
     "seed_int",
     "spec_from_preset",
+    "unit_fraction",
 ]
 
 #: The largest seed: torch's generators take a signed 64-bit one.
@@ -44,6 +45,17 @@ def positive_int(text: str) -> int:
 
 def nonnegative_int(text: str) -> int:
     return _int_at_least(text, 0)
+
+
+def unit_fraction(text: str) -> float:
+    """A number in ``[0, 1]``."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value <= 1.0:  # (NaN fails too)
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
 
 
 def seed_int(text: str) -> int:

@@ -7,10 +7,12 @@ Primitives:
   (the tail of a split restore kept for later), the match pinned on both tiers while room is
   made, then the working and snapshot slots, the host → device load and the request's own pages.
   Without room everything is undone and the request waits. The storage lookups of the requests
-  the device could take start side by side; with nothing running the step waits for them (one
-  batched prefill), otherwise at most ``lookup_wait_s`` for the next request's probe — a
-  restore's read goes on while the running requests compute (docs/architecture.md). A base of
-  :class:`~asynccache.reference.scheduler.Scheduler`; not used on its own.
+  the device could take start side by side, and those of requests further back while what they
+  may bring fits in ``lookahead_host_fraction`` of the host KV pool; with nothing running the
+  step waits for them (one batched prefill), otherwise at most ``lookup_wait_s`` for the next
+  request's probe — a restore's read goes on while the running requests compute
+  (docs/architecture.md). A base of :class:`~asynccache.reference.scheduler.Scheduler`; not
+  used on its own.
 """
 
 from __future__ import annotations
@@ -55,9 +57,15 @@ class AdmitMixin:
 
     # ---- admission ---------------------------------------------------------------------
     async def _admit(self) -> None:
-        window = self._waiting[: max(0, self.config.max_running - len(self._running))]
+        room = max(0, self.config.max_running - len(self._running))
+        window = self._waiting[:room]
+        now = asyncio.get_running_loop().time()
         for req in window:
+            if req.lookahead_pages:  # its lookup started ahead of room: the deadline counts from now
+                req.lookahead_pages = 0
+                req.lookup_started = now
             self._start_lookup(req)
+        self._start_lookups_ahead(self._waiting[room:])
         if window and not self._running:
             await self._lookups_of(window)
         while self._waiting and len(self._running) < self.config.max_running:
@@ -69,9 +77,9 @@ class AdmitMixin:
             self._waiting.pop(0)
             self._running.append(req)
 
-    def _start_lookup(self, req: Request) -> None:
+    def _start_lookup(self, req: Request, match: Any = None) -> None:
         """Start ``req``'s storage lookup if it has had none (one per request: one that waits
-        for room does not repeat it)."""
+        for room does not repeat it); ``match``: the tree's match of its prompt, if at hand."""
         if req.storage_tokens is not None:
             return
         req.storage_tokens = 0
@@ -79,9 +87,32 @@ class AdmitMixin:
         if not self.config.use_cache or ctrl.tiering is None:
             return
         key = req.prompt[:-1]
-        match = self.cache.tree.match_prefix(key, salt=req.salt)
+        if match is None:
+            match = self.cache.tree.match_prefix(key, salt=req.salt)
         req.lookup = ctrl.prefetch(key, match, salt=req.salt, allow_tail=True)
         req.lookup_from, req.lookup_started = match.num_tokens, asyncio.get_running_loop().time()
+
+    def _start_lookups_ahead(self, queue: list[Request]) -> None:
+        """Start the storage lookups of the waiting requests beyond the device's room, in
+        arrival order, while the host pages they may bring (the prompt's full pages past the
+        tree's match; the lookups ahead not yet admitted count too) fit in
+        ``lookahead_host_fraction`` of the host KV pool. What they bring waits on the host for
+        their admission, so the reads go on while the requests ahead of them run."""
+        host, share = self.cache.host_kv, self.config.lookahead_host_fraction
+        if not queue or host is None or not share or not self.config.use_cache or self.cache.controller.tiering is None:
+            return
+        budget = int(share * host.num_items) - sum(r.lookahead_pages for r in queue)
+        for req in queue:
+            if req.storage_tokens is not None:
+                continue
+            match = self.cache.tree.match_prefix(req.prompt[:-1], salt=req.salt)
+            pages = max(0, len(match.page_hashes) - match.num_tokens // self.spec.page_size)
+            if pages > budget:
+                return  # in arrival order: a later request does not pass this one
+            self._start_lookup(req, match)
+            if req.lookup is not None:
+                req.lookahead_pages = pages
+                budget -= pages
 
     async def _lookups_of(self, reqs: list[Request]) -> None:
         """With nothing running, wait for the lookups of the requests the device can take now

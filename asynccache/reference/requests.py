@@ -60,6 +60,11 @@ class SchedulerConfig:
     #: next in line (a miss or a split restore then joins this step; a probe that takes longer,
     #: and a whole restore's read, go on while the running requests compute).
     lookup_wait_s: float = 0.01
+    #: Share of the host KV pool that the storage lookups of waiting requests beyond the
+    #: device's room may bring before those requests are admitted (counted as the pages each
+    #: could bring, in arrival order). Their reads then go on while the requests ahead of them
+    #: run. 0: a request's lookup starts only once the device could take it.
+    lookahead_host_fraction: float = 0.25
 
     def __post_init__(self) -> None:
         for name in ("max_running", "chunk_size", "max_batch_tokens"):
@@ -67,6 +72,9 @@ class SchedulerConfig:
         wait = self.lookup_wait_s
         if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0.0 <= wait < float("inf"):
             raise ConfigError(f"SchedulerConfig.lookup_wait_s must be a finite number >= 0, got {wait!r}")
+        share = self.lookahead_host_fraction
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0.0 <= share <= 1.0:
+            raise ConfigError(f"SchedulerConfig.lookahead_host_fraction must be a number in [0, 1], got {share!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,6 +130,7 @@ class Request:
     lookup_started: float = 0.0  # the event loop's time then
     lookup_tail: Any = None  # a split restore the lookup brought, until admission takes it
     lookup_taken: bool = False  # its result taken, not yet counted in storage_tokens
+    lookahead_pages: int = 0  # host pages its lookup may bring, while it started ahead of room
 
     @property
     def total_len(self) -> int:

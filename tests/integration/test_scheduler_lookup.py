@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 from serving import (
     arith_prompt,
@@ -197,3 +198,133 @@ async def test_with_nothing_running_the_next_requests_lookups_read_side_by_side(
             assert sched.num_steps == 2  # one prefill step for the three, one decode step
     assert most[0] == 3
     assert all(r.cached_by_tier["storage"] == 8 * PAGE for r in results)
+
+
+async def _occupied(sched: Scheduler) -> asyncio.Future:  # type: ignore[type-arg]
+    """Submit a long request and return once it runs (it holds the room of ``max_running=1``);
+    every step from here on takes at least 5 ms, so its 400 steps outlast the test's waits."""
+    forward = sched.model.forward
+
+    async def slow_forward(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(0.005)
+        return await forward(*args, **kwargs)
+
+    sched.model.forward = slow_forward  # type: ignore[method-assign]
+    long_run = sched.submit(arith_prompt(24, 3, 1), 400)
+    async with asyncio.timeout(10):
+        while not sched._running:
+            await asyncio.sleep(0.001)
+    return long_run
+
+
+async def _settled(cache: HybridCache) -> tuple[int, ...]:
+    await cache.controller.wait_idle()
+    assert cache.controller.tiering is not None
+    await cache.controller.tiering.drain()
+    cache.flush_device()
+    cache.flush_host()
+    return free_counts(cache)
+
+
+async def test_lookups_of_requests_beyond_the_room_read_while_it_is_taken(tmp_path: Path) -> None:
+    """With the device's room taken, the waiting requests' restores are read ahead (both side by
+    side) and serve them exactly once they are admitted; with ``lookahead_host_fraction=0``
+    nothing is read until there is room."""
+    model = tiny_model(SPEC, "cpu", seed=4)
+    prefixes = [arith_prompt(8 * PAGE, 7, b) for b in (1, 2)]
+    prompts = [[*p, 9, 10] for p in prefixes]
+    async with HybridCache(SPEC, config_with(SPEC, storage_uri=None)) as cold_cache, Scheduler(
+        model, cold_cache, SchedulerConfig(use_cache=False)
+    ) as cold_sched:
+        cold = [await cold_sched.generate(p, 3) for p in prompts]
+    for share in (0.25, 0.0):
+        storage = tmp_path / str(share)
+        async with HybridCache(SPEC, config_with(SPEC, storage_uri=storage.as_uri())) as cache:
+            full = free_counts(cache)
+            config = SchedulerConfig(chunk_size=64, max_running=1, lookahead_host_fraction=share)
+            async with Scheduler(model, cache, config) as sched:
+                for p in prefixes:  # computed, written to storage, then in storage only
+                    await sched.generate(p, 1)
+                assert await _settled(cache) == full
+                long_run = await _occupied(sched)
+                reads = slow_backend(cache, "batch_get_v2", 0.2)
+                waiting = [sched.submit(p, 3) for p in prompts]
+                if share:
+                    async with asyncio.timeout(10):
+                        while reads[0] < 2:
+                            await asyncio.sleep(0.001)
+                else:
+                    await asyncio.sleep(0.5)
+                    assert reads[0] == 0
+                assert not long_run.done() and len(sched._waiting) == 2
+                long_run.cancel()
+                results = await asyncio.gather(*waiting)
+            assert await _settled(cache) == full
+        assert [r.output_ids for r in results] == [c.output_ids for c in cold]
+        assert all(r.cached_tokens >= 6 * PAGE and r.cached_by_tier["storage"] == r.cached_tokens for r in results)
+
+
+async def test_lookups_ahead_stop_at_their_share_of_the_host_pool(tmp_path: Path) -> None:
+    """Only the lookups whose pages fit in ``lookahead_host_fraction`` of the host KV pool start
+    ahead, in arrival order; the next starts once its request reaches the room."""
+    model = tiny_model(SPEC, "cpu", seed=5)
+    prefixes = [arith_prompt(8 * PAGE, 7, b) for b in (1, 2)]
+    async with HybridCache(SPEC, config_with(SPEC, storage_uri=tmp_path.as_uri())) as cache:
+        assert cache.host_kv is not None
+        share = 10 / cache.host_kv.num_items  # room for one prefix's 8 pages, not two
+        for p in prefixes:
+            await store_only(cache, p, grid=2)
+        config = SchedulerConfig(chunk_size=64, max_running=1, lookahead_host_fraction=share)
+        async with Scheduler(model, cache, config) as sched:
+            long_run = await _occupied(sched)
+            reads = slow_backend(cache, "batch_get_v2", 0.1)
+            waiting = [sched.submit([*p, 9], 2) for p in prefixes]
+            async with asyncio.timeout(10):
+                while reads[0] < 1:
+                    await asyncio.sleep(0.001)
+            await asyncio.sleep(0.4)  # the first read is over; the second must not have started
+            assert reads[0] == 1 and not long_run.done()
+            long_run.cancel()
+            results = await asyncio.gather(*waiting)
+        assert reads[0] == 2
+        assert all(r.cached_by_tier["storage"] == 8 * PAGE for r in results)
+
+
+async def test_a_lookup_ahead_has_its_deadline_from_the_requests_turn(tmp_path: Path) -> None:
+    """Under ``timeout`` the deadline of a lookup started ahead of room counts from when the
+    request could be admitted, not from the lookup's start: time spent queued behind running
+    requests is not time spent waiting for storage."""
+    model = tiny_model(SPEC, "cpu", seed=6)
+    prefix = arith_prompt(8 * PAGE, 7, 3)
+    async with HybridCache(SPEC, _timeout_config(tmp_path, 1.0)) as cache:
+        await store_only(cache, prefix, grid=2)
+        async with Scheduler(model, cache, SchedulerConfig(chunk_size=64, max_running=1)) as sched:
+            long_run = await _occupied(sched)
+            slow_backend(cache, "batch_get_v2", 1.6)  # ends 0.4 s into the request's 1 s
+            late = sched.submit([*prefix, 5], 2)
+            await asyncio.sleep(1.2)  # queued past the deadline, its read still in flight
+            assert not long_run.done()
+            long_run.cancel()
+            result = await asyncio.wait_for(late, 10)
+        assert result.cached_by_tier["storage"] == 8 * PAGE
+        assert cache.controller.statistics().counts.get("prefetch_deadline_passed", 0) == 0
+
+
+async def test_a_request_cancelled_while_its_lookup_reads_ahead_leaves_nothing_held(tmp_path: Path) -> None:
+    model = tiny_model(SPEC, "cpu", seed=7)
+    prefix = arith_prompt(8 * PAGE, 7, 3)
+    async with HybridCache(SPEC, config_with(SPEC, storage_uri=tmp_path.as_uri())) as cache:
+        full = free_counts(cache)
+        await store_only(cache, prefix, grid=2)
+        async with Scheduler(model, cache, SchedulerConfig(chunk_size=64, max_running=1)) as sched:
+            long_run = await _occupied(sched)
+            reads = slow_backend(cache, "batch_get_v2", 0.3)
+            doomed = sched.submit([*prefix, 5], 2)
+            async with asyncio.timeout(10):
+                while reads[0] < 1:
+                    await asyncio.sleep(0.001)
+            assert not long_run.done() and len(sched._waiting) == 1  # read ahead of room
+            doomed.cancel()
+            await asyncio.sleep(0.5)  # the read lands after the cancellation
+            long_run.cancel()
+        assert await _settled(cache) == full
