@@ -91,6 +91,7 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_run(
         [*TINY_MULTITURN, "--clients", "0"],
         [*TINY_MULTITURN, "--rounds", "-1"],
         [*TINY_MULTITURN, "--max-parallel", "0"],
+        [*TINY_MULTITURN, "--max-running", "0"],
         [*TINY_MULTITURN, "--host-kv-bytes", "0"],
         ["bench", "tree", "--repeats", "0"],
         ["bench", "tree", "--sizes", "0"],
@@ -112,6 +113,9 @@ def test_counts_that_must_be_positive_are_usage_errors(argv: list[str], capsys: 
         (["bench", "tree", "--seed", "-1"], "must be >= 0"),
         ([*TINY_MULTITURN, "--seed", "-1"], "must be >= 0"),
         ([*TINY_MULTITURN, "--seed", str(2**64)], "must be <= 9223372036854775807"),  # was a traceback
+        ([*TINY_MULTITURN, "--lookahead-host-fraction", "1.5"], "must be in [0, 1]"),
+        ([*TINY_MULTITURN, "--lookahead-host-fraction", "nan"], "must be in [0, 1]"),
+        ([*TINY_MULTITURN, "--lookahead-host-fraction", "x"], "not a number"),
         ([*TINY_MULTITURN, "--dtype", "int8"], "invalid choice: 'int8'"),  # were tracebacks
         ([*TINY_MULTITURN, "--dtype", "uint8"], "invalid choice: 'uint8'"),
         ([*TINY_MULTITURN, "--dtype", "fp8"], "invalid choice: 'fp8'"),

@@ -117,6 +117,10 @@ def test_scheduler_config_is_validated() -> None:
         {"lookup_wait_s": float("inf")},
         {"lookup_wait_s": "0.01"},
         {"lookup_wait_s": True},
+        {"lookahead_host_fraction": -0.1},
+        {"lookahead_host_fraction": 1.5},
+        {"lookahead_host_fraction": float("nan")},
+        {"lookahead_host_fraction": "0.5"},
     ):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             SchedulerConfig(**bad)  # type: ignore[arg-type]
