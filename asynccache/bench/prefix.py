@@ -24,8 +24,8 @@ On CUDA the run also times one contiguous pinned host → device copy of the pre
 link's floor for the host row, and the host tier's physical optimum ``max(device TTFT, link
 time)`` (a forward faster than the link cannot hide the load).
 
-The same run measures the raw read bandwidth of the stored objects — plain sequential file
-reads, the same reads spread over as many threads as the backend uses, and those with
+The same run measures the raw read bandwidth of the stored objects (``asynccache.bench.raw_reads``)
+— plain sequential file reads, the same reads spread over as many threads as the backend uses, and those with
 ``O_DIRECT`` (past the page cache, where the filesystem allows it) — and reports the physical
 optimum for the disk case, ``min over a of max(bytes(a) / raw_read_bw, cold_compute(L − a))``,
 with each and with the best of them. The threaded reads are also made of only the objects that
@@ -55,10 +55,7 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
-import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +66,13 @@ import uvloop
 from asynccache.bench.options import device_name
 from asynccache.bench.prefix_report import plot, print_report
 from asynccache.bench.progress import progress_bar
+from asynccache.bench.raw_reads import (
+    drop_page_cache,
+    object_files,
+    ranged_read_bytes_per_s,
+    raw_read_bytes_per_s,
+    stored_fraction,
+)
 from asynccache.bench.storage import add_option_argument, parse_options
 from asynccache.bench.transfer import time_median_s
 from asynccache.cache import HybridCache
@@ -79,8 +83,8 @@ from asynccache.reference.scheduler import Scheduler, SchedulerConfig
 from asynccache.spec import HybridSpec
 from asynccache.tiering import RestoreCost
 from kernels.api import COPY_METHOD_HELP
-from storage_backends.file_io import aligned_empty, open_read, probe_direct
-from storage_backends.local_disk import READ_RANGE_BYTES, LocalDiskBackend
+from storage_backends.file_io import probe_direct
+from storage_backends.local_disk import LocalDiskBackend
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -112,96 +116,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="re-print the table and re-plot a previous --json file instead of measuring (with --plot; --json is refused)",
     )
-
-
-def _drop_page_cache(root: Path) -> None:
-    """Ask the kernel to forget the stored objects' pages (best effort; a no-op where unsupported)."""
-    for path in root.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
-def _read_files(files: list[Path], direct: bool = False) -> int:
-    buf = memoryview(aligned_empty(8 << 20))
-    total = 0
-    for path in files:
-        fd = open_read(str(path), direct)
-        try:
-            offset = 0
-            while True:  # a short read is the end (a direct read past it could be refused)
-                n = os.preadv(fd, [buf], offset)
-                offset += n
-                if n < len(buf):
-                    break
-        finally:
-            os.close(fd)
-        total += offset
-    return total
-
-
-def _object_files(root: Path) -> set[Path]:
-    return {p for p in root.rglob("*") if p.is_file() and not p.name.endswith(".tmp")}
-
-
-def _raw_read_bytes_per_s(
-    root: Path, threads: int = 1, *, direct: bool = False, only: set[Path] | None = None
-) -> tuple[float, int]:
-    """Plain reads of every stored object (``only``: of those files), after dropping them from
-    the page cache, one file after another on each of ``threads`` threads, into one buffer per
-    thread; ``direct``: with ``O_DIRECT`` (past the page cache)."""
-    _drop_page_cache(root)
-    files = sorted(_object_files(root) if only is None else only)
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        total = sum(pool.map(lambda part: _read_files(part, direct), [files[i::threads] for i in range(threads)]))
-    return total / (time.perf_counter() - t0), total
-
-
-def _ranged_read_bytes_per_s(root: Path, files: set[Path], threads: int) -> tuple[float, int]:
-    """Plain reads of ``files`` cut as the backend cuts them, after dropping them from the page
-    cache: a file above ``READ_RANGE_BYTES`` (a state) as ranges of that size, the largest
-    files' ranges first, each of ``threads`` threads taking the next range when it is done. One
-    whole-file list per thread (:func:`_raw_read_bytes_per_s`) leaves the thread that got a
-    51.5 MB state reading it alone at the end."""
-    _drop_page_cache(root)
-    sizes = sorted(((p.stat().st_size, str(p)) for p in files), reverse=True)
-    work = iter([(path, off, min(READ_RANGE_BYTES, size - off)) for size, path in sizes
-                 for off in range(0, size, READ_RANGE_BYTES)])  # fmt: skip
-    lock = threading.Lock()
-
-    def reader() -> int:
-        buf = memoryview(aligned_empty(READ_RANGE_BYTES))
-        total = 0
-        while True:
-            with lock:
-                item = next(work, None)
-            if item is None:
-                return total
-            path, offset, n = item
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                total += os.preadv(fd, [buf[:n]], offset)
-            finally:
-                os.close(fd)
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        total = sum(pool.map(lambda _: reader(), range(threads)))
-    return total / (time.perf_counter() - t0), total
-
-
-def _stored_fraction(root: Path, spec: HybridSpec) -> float:
-    """Bytes the stored objects take on disk (headers included) over the payload bytes they
-    hold: 1 and a little for plain objects, less for compressed ones."""
-    stored = payload = 0
-    for path in _object_files(root):
-        stored += path.stat().st_size
-        payload += spec.state_bytes if path.parent.parent.name == "mamba" else spec.kv_page_bytes
-    return stored / payload if payload else 1.0
 
 
 def _h2d_link_ms(num_bytes: int, device: str, repeats: int = 3) -> float | None:
@@ -296,14 +210,14 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         prefill_tps = L / (statistics.median(times["cold"]) / 1e3)
         prefills = [(L, statistics.median(times["cold"]) / 1e3), (short, statistics.median(times["cold_short"]) / 1e3)]
         prefix = tokens(args.prefix_tokens)
-        stored_before = _object_files(root)
+        stored_before = object_files(root)
         await serve(prefix + tokens(args.new_tokens), "device")  # populates device, host, disk
         times["device"].clear()
         cached["device"].clear()
         await settle()
         # what the prefix's first request stored: the prefix's pages and state, which a restore
         # reads, and its own last page and state (a restore's volume, not one more GB)
-        prefix_files = _object_files(root) - stored_before
+        prefix_files = object_files(root) - stored_before
         # Device and host alternate, so both see the same machine conditions.
         for _ in range(args.pairs):
             await serve(prefix + tokens(args.new_tokens), "device")
@@ -312,31 +226,31 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             await serve(prefix + tokens(args.new_tokens), "host")
             await settle()
         link_ms = _h2d_link_ms(args.prefix_tokens * spec.kv_bytes_per_token + spec.state_bytes, args.device)
-        raw_bps, stored_bytes = _raw_read_bytes_per_s(root)
+        raw_bps, stored_bytes = raw_read_bytes_per_s(root)
         par_threads = getattr(tier.backend, "max_concurrency", LocalDiskBackend.default_max_concurrency)
-        raw_par_bps, _ = _raw_read_bytes_per_s(root, threads=par_threads)
+        raw_par_bps, _ = raw_read_bytes_per_s(root, threads=par_threads)
         # The same reads of only the prefix's objects (a 0.6 GB burst, as a restore reads, not a
         # stream of every object the run stored), median of three.
         raw_prefix_bps = statistics.median(
-            _raw_read_bytes_per_s(root, threads=par_threads, only=prefix_files)[0] for _ in range(3)
+            raw_read_bytes_per_s(root, threads=par_threads, only=prefix_files)[0] for _ in range(3)
         )
         # and cut as the backend cuts them (states in ranges, no thread left with one at the end)
         raw_ranges_bps = statistics.median(
-            _ranged_read_bytes_per_s(root, prefix_files, par_threads)[0] for _ in range(3)
+            ranged_read_bytes_per_s(root, prefix_files, par_threads)[0] for _ in range(3)
         )
         direct_refused = probe_direct(str(root))
         raw_direct_bps = None
         if direct_refused is None:
-            raw_direct_bps, _ = _raw_read_bytes_per_s(root, threads=par_threads, direct=True)
+            raw_direct_bps, _ = raw_read_bytes_per_s(root, threads=par_threads, direct=True)
         best_bps = max(raw_bps, raw_par_bps, raw_direct_bps or 0.0)
         storage_direct_io = getattr(tier.backend, "direct_io", None)  # settled by the first use
-        stored_fraction = _stored_fraction(root, spec)
+        stored_share = stored_fraction(root, spec)
         compressed = getattr(getattr(tier.backend, "codec", None), "compression", "none") != "none"
         # the cost model's prior: the raw speed of the way the backend reads, in payload bytes
         # (a compressed payload arrives faster than its stored bytes do)
         backend_bps = raw_direct_bps if storage_direct_io and raw_direct_bps else max(raw_bps, raw_par_bps)
         if compressed:
-            backend_bps /= stored_fraction
+            backend_bps /= stored_share
         split_cost = RestoreCost.fit(read_bytes_per_s=backend_bps, prefills=prefills)
         # Whole and split restores alternate, each after a raw read of the prefix's objects (cut
         # as the backend cuts them), so that a disk whose speed drifts through the run meets
@@ -344,11 +258,11 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         paired_bps: dict[str, list[float]] = {"disk_all": [], "disk_split": []}
         for _ in range(args.repeats):
             for key, cost in (("disk_all", None), ("disk_split", split_cost)):
-                paired_bps[key].append(_ranged_read_bytes_per_s(root, prefix_files, par_threads)[0])
+                paired_bps[key].append(ranged_read_bytes_per_s(root, prefix_files, par_threads)[0])
                 tier.cost = cost
                 cache.flush_device()
                 cache.flush_host()
-                _drop_page_cache(root)
+                drop_page_cache(root)
                 await serve(prefix + tokens(args.new_tokens), key)
                 await settle()
         tier.cost = None
@@ -368,7 +282,7 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         prefix of ``a`` from the two-length fit (they cost more per token than the average).
         The bytes read are the payload's; ``stored``: the bytes the objects take on disk."""
         grid = range(0, args.prefix_tokens + 1, spec.page_size)
-        scale = stored_fraction if stored else 1.0
+        scale = stored_share if stored else 1.0
         return min(
             max(
                 scale * (a * per_token_bytes + (spec.state_bytes if a else 0)) / read_bps,
@@ -409,7 +323,7 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             "storage_direct_io": storage_direct_io,
             "stored_bytes": stored_bytes,
             "storage_compressed": compressed,
-            "stored_fraction": stored_fraction,
+            "stored_fraction": stored_share,
             "disk_optimum_fit_stored_parallel_ms": stored_par_ms,
             "disk_split_over_optimum_fit_stored_parallel": med["disk_split"] / stored_par_ms,
             "prefix_bytes": args.prefix_tokens * per_token_bytes + spec.state_bytes,

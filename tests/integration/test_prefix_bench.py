@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from asynccache.bench import prefix
+from asynccache.bench import prefix, raw_reads
 from asynccache.spec import HybridSpec
 from asynccache.tiering import RestoreCost
 from storage_backends.local_disk import READ_RANGE_BYTES
@@ -203,7 +203,7 @@ def test_ranged_raw_reads_read_every_byte_of_every_file(tmp_path: Path) -> None:
         path.write_bytes(os.urandom(n))
         files.add(path)
     for threads in (1, 3, 8):
-        bps, total = prefix._ranged_read_bytes_per_s(tmp_path, files, threads)
+        bps, total = raw_reads.ranged_read_bytes_per_s(tmp_path, files, threads)
         assert total == sum(sizes) and bps > 0
 
 
