@@ -7,12 +7,12 @@ Primitives:
   (the tail of a split restore kept for later), the match pinned on both tiers while room is
   made, then the working and snapshot slots, the host → device load and the request's own pages.
   Without room everything is undone and the request waits. The storage lookups of the requests
-  the device could take start side by side, and those of requests further back while what they
-  may bring fits in ``lookahead_host_fraction`` of the host KV pool; with nothing running the
-  step waits for them (one batched prefill), otherwise at most ``lookup_wait_s`` for the next
-  request's probe — a restore's read goes on while the running requests compute
-  (docs/architecture.md). A base of :class:`~asynccache.reference.scheduler.Scheduler`; not
-  used on its own.
+  the device could take start side by side; with nothing running the step waits for them (one
+  batched prefill), otherwise at most ``lookup_wait_s`` for the next request's probe — a
+  restore's read goes on while the running requests compute. The lookups of requests further
+  back start while requests run and none of the former reads, as long as what they may bring
+  fits in ``lookahead_host_fraction`` of the host KV pool (docs/architecture.md). A base of
+  :class:`~asynccache.reference.scheduler.Scheduler`; not used on its own.
 """
 
 from __future__ import annotations
@@ -65,7 +65,10 @@ class AdmitMixin:
                 req.lookahead_pages = 0
                 req.lookup_started = now
             self._start_lookup(req)
-        self._start_lookups_ahead(self._waiting[room:])
+        if self._running and not any(r.lookup is not None and not r.lookup.done() for r in window):
+            # Reads ahead overlap the running requests' steps; they never compete with the
+            # reads of the requests next in line (with nothing running, those are the step's).
+            self._start_lookups_ahead(self._waiting[room:])
         if window and not self._running:
             await self._lookups_of(window)
         while self._waiting and len(self._running) < self.config.max_running:
@@ -97,7 +100,8 @@ class AdmitMixin:
         arrival order, while the host pages they may bring (the prompt's full pages past the
         tree's match; the lookups ahead not yet admitted count too) fit in
         ``lookahead_host_fraction`` of the host KV pool. What they bring waits on the host for
-        their admission, so the reads go on while the requests ahead of them run."""
+        their admission, so the reads go on while the requests ahead of them run (the caller
+        starts them only while requests run and no lookup of the room's requests reads)."""
         host, share = self.cache.host_kv, self.config.lookahead_host_fraction
         if not queue or host is None or not share or not self.config.use_cache or self.cache.controller.tiering is None:
             return

@@ -200,13 +200,13 @@ async def test_with_nothing_running_the_next_requests_lookups_read_side_by_side(
     assert all(r.cached_by_tier["storage"] == 8 * PAGE for r in results)
 
 
-async def _occupied(sched: Scheduler) -> asyncio.Future:  # type: ignore[type-arg]
+async def _occupied(sched: Scheduler, step_s: float = 0.005) -> asyncio.Future:  # type: ignore[type-arg]
     """Submit a long request and return once it runs (it holds the room of ``max_running=1``);
-    every step from here on takes at least 5 ms, so its 400 steps outlast the test's waits."""
+    every step from here on takes at least ``step_s``, so its 400 steps outlast the test's waits."""
     forward = sched.model.forward
 
     async def slow_forward(*args: Any, **kwargs: Any) -> Any:
-        await asyncio.sleep(0.005)
+        await asyncio.sleep(step_s)
         return await forward(*args, **kwargs)
 
     sched.model.forward = slow_forward  # type: ignore[method-assign]
@@ -296,13 +296,13 @@ async def test_a_lookup_ahead_has_its_deadline_from_the_requests_turn(tmp_path: 
     requests is not time spent waiting for storage."""
     model = tiny_model(SPEC, "cpu", seed=6)
     prefix = arith_prompt(8 * PAGE, 7, 3)
-    async with HybridCache(SPEC, _timeout_config(tmp_path, 1.0)) as cache:
+    async with HybridCache(SPEC, _timeout_config(tmp_path, 2.0)) as cache:
         await store_only(cache, prefix, grid=2)
         async with Scheduler(model, cache, SchedulerConfig(chunk_size=64, max_running=1)) as sched:
-            long_run = await _occupied(sched)
-            slow_backend(cache, "batch_get_v2", 1.6)  # ends 0.4 s into the request's 1 s
+            long_run = await _occupied(sched, step_s=0.01)
+            slow_backend(cache, "batch_get_v2", 2.8)  # ends 0.6 s into the request's 2 s
             late = sched.submit([*prefix, 5], 2)
-            await asyncio.sleep(1.2)  # queued past the deadline, its read still in flight
+            await asyncio.sleep(2.2)  # queued past the deadline, its read still in flight
             assert not long_run.done()
             long_run.cancel()
             result = await asyncio.wait_for(late, 10)
@@ -328,3 +328,33 @@ async def test_a_request_cancelled_while_its_lookup_reads_ahead_leaves_nothing_h
             await asyncio.sleep(0.5)  # the read lands after the cancellation
             long_run.cancel()
         assert await _settled(cache) == full
+
+
+async def test_reads_ahead_wait_for_the_reads_of_the_requests_next_in_line(tmp_path: Path) -> None:
+    """At an idle scheduler the request the device can take reads alone: the one behind it
+    starts its read only once the first runs, so it never slows the read that the first
+    request's start waits for."""
+    model = tiny_model(SPEC, "cpu", seed=8)
+    prefixes = [arith_prompt(8 * PAGE, 7, b) for b in (1, 2)]
+    async with HybridCache(SPEC, config_with(SPEC, storage_uri=tmp_path.as_uri())) as cache:
+        for p in prefixes:
+            await store_only(cache, p, grid=2)
+        tier = cache.controller.tiering
+        assert tier is not None
+        real = tier.backend.batch_get_v2
+        in_flight, most = [0], [0]
+
+        async def slow_read(*args: object, **kwargs: object) -> object:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+            try:
+                await asyncio.sleep(0.3)
+                return await real(*args, **kwargs)  # type: ignore[arg-type]
+            finally:
+                in_flight[0] -= 1
+
+        tier.backend.batch_get_v2 = slow_read  # type: ignore[method-assign]
+        async with Scheduler(model, cache, SchedulerConfig(chunk_size=64, max_running=1)) as sched:
+            results = await asyncio.gather(*(sched.generate([*p, 9], 2) for p in prefixes))
+    assert most[0] == 1
+    assert all(r.cached_by_tier["storage"] == 8 * PAGE for r in results)
