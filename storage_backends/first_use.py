@@ -96,7 +96,7 @@ async def list_bounded_by_progress(
     finally:
         if not task.done():
             task.cancel()
-            await asyncio.wait([task])  # a listing on a worker thread stops between files
+            await asyncio.wait([task])  # a listing stops between files; one stuck in a call is left behind
         if not task.cancelled():
             task.exception()  # retrieved: what it raised once it was cut short does not matter
 

@@ -313,7 +313,9 @@ class LocalDiskBackend(DiskJobsMixin):
         await self._workers.run(unlink_all, list(names), background=background)
 
     async def _list_objects(self, progress: Callable[[int], None]) -> list[tuple[str, int]]:
-        return await self._workers.run(self._scan, progress)
+        # detached: a scan stuck in a system call (a hung mount) holds neither the setup's
+        # cancellation nor aclose; it touches nothing but its own list (and stale temp files)
+        return await self._workers.run(self._scan, progress, detach=True)
 
 
 def _report_start(task: asyncio.Task[None]) -> None:

@@ -20,7 +20,11 @@ saturates the storage tier gets all of it.
 
 A job's ``stop`` (a :class:`JobControl`, a :class:`threading.Event`) is set when its caller is
 cancelled; the caller then waits for the job to return, so no thread touches a host slot after
-the call that named it has returned. A job cancelled before it started never runs.
+the call that named it has returned. A job cancelled before it started never runs. A job run
+with ``detach=True`` (one that touches nothing its caller owns: a listing) is not waited for
+once its caller is cancelled, nor by :meth:`WorkerPool.aclose`: a thread stuck in a system call
+(a hung mount) then holds neither its caller nor the pool's close; it exits once the call
+returns.
 """
 
 from __future__ import annotations
@@ -121,6 +125,7 @@ class _Job:
     future: asyncio.Future[Any]
     loop: asyncio.AbstractEventLoop
     background: bool
+    detach: bool = False
     started: bool = field(default=False)
 
 
@@ -128,12 +133,13 @@ class _PoolState:
     """What a pool's threads share with it. The threads hold this, not the pool: a pool that
     is dropped unclosed is collected, and its finalizer lets the idle threads exit."""
 
-    __slots__ = ("closed", "cv", "idle", "queues", "threads")
+    __slots__ = ("closed", "cv", "detached", "idle", "queues", "threads")
 
     def __init__(self) -> None:
         self.cv = threading.Condition()
         self.queues: tuple[deque[_Job], deque[_Job]] = (deque(), deque())  # foreground, background
         self.threads: list[threading.Thread] = []
+        self.detached: set[threading.Thread] = set()  # threads running a ``detach`` job
         self.idle = 0
         self.closed = False
 
@@ -152,10 +158,19 @@ class WorkerPool:
         self._state = _PoolState()
         weakref.finalize(self, _close, self._state)
 
-    async def run(self, fn: Callable[..., T], *args: Any, background: bool = False) -> T:
+    async def run(self, fn: Callable[..., T], *args: Any, background: bool = False, detach: bool = False) -> T:
+        """``fn(stop, *args)`` on a thread. Cancelled, the caller sets ``stop`` and waits for
+        the job to return — unless ``detach`` (a job that touches nothing the caller owns)."""
         loop = asyncio.get_running_loop()
         stop = JobControl(self._state)
-        job = _Job(fn=lambda: fn(stop, *args), stop=stop, future=loop.create_future(), loop=loop, background=background)
+        job = _Job(
+            fn=lambda: fn(stop, *args),
+            stop=stop,
+            future=loop.create_future(),
+            loop=loop,
+            background=background,
+            detach=detach,
+        )
         self._submit(job)
         try:
             return await asyncio.shield(job.future)
@@ -166,7 +181,9 @@ class WorkerPool:
                 queued = not job.started
                 if queued:
                     state.queues[background].remove(job)
-            if not queued:
+            if not queued and detach:
+                job.future.add_done_callback(_retrieve)  # its outcome no longer matters
+            elif not queued:
                 await drain_future(job.future)
             raise
 
@@ -185,8 +202,20 @@ class WorkerPool:
                 t.start()
 
     async def aclose(self) -> None:
-        threads = _close(self._state)
-        await asyncio.to_thread(lambda: [t.join() for t in threads])
+        """Refuse new jobs, let the queued ones run, and wait for every thread to exit — but
+        for one running a ``detach`` job, which exits when that job returns."""
+        state = self._state
+        threads = _close(state)
+
+        def join() -> None:
+            for t in threads:
+                while t.is_alive():
+                    t.join(0.05)
+                    with state.cv:
+                        if t in state.detached:
+                            break
+
+        await asyncio.to_thread(join)
 
 
 def _close(state: _PoolState) -> list[threading.Thread]:
@@ -208,10 +237,15 @@ def _work(state: _PoolState) -> None:
                 return  # closed and nothing left
             job = queue.popleft()
             job.started = True
+            if job.detach:
+                state.detached.add(threading.current_thread())
         try:
             result, error = job.fn(), None
         except BaseException as e:  # noqa: BLE001 (delivered to the caller, whatever it is)
             result, error = None, e
+        if job.detach:
+            with state.cv:
+                state.detached.discard(threading.current_thread())
         if result is YIELD and error is None:
             with state.cv:
                 if not job.stop.is_set():  # (a cancelled caller waits for it: settle it now)
@@ -236,6 +270,11 @@ def _deliver(job: _Job, result: Any, error: BaseException | None) -> None:
         job.loop.call_soon_threadsafe(settle)
     except RuntimeError:
         pass  # the loop is closed: nobody is waiting
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 async def drain_future(fut: asyncio.Future[Any]) -> None:

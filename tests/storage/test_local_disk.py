@@ -480,6 +480,45 @@ async def test_a_scan_longer_than_timeout_s_runs_to_its_end_and_aclose_stops_one
     monkeypatch.undo()
 
 
+async def test_aclose_returns_while_a_scan_is_stuck_in_a_system_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first-use scan stuck in one directory listing (a hung mount: the call does not return,
+    so the scan never reaches its next check of ``stop``) holds neither ``aclose`` nor the calls
+    that waited for the setup; its thread exits once the listing returns."""
+    release = threading.Event()
+    real_scandir = os.scandir
+
+    def hung_scandir(path: str) -> object:
+        if os.path.basename(os.path.dirname(path)) == "kv":
+            release.wait(30)
+        return real_scandir(path)
+
+    writer, _, _ = await open_disk(tmp_path)
+    keys = make_keys(2, seed="hungscan")
+    assert await writer.batch_set_v2([kv_transfer(keys, [0, 1])]) == [[True] * 2]
+    await writer.aclose()
+    monkeypatch.setattr(local_disk.os, "scandir", hung_scandir)
+    backend, _, _ = await open_disk(tmp_path, capacity_bytes=1 << 30, timeout_s=20.0)
+    waiting = asyncio.create_task(backend.batch_get_v2([kv_transfer(keys, [0, 1])]))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()
+    threads = list(backend._workers._state.threads)
+    try:
+        t0 = time.monotonic()
+        async with asyncio.timeout(10):
+            await backend.aclose()
+        assert time.monotonic() - t0 < 2.0
+        assert await waiting == [[False] * 2]
+        assert any(t.is_alive() for t in threads)  # still in the listing
+    finally:
+        release.set()
+    async with asyncio.timeout(10):
+        while any(t.is_alive() for t in threads):
+            await asyncio.sleep(0.02)
+    monkeypatch.undo()
+
+
 async def test_exists_on_slow_metadata_stops_at_its_timeout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     backend, _, _ = await open_disk(tmp_path, timeout_s=0.2)
     keys = make_keys(200, seed="slowstat")

@@ -182,6 +182,38 @@ async def test_a_cancelled_running_job_is_waited_for_and_errors_reach_the_caller
     await pool.aclose()
 
 
+async def test_a_detached_job_holds_neither_its_cancelled_caller_nor_the_close() -> None:
+    """A ``detach`` job that never looks at ``stop`` (stuck in a system call): its cancelled
+    caller returns at once, ``aclose`` returns while it runs, and its thread exits after it."""
+    pool = WorkerPool(2, name="test-prio")
+    started, release = threading.Event(), threading.Event()
+
+    def stuck(stop: JobControl) -> int:
+        started.set()
+        release.wait(30)
+        return 1
+
+    task = asyncio.create_task(pool.run(stuck, detach=True))
+    async with asyncio.timeout(10):
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+    threads = list(pool._state.threads)
+    try:
+        task.cancel()
+        async with asyncio.timeout(2):
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert await pool.run(lambda stop: 7) == 7  # the other thread still serves jobs
+        async with asyncio.timeout(2):
+            await pool.aclose()
+        assert any(t.is_alive() for t in threads)
+    finally:
+        release.set()
+    async with asyncio.timeout(10):
+        while any(t.is_alive() for t in threads):
+            await asyncio.sleep(0.01)
+
+
 async def test_a_closed_pool_finishes_queued_jobs_and_refuses_new_ones() -> None:
     pool = WorkerPool(1, name="test-prio")
     done: list[int] = []
