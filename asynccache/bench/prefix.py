@@ -24,11 +24,11 @@ On CUDA the run also times one contiguous pinned host → device copy of the pre
 link's floor for the host row, and the host tier's physical optimum ``max(device TTFT, link
 time)`` (a forward faster than the link cannot hide the load).
 
-The same run measures the raw read bandwidth of the stored objects (``asynccache.bench.raw_reads``)
-— plain sequential file reads, the same reads spread over as many threads as the backend uses, and those with
-``O_DIRECT`` (past the page cache, where the filesystem allows it) — and reports the physical
-optimum for the disk case, ``min over a of max(bytes(a) / raw_read_bw, cold_compute(L − a))``,
-with each and with the best of them. The threaded reads are also made of only the objects that
+The same run measures the raw read bandwidth of the stored objects
+(``asynccache.bench.raw_reads``) — plain sequential file reads, the same reads spread over as
+many threads as the backend uses, and those with ``O_DIRECT`` (past the page cache, where the
+filesystem allows it) — and reports the physical optimum for the disk case, ``min over a of
+max(bytes(a) / raw_read_bw, cold_compute(L − a))``, with each and with the best of them. The threaded reads are also made of only the objects that
 the prefix's request stored (``raw_disk_prefix_parallel_read_gbps``, ``disk_optimum_prefix_*``):
 a restore reads one prefix, a burst of 0.6 GB, while reading every object of the run streams
 several GB. Those reads, cut as the backend cuts them, also run before every disk restore: the

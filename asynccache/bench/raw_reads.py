@@ -37,7 +37,7 @@ def drop_page_cache(root: Path) -> None:
                 os.close(fd)
 
 
-def read_files(files: list[Path], direct: bool = False) -> int:
+def _read_files(files: list[Path], direct: bool = False) -> int:
     buf = memoryview(aligned_empty(8 << 20))
     total = 0
     for path in files:
@@ -69,7 +69,7 @@ def raw_read_bytes_per_s(
     files = sorted(object_files(root) if only is None else only)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
-        total = sum(pool.map(lambda part: read_files(part, direct), [files[i::threads] for i in range(threads)]))
+        total = sum(pool.map(lambda part: _read_files(part, direct), [files[i::threads] for i in range(threads)]))
     return total / (time.perf_counter() - t0), total
 
 
