@@ -309,10 +309,13 @@ class HybridCacheController(StorageTierMixin):
         return len(ops)
 
     async def wait_idle(self) -> bool:
-        """Wait until no copy and no storage lookup is in flight; True if anything was (memory
-        may have been freed, and nodes a lookup held locked may be evictable again)."""
-        busy = False
-        while self._loaders or self._prefetcher.tasks or self._load_completion.depth or self._write_completion.depth:
+        """Wait until no copy, no storage lookup and no archive to storage is in flight; True
+        if anything was (memory may have been freed, and nodes a lookup or an archive held
+        locked may be evictable again)."""
+        busy, tier = False, self.tiering
+        while self._loaders or self._prefetcher.tasks or self._load_completion.depth or self._write_completion.depth or (
+            tier is not None and tier.busy
+        ):
             busy = True
             for tasks in (self._loaders, self._prefetcher.tasks):
                 drop_done(tasks)  # a finished one leaves by its callback a loop pass later
@@ -320,6 +323,8 @@ class HybridCacheController(StorageTierMixin):
                     await asyncio.gather(*list(tasks), return_exceptions=True)
             await self._load_completion.wait_idle()
             await self._write_completion.wait_idle()
+            if tier is not None:
+                await tier.drain()
         return busy
 
     # ---- completion, cancellation ------------------------------------------------------

@@ -1,16 +1,15 @@
 """The storage tier (L3) as the controller drives it: backup (host → storage) and prefetch
 (storage → host).
 
-- **Backup** follows every completed host write: for each backed-up node that holds a host
-  state, the KV pages of its path not yet archived are written, then the host states of those
-  nodes (KV first, states last), so a stored state always has its KV and archived KV always has
-  a state companion at or below it. Nodes are marked archived only when both succeeded (not
-  one whose state reached the host while the write ran: its own backup follows). A backend
-  that evicts for room (it reports a ``capacity_bytes``) may drop what was stored, so then no
-  node is marked archived and a backup writes its whole path (objects already stored are
-  skipped). Backups run in the controller's TaskGroup, at most
-  ``config.max_backups_in_flight`` at once; the queue behind them is bounded too (past it a
-  backup is skipped and counted). Host copies stay locked while their bytes are read.
+- **Backup** follows every completed host write (:mod:`asynccache.host_archive`): for each
+  backed-up node that holds a host state, the KV pages of its path, then the host states of
+  the path's nodes (KV first, states last), so a stored state always has its KV. The node's
+  path stays locked on the host from the backup's completion until its archive has read it. A
+  backend that never drops objects gets only the nodes not marked archived, which are marked
+  once written; one that evicts for room (it reports a ``capacity_bytes``) gets the whole path
+  every time and no node is marked archived: put-if-absent refreshes the objects still stored
+  and writes again those the backend dropped. At most ``config.max_backups_in_flight`` write
+  at once; the queue behind them is bounded too (past it a backup is skipped and counted).
 - **Storage-only snapshots** (``HybridCacheController.archive_snapshots``, run by
   :class:`~asynccache.snapshots.SnapshotArchiver`): states the tree does not keep, staged from
   the caller's device slots and written under the page hash of the last page each covers, with
@@ -56,6 +55,7 @@ import torch
 
 from asynccache.completion import drop_done
 from asynccache.errors import ClosedError
+from asynccache.host_archive import HostWriteArchiver
 from asynccache.prefetch import PrefetchResult, TailRestore, held_node
 from asynccache.restore_cost import ReadTimeCorrection, RestoreCost, plan_restore
 from asynccache.snapshots import SnapshotArchiver
@@ -71,20 +71,6 @@ __all__ = ["PrefetchResult", "ReadTimeCorrection", "RestoreCost", "StorageTier",
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-#: Backups waiting for one of the ``max_backups_in_flight`` places; past this they are skipped
-#: (and counted) rather than queued without bound.
-_MAX_PENDING_BACKUPS = 4096
-
-
-def _path_to_root(node: Any) -> list[Any]:
-    path = []
-    while node is not None and node.parent is not None:
-        path.append(node)
-        node = node.parent
-    path.reverse()
-    return path
-
 
 class StorageTier:
     def __init__(self, controller: HybridCacheController, backend: StorageBackend, tg: asyncio.TaskGroup) -> None:
@@ -109,11 +95,19 @@ class StorageTier:
         self.archive_host_writes = True
         #: storage-only snapshots (``HybridCacheController.archive_snapshots``)
         self.snapshots = SnapshotArchiver(self)
+        #: archives of completed host writes (:meth:`on_host_write`)
+        self.archiver = HostWriteArchiver(self)
 
     async def register(self) -> None:
         for name, (_, host) in self.controller.pools.items():
             if host is not None:
                 await self.backend.register_host_pool_v2(name, host)
+
+    @property
+    def busy(self) -> bool:
+        """Whether an archive (or another task of the tier's) is in flight."""
+        drop_done(self._in_flight)
+        return bool(self._in_flight)
 
     async def drain(self) -> None:
         while self._in_flight:
@@ -123,21 +117,10 @@ class StorageTier:
 
     # ---- backup ------------------------------------------------------------------------
     def on_host_write(self, plan: Any) -> None:
-        """Called on the loop when a device → host backup completed."""
-        if not self.archive_host_writes:
-            return
-        for node in plan.nodes:
-            if node.host_state is None or node.archived:
-                continue
-            if len(self._in_flight) >= _MAX_PENDING_BACKUPS:
-                self.counts["backup_skipped_busy"] += 1
-                continue
-            coro = self._archive(node)
-            try:
-                self.spawn(coro, name="asynccache-backup")
-            except RuntimeError:  # shutting down (a background task failed): the host copy stays
-                coro.close()
-                self.counts["backup_skipped_closing"] += 1
+        """Called on the loop when a device → host backup completed: archive its nodes
+        (:class:`~asynccache.host_archive.HostWriteArchiver`)."""
+        if self.archive_host_writes:
+            self.archiver.on_host_write(plan)
 
     def spawn(self, coro: Coroutine[Any, Any, T], *, name: str) -> asyncio.Task[T]:
         """Run ``coro`` in the controller's TaskGroup, waited for by :meth:`drain`
@@ -147,54 +130,10 @@ class StorageTier:
         task.add_done_callback(self._in_flight.discard)
         return task
 
-    def archive_now(self, node: Any) -> asyncio.Task[None]:
-        """Archive ``node`` (its path KV + state) in the background; returns the task."""
-        return self.spawn(self._archive(node), name="asynccache-backup")
-
-    async def _archive(self, node: Any) -> None:
-        async with self.sem:
-            if node.host_state is None or node.archived or not node.alive:
-                return
-            path = _path_to_root(node)
-            if any(n.host_kv is None for n in path):
-                self.counts["backup_skipped_not_on_host"] += 1
-                return
-            self.tree.lock_host(node)
-            try:
-                # Storage that evicts may have dropped what a flag says is there: the whole path.
-                evicts = self.storage_evicts
-                todo = path if evicts else [n for n in path if not n.archived]
-                kv = PoolTransfer(
-                    pool_name=PoolName.KV,
-                    keys=tuple(h for n in todo for h in n.page_hashes),
-                    host_indices=torch.cat([n.host_kv for n in todo]),
-                )
-                with_state = [n for n in todo if n.host_state is not None]
-                state = PoolTransfer(
-                    pool_name=PoolName.MAMBA,
-                    keys=tuple(n.page_hashes[-1] for n in with_state),
-                    host_indices=torch.tensor([n.host_state for n in with_state], dtype=torch.int64),
-                )
-                # KV first, the states last: a state in storage always has its KV.
-                kv_ok = all((await self.backend.batch_set_v2([kv]))[0])
-                state_ok = kv_ok and all((await self.backend.batch_set_v2([state]))[0])
-            except Exception as e:  # a backend failure is a skipped backup, never a crash
-                self.counts["backup_failed"] += 1
-                log.warning("backup to storage failed: %s", e)
-                return
-            finally:
-                self.tree.unlock_host(node)
-            if state_ok:
-                # Not a node whose state arrived on the host while this was written (it has its
-                # own archive to come), nor anything when storage evicts (the flag would not stay
-                # true: ``evict_host(archived_only=True)`` could drop a last copy).
-                written = {id(n) for n in with_state}
-                for n in todo:
-                    if n.alive and not evicts and (id(n) in written or n.host_state is None):
-                        self.tree.mark_archived(n)
-                self.counts["backup_ok"] += 1
-            else:
-                self.counts["backup_failed"] += 1
+    def archive_now(self, node: Any) -> asyncio.Task[None] | None:
+        """Archive ``node`` (its path KV + state) in the background; returns the task (None
+        when the group is shutting down). Its path stays locked on the host until read."""
+        return self.archiver.queue(node)
 
     # ---- prefetch ----------------------------------------------------------------------
     async def prefetch(

@@ -14,10 +14,13 @@ controller a serving engine uses:
   off: storage gets only what host eviction lets go, as in the synchronous engine).
 
 - the admission policy's storage-only snapshots: ``controller.archive_snapshots`` from device
-  state slots the replay allocates for them (and frees once they are staged), queued after the
-  request's backup and issued with it, so the path's KV is read from the host copies that
-  backup makes (under ``write_back``, staged from the device); they land in the backend as
-  speculative objects.
+  state slots the replay allocates for them (and frees once they are staged), queued once the
+  request's backup has landed, so the path's KV is read from the host copies that backup made
+  (under ``write_back``, staged from the device) and the backup's archive is written first, as
+  in the synchronous engine, whenever copies complete; they land in the backend as speculative
+  objects.
+- budgets: the device's, then, once the archives of its write-backs are written (until then
+  they hold their host copies), the host's.
 
 The replay's own storage tier still writes, with ``storage_write="demote"``, what host eviction
 lets go (the controller has no demote mode; see docs/followups.md). On CPU the controller
@@ -41,7 +44,6 @@ from asynccache.trace.bound import BoundResult
 from asynccache.trace.loader import Trace
 from asynccache.trace.replay import ReplayConfig, TraceReplay
 from asynccache.trace.results import ReplayResult
-from asynccache.tree import TreeNode
 
 __all__ = ["ControllerReplay", "replay_trace_with_controller"]
 
@@ -81,11 +83,6 @@ class ControllerReplay(TraceReplay):
         if self.storage_tier is not None:
             # The controller's storage tier archives completed host writes itself.
             self.storage_tier.archive_backups = False
-        #: the storage-only snapshots of the request being replayed: (node, positions)
-        self._snapshots: tuple[TreeNode, list[int]] | None = None
-
-    def _archive_snapshots(self, node: TreeNode, positions: list[int]) -> None:
-        self._snapshots = (node, positions)  # archived through the controller, after the backup
 
     def _queue_snapshots(self) -> tuple[SnapshotArchive, torch.Tensor] | None:
         """Queue the request's storage-only snapshots (``controller.archive_snapshots``) from
@@ -111,7 +108,8 @@ class ControllerReplay(TraceReplay):
         hit_storage = 0
         if ctrl.tiering is not None:
             task = ctrl.prefetch(key, match, salt=match.salt)
-            if task is not None and await ctrl.wait_prefetch(task, len(key)) is not None:
+            fetched = None if task is None else await ctrl.wait_prefetch(task, len(key))
+            if fetched is not None and fetched.num_tokens > match.num_tokens:  # else nothing to see
                 before = match.num_tokens
                 match = tree.match_prefix(key)
                 hit_storage = max(0, match.num_tokens - before)
@@ -123,21 +121,35 @@ class ControllerReplay(TraceReplay):
             ctrl.start_loading()
             await op
         result = self._insert_locked(tokens, length, match)
-        op = ctrl.write(result.backup_nodes) if result is not None and result.backup_nodes else None
+        if result is not None and result.backup_nodes:
+            op = ctrl.write(result.backup_nodes)
+            ctrl.start_writing()
+            if op is not None:
+                await op  # its archive is queued now, ahead of the snapshots' writes
         snapshots = self._queue_snapshots()
         ctrl.start_writing()
-        if op is not None:
-            await op
         if snapshots is not None:
             archive, slots = snapshots
             await archive
             self.device_mamba.free(slots)
         if ctrl.tiering is not None:
             await ctrl.tiering.drain()
-        self._enforce_budgets()
+        self.device_budget.enforce()
         if ctrl.tiering is not None:
-            await ctrl.tiering.drain()  # write-backs during device eviction archive too
+            # The device's write-backs are archived before the host evicts, as in the
+            # synchronous engine (meanwhile their archives hold the host copies).
+            await ctrl.tiering.drain()
+        if self.host_budget is not None:
+            self.host_budget.enforce()
         return hit_device, hit_host, hit_storage
+
+    def started(self) -> None:
+        """Set the controller up for the replay, once it has started (``async with
+        replay.controller``); then :meth:`_arequest` replays one request at a time."""
+        if self.controller.tiering is not None and self.config.combo.storage_write == "demote":
+            # The controller's tier archives every completed host write; demote writes only
+            # host victims (the replay's tier, through the host budget's hook).
+            self.controller.tiering.archive_host_writes = False
 
     async def arun(self) -> ReplayResult:
         """Replay the whole trace inside the controller's lifetime."""
@@ -147,10 +159,7 @@ class ControllerReplay(TraceReplay):
         hits = np.zeros((n, 3), dtype=np.int64)
         every = self.config.check_integrity_every
         async with self.controller:
-            if self.controller.tiering is not None and self.config.combo.storage_write == "demote":
-                # The controller's tier archives every completed host write; demote writes only
-                # host victims (the replay's tier, through the host budget's hook).
-                self.controller.tiering.archive_host_writes = False
+            self.started()
             for i in range(n):
                 hits[i] = await self._arequest(i)
                 if every and (i + 1) % every == 0:

@@ -188,6 +188,8 @@ class TraceReplay:
                 count_states=count_states,
             )
         self._observers = [p for p in (self.admission, self.eviction) if hasattr(p, "observe_match")]
+        #: the storage-only snapshots of the request being replayed: (node, positions)
+        self._snapshots: tuple[TreeNode, list[int]] | None = None
 
     # ---- clock ---------------------------------------------------------------------------
     def _clock(self) -> float:
@@ -261,6 +263,7 @@ class TraceReplay:
         result = self._insert_locked(tokens, length, match)
         if result is not None and result.backup_nodes:
             self._backup(result.backup_nodes)
+        self._archive_snapshots()
         self._enforce_budgets()
         return hit_device, hit_host, hit_storage
 
@@ -286,14 +289,15 @@ class TraceReplay:
                 p for p in storage_positions(length, page_size=page, match=match) if match.num_tokens < p <= full * page
             )
             if dense:
-                self._archive_snapshots(result.last_node, dense)
+                self._snapshots = (result.last_node, dense)
         return result
 
-    def _archive_snapshots(self, node: TreeNode, positions: list[int]) -> None:
-        """Write the admission policy's storage-only snapshots at ``positions`` (on ``node``'s
-        path) to storage: here straight through the replay's storage tier."""
-        assert self.storage_tier is not None
-        self.storage_tier.archive_states(node, positions)
+    def _archive_snapshots(self) -> None:
+        """Write the request's storage-only snapshots (on the inserted path) to storage, after
+        its backup as the controller engine does: straight through the replay's storage tier."""
+        pending, self._snapshots = self._snapshots, None
+        if pending is not None and self.storage_tier is not None:
+            self.storage_tier.archive_states(*pending)
 
     # ---- the whole trace ---------------------------------------------------------------
     def run(self) -> ReplayResult:

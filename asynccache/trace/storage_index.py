@@ -8,8 +8,9 @@ dense checkpoints nobody has asked for yet — only ever fill free space: they n
 regular object, and one that is read becomes regular. Reads and writes only move counters.
 
 It implements :class:`asynccache.storage.StorageBackend` (so the controller's storage tier drives
-it exactly as it drives a disk or an object store; a ``speculative`` transfer of
-``batch_set_v2`` is a speculative ``put``) and exposes the same operations synchronously
+it exactly as it drives a disk or an object store with a capacity: ``statistics()`` reports
+``capacity_bytes``; a ``speculative`` transfer of ``batch_set_v2`` is a speculative ``put``)
+and exposes the same operations synchronously
 (``put``, ``contains``, ``longest_hit``) for callers outside an event loop.
 
 Object sizes come from the registered host pools (``bytes_per_index``: one KV page or one state
@@ -154,6 +155,11 @@ class AccountingStorage:
             self._bytes_evicted += old
         return True
 
+    def objects(self) -> tuple[list[tuple[PoolName, str]], list[tuple[PoolName, str]]]:
+        """The stored objects, regular and speculative, each least recently used first (the
+        order they would be evicted in)."""
+        return list(self._regular), list(self._speculative)
+
     def written_bytes(self, pool: PoolName) -> int:
         """Bytes written to ``pool`` so far (O(1))."""
         return self._written.get(pool, 0)
@@ -176,6 +182,12 @@ class AccountingStorage:
             num_evicted={p.value: v for p, v in self._evicted.items()},
             bytes_evicted=self._bytes_evicted,
         )
+
+    def statistics(self) -> StorageCounters:
+        """As the real backends' ``statistics()``: the ``capacity_bytes`` it reports tells the
+        controller's storage tier that this backend evicts for room, so that the tier never
+        trusts an archive flag for what may have been dropped (:mod:`asynccache.tiering`)."""
+        return self.counters()
 
     # ---- StorageBackend (V2) -----------------------------------------------------------
     async def register_host_pool_v2(self, pool_name: PoolName, host_pool: ItemPool) -> None:

@@ -6,18 +6,24 @@ chained page hashes, a state stored under the hash of the last page it covers, K
 :class:`~asynccache.trace.storage_index.AccountingStorage`, so nothing waits and only keys and
 bytes are kept.
 
-- **Archive** (``write="through"``): every node that reaches the host with a state is written with
-  the KV of its whole path (put-if-absent, which also refreshes the path's recency in storage).
+- **Archive** (``write="through"``): every node that reaches the host with a state is written
+  with its whole path, as the controller's tier writes to a storage that evicts (an
+  :class:`~asynccache.trace.storage_index.AccountingStorage` reports its capacity): the KV of
+  every page, then the states of the path's nodes on the host, put-if-absent, which refreshes
+  what is stored; no node is marked archived. The nodes a prefetch backs up are archived when
+  the prefetch ends, after its read, as the controller's tier does.
 - **Demote** (``write="demote"``): nothing is written on backup; a host victim is written just
   before host eviction drops it (:meth:`demote`, the tree's ``evict_host(demote=…)`` callback), so
   storage holds what the host lets go — GPU → host → storage by the tree's own victim order.
 - **Dense states** (:meth:`archive_states`): states the admission policy wants in storage only
-  (e.g. at every page) are written straight from the request's snapshots, as *speculative*
-  objects (they fill free space and never displace proven data); they never enter the tree
-  until a later request fetches one.
+  (e.g. at every page) are written straight from the request's snapshots, after its backup's
+  archive (as the controller engine queues them), as *speculative* objects (they fill free
+  space and never displace proven data); they never enter the tree until a later request
+  fetches one.
 - **Lookup** (:meth:`lookup`): the deepest page ``n`` of a prompt such that the tree holds the
   KV of its first pages (any tier), storage the KV of the pages past them up to ``n``, and
-  storage the state at ``n``.
+  storage the state at ``n``; asked as the controller's tier asks (``longest_hit``, which
+  refreshes the objects of a hit, as ``batch_exists_v2`` does).
 - **Prefetch** (:meth:`prefetch`): read only the pages past the tree's and the state into fresh
   host slots and insert them as host-only nodes below the tree's pages (``tree.insert_host``
   with ``start_page``; tree pages on the device only are backed up to the host first, through
@@ -32,13 +38,16 @@ import numpy as np
 
 from asynccache.errors import ConfigError
 from asynccache.prefetch import held_node
-from asynccache.storage import PoolName
+from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer
 from asynccache.trace.storage_index import AccountingStorage
 from asynccache.tree import HybridRadixTree, MatchResult, TreeNode
 
 __all__ = ["STORAGE_WRITE_MODES", "ReplayStorageTier"]
 
 STORAGE_WRITE_MODES = ("through", "demote")
+
+_KV_ALL = PoolTransfer(pool_name=PoolName.KV, hit_policy=PoolHitPolicy.ALL_PAGES)
+_STATE_TRAILING = PoolTransfer(pool_name=PoolName.MAMBA, hit_policy=PoolHitPolicy.TRAILING_PAGES)
 
 
 class ReplayStorageTier:
@@ -70,6 +79,8 @@ class ReplayStorageTier:
         self.num_prefetches = 0
         self.num_prefetch_no_room = 0
         self.staged_state_bytes = 0  # device → host bytes of storage-only snapshots
+        #: nodes a prefetch backed up, archived when it ends (as the controller's tier does)
+        self._deferred: list[TreeNode] | None = None
 
     # ---- writing -----------------------------------------------------------------------
     def _path_keys(self, node: TreeNode) -> list[str]:
@@ -79,24 +90,30 @@ class ReplayStorageTier:
         return keys
 
     def archive_node(self, node: TreeNode) -> None:
-        """Write ``node``'s path KV and, if it holds one on any tier, its state."""
+        """Write ``node``'s path as the controller's tier does for a storage that evicts: the KV
+        of every page, then the state of each path node with a host state (``node``'s own
+        wherever it is). Put-if-absent: what is stored already is refreshed, so a path in use
+        ages in storage no faster than in the tree. Nothing is marked archived (the storage may
+        drop what a flag would claim)."""
         if not node.alive or node.parent is None:
             return
-        keys = self._path_keys(node)
+        path = self.tree.path_to(node)
+        keys = [h for n in path for h in n.page_hashes]
         if not all(self.storage.put(PoolName.KV, keys)):
             return
-        if node.has_state:
-            self.storage.put(PoolName.MAMBA, keys[-1:])
-        for n in self.tree.path_to(node):
-            self.tree.mark_archived(n)
+        states = [n.page_hashes[-1] for n in path if n.host_state is not None or (n is node and n.has_state)]
+        self.storage.put(PoolName.MAMBA, states)
 
     def on_backup(self, nodes: Iterable[TreeNode]) -> None:
         """After a device → host backup (``write="through"``): archive the nodes with a state."""
         if not self.archive_backups:
             return
-        for node in nodes:
-            if node.host_state is not None:
-                self.archive_node(node)
+        with_state = [n for n in nodes if n.host_state is not None]
+        if self._deferred is not None:  # a prefetch's backup: archived once the read is done
+            self._deferred.extend(with_state)
+            return
+        for node in with_state:
+            self.archive_node(node)
 
     def demote(self, nodes: Sequence[TreeNode], list_key: str) -> None:
         """``evict_host``'s ``demote`` callback (``write="demote"``): before the tree drops the
@@ -129,19 +146,23 @@ class ReplayStorageTier:
     # ---- reading -----------------------------------------------------------------------
     def lookup(self, match: MatchResult, *, max_pages: int) -> int:
         """Deepest page count ``n`` (≤ ``max_pages``) servable with storage's help, or 0 when
-        storage adds nothing past ``match``."""
+        storage adds nothing past ``match``. As the controller's tier asks (``batch_exists_v2``,
+        which refreshes the objects of a hit): the tree holds the KV of the first pages (any
+        tier), so storage is asked for the KV past them with a state at their end; failing
+        that, for a state within them."""
         page = self.tree.page_size
         hashes = match.page_hashes
         limit = min(max_pages, len(hashes))
         start = match.num_tokens // page
-        # As the controller's tier does: the tree holds the KV of the first pages (any tier);
-        # storage is asked for the KV past them, and for a state anywhere past ``start``.
-        kv_end = max(start, min(match.num_matched_tokens // page, limit))
-        while kv_end < limit and self.storage.contains(PoolName.KV, hashes[kv_end]):
-            kv_end += 1
-        for n in range(kv_end, start, -1):
-            if self.storage.contains(PoolName.MAMBA, hashes[n - 1]):
-                return n
+        held = max(start, min(match.num_matched_tokens // page, limit))
+        if held < limit:
+            hit = self.storage.longest_hit(hashes[held:limit], (_KV_ALL, _STATE_TRAILING))
+            if hit.num_hit_pages:
+                return held + hit.num_hit_pages
+        if held > start:
+            hit = self.storage.longest_hit(hashes[start:held], (_STATE_TRAILING,))
+            if hit.num_hit_pages:
+                return start + hit.num_hit_pages
         return 0
 
     def prefetch(self, tokens: np.ndarray, match: MatchResult, num_pages: int) -> bool:
@@ -157,6 +178,7 @@ class ReplayStorageTier:
         # The tree's pages are combined with the fetched ones: nothing may evict them meanwhile.
         tree.lock(node)
         tree.lock_host(node)
+        self._deferred = []
         try:
             gap = tree.host_gap(node, first) if first else []
             if gap and (self.backup is None or not self.backup(gap)):
@@ -179,5 +201,8 @@ class ReplayStorageTier:
         finally:
             tree.unlock(node)
             tree.unlock_host(node)
+            backed_up, self._deferred = self._deferred or [], None
+            for n in backed_up:
+                self.archive_node(n)
         self.num_prefetches += 1
         return True
