@@ -142,9 +142,9 @@ class ByteEvictionMixin(EvictionMixin):
         first, until their bytes cover ``deficit`` (a KV victim's state on ``tier`` counts with
         it, and not again on the state list)."""
         kv_key, state_key = f"{tier.value}_kv", f"{tier.value}_state"
-        victim_key = self.eviction.victim_key
-        kv_keys = [float(victim_key(n, key=kv_key, now=now)) for n in kv_nodes]
-        st_keys = [float(victim_key(n, key=state_key, now=now)) for n in st_nodes]
+        victim_keys = self.eviction.victim_keys
+        kv_keys = [float(k) for k in victim_keys(kv_nodes, key=kv_key, now=now)]
+        st_keys = [float(k) for k in victim_keys(st_nodes, key=state_key, now=now)]
         pages = states = freed = 0
         gone: set[int] = set()  # nodes whose state leaves with their KV
         i = j = 0
