@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from asynccache.tree.lru import LRUList
     from asynccache.tree.node import TreeNode
 
-__all__ = ["RankedEviction", "evictable", "evictable_check", "list_key"]
+__all__ = ["RankedEviction", "evictable", "evictable_check", "evictable_members", "list_key"]
 
 
 def list_key(lru: LRUList) -> str:
@@ -96,6 +96,19 @@ def evictable(node: TreeNode, key: str) -> bool:
     return evictable_check(key)(node)
 
 
+def evictable_members(lru: LRUList, key: str) -> list[TreeNode]:
+    """The members of ``lru`` (named ``key``) that :func:`evictable` accepts, least recently
+    used first. Most members of a KV list hold a child's KV on the tier: they are passed over
+    without a call."""
+    check = evictable_check(key)
+    members = lru.members()
+    if key == "device_kv":
+        return [n for n in members if n.num_device_children == 0 and check(n)]
+    if key == "host_kv":
+        return [n for n in members if n.num_host_children == 0 and check(n)]
+    return [n for n in members if check(n)]
+
+
 @dataclass(slots=True)
 class _Ranking:
     nodes: list[TreeNode] = field(default_factory=list)
@@ -148,8 +161,7 @@ class RankedEviction(EvictionPolicy):
 
     def _rank(self, lru: LRUList, key: str, now: float) -> _Ranking:
         self.begin_ranking(key, now)
-        check = evictable_check(key)
-        members = [n for n in lru.iter_oldest() if check(n)]
+        members = evictable_members(lru, key)
         self.before_scoring(members, key=key, now=now)
         scores = self.score_many(members, key=key, now=now)
         order = sorted(range(len(members)), key=scores.__getitem__)  # stable, as a sort of members

@@ -257,29 +257,28 @@ class ReuseEviction(RankedEviction):
         host = tier == "host"
         state_bytes, kv_page_bytes = spec_sizes(self.spec)
         turn_of = self._turn.get
-        scored: list[int] = []
-        turns: list[int] = []
-        last: list[float] = []
-        saved: list[int] = []
-        freed: list[int] = []
-        weights: list[float] = []
+        interior, redundant = self.interior_weight, self.redundant_weight
+        # One row per node that saves something: index, turn, last access, tokens saved, bytes
+        # freed, weight (every value an integer or a float that float64 holds exactly).
+        rows: list[tuple[int, int, float, int, int, float]] = []
         for i, node in enumerate(nodes):
             m, nbytes, end = node_extent(node, tier, resource, state_bytes, kv_page_bytes)
             if end < 0 or nbytes == 0:
                 continue
             turn = turn_of(node.node_id, 0)
-            scored.append(i)
-            turns.append(turn)
-            last.append(node.last_access)
-            saved.append(end - m)
-            freed.append(nbytes)
-            weights.append(self._weight(node, turn, host))
+            weight = 1.0  # as _weight: the same products in the same order
+            if turn and node.children:
+                weight *= interior
+            if host and node.device_kv is not None:
+                weight *= redundant
+            rows.append((i, turn, node.last_access, end - m, nbytes, weight))
         out = np.zeros(len(nodes))
-        if scored:
-            ages = np.maximum(now - np.asarray(last, dtype=np.float64), 0.0)
-            p = return_probabilities(self.pi[np.asarray(turns)], self._gap_array(), ages, self.horizon_s)
-            saved_a = np.asarray(saved, dtype=np.float64)
-            out[scored] = np.asarray(weights) * p * saved_a / np.asarray(freed, dtype=np.float64)
+        if rows:
+            a = np.array(rows, dtype=np.float64)
+            ages = np.maximum(now - a[:, 2], 0.0)
+            pi = self.pi[a[:, 1].astype(np.intp)]
+            p = return_probabilities(pi, self._gap_array(), ages, self.horizon_s)
+            out[a[:, 0].astype(np.intp)] = a[:, 5] * p * a[:, 3] / a[:, 4]
         return out.tolist()
 
     def describe(self) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from trace_builders import make_config, mixed_trace
 
 import asynccache.policy.reuse as reuse_module
 from asynccache.policy.cost_aware import NodeValue, node_value
-from asynccache.policy.ranked import evictable, list_key
+from asynccache.policy.ranked import evictable, evictable_members, list_key
 from asynccache.policy.reuse import ReuseEviction
 from asynccache.trace.flops import FlopModel
 from asynccache.trace.replay import TraceReplay
@@ -90,6 +90,7 @@ def test_reuse_batch_scores_and_node_values_match_the_per_node_formulas(
             assert policy.score_many(members, key=key, now=now) == want
             assert [policy.score(n, key=key, now=now) for n in members] == want
             assert policy.victim_keys(members, key=key, now=now) == want
+            assert evictable_members(lru, key) == [n for n in lru.iter_oldest() if evictable(n, key)]
             for n in members:
                 assert node_value(n, key, spec=replay.spec, flops=replay.flops) == reference_value(n, key, replay)
             checked += len(members)
