@@ -91,6 +91,10 @@ class EvictionPolicy(ABC):
     """Order of eviction within one LRU list (device KV, device state, host KV, host state)."""
 
     name: ClassVar[str] = "eviction"
+    #: ``victim_key`` has no side effects at all (on the policy either): eviction by bytes may
+    #: then compute only the keys it compares, each on first use (else :meth:`victim_keys` of
+    #: every peeked victim).
+    pure_victim_key: ClassVar[bool] = False
 
     @abstractmethod
     def candidates(self, lru: LRUList, *, now: float) -> Iterator[TreeNode]:

@@ -86,6 +86,7 @@ class ReuseEviction(RankedEviction):
     """Return probability by conversation turn and age, per byte (see the module docstring)."""
 
     name: ClassVar[str] = "reuse"
+    pure_victim_key: ClassVar[bool] = True  # a score reads the tree and the learnt rates only
 
     def __init__(
         self,

@@ -134,3 +134,36 @@ def test_node_value_keeps_its_flops() -> None:
             assert got == reference_value(n, key, replay)
             seen += got.saved_flops > 0
     assert seen > 10
+
+
+def test_a_merge_with_keys_on_first_use_picks_what_a_merge_with_all_keys_picks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    trace = mixed_trace(8, 200, shared=3)
+    replay = TraceReplay(trace, make_config("adaptive/reuse/write_back", device_pages=30, host_pages=80))
+    policy, tree = replay.eviction, replay.tree
+    assert isinstance(policy, ReuseEviction) and policy.pure_victim_key
+    scored: list[int] = []
+    real = policy.victim_key
+    monkeypatch.setattr(policy, "victim_key", lambda n, *, key, now: (scored.append(1), real(n, key=key, now=now))[1])
+    kv_bytes, st_bytes = replay.spec.kv_page_bytes, replay.spec.state_bytes
+    merges = lazy_keys = all_keys = 0
+    for i in range(len(trace)):
+        replay._request(i)
+        now = replay._now + 1.0
+        for kv_lru, st_lru in ((tree.device_kv_lru, tree.device_state_lru), (tree.host_kv_lru, tree.host_state_lru)):
+            kv_nodes = evictable_members(kv_lru, list_key(kv_lru))[:12]
+            st_nodes = evictable_members(st_lru, list_key(st_lru))[:12]
+            tier = kv_lru.tier
+            for deficit in (1, kv_bytes, 3 * st_bytes, 10**15):
+                args = {"tier": tier, "deficit": deficit, "kv_bytes": kv_bytes, "state_bytes": st_bytes, "now": now}
+                scored.clear()
+                lazy = tree._merge_victims(kv_nodes, st_nodes, **args)
+                lazy_keys += len(scored)
+                monkeypatch.setattr(ReuseEviction, "pure_victim_key", False)
+                eager = tree._merge_victims(kv_nodes, st_nodes, **args)
+                monkeypatch.setattr(ReuseEviction, "pure_victim_key", True)
+                assert lazy == eager
+                merges += 1
+                all_keys += len(kv_nodes) + len(st_nodes)
+    assert merges > 500 and lazy_keys < all_keys / 2
