@@ -259,9 +259,14 @@ class ReuseEviction(RankedEviction):
         state_bytes, kv_page_bytes = spec_sizes(self.spec)
         turn_of = self._turn.get
         interior, redundant = self.interior_weight, self.redundant_weight
-        # One row per node that saves something: index, turn, last access, tokens saved, bytes
-        # freed, weight (every value an integer or a float that float64 holds exactly).
-        rows: list[tuple[int, int, float, int, int, float]] = []
+        # Columns over the nodes that save something (every value an integer or a float that
+        # float64 holds exactly): index, turn, last access, tokens saved, bytes freed, weight.
+        index: list[int] = []
+        turns: list[int] = []
+        last: list[float] = []
+        saved: list[int] = []
+        freed: list[int] = []
+        weights: list[float] = []
         for i, node in enumerate(nodes):
             m, nbytes, end = node_extent(node, tier, resource, state_bytes, kv_page_bytes)
             if end < 0 or nbytes == 0:
@@ -272,14 +277,22 @@ class ReuseEviction(RankedEviction):
                 weight *= interior
             if host and node.device_kv is not None:
                 weight *= redundant
-            rows.append((i, turn, node.last_access, end - m, nbytes, weight))
+            index.append(i)
+            turns.append(turn)
+            last.append(node.last_access)
+            saved.append(end - m)
+            freed.append(nbytes)
+            weights.append(weight)
         out = np.zeros(len(nodes))
-        if rows:
-            a = np.array(rows, dtype=np.float64)
-            ages = np.maximum(now - a[:, 2], 0.0)
-            pi = self.pi[a[:, 1].astype(np.intp)]
-            p = return_probabilities(pi, self._gap_array(), ages, self.horizon_s)
-            out[a[:, 0].astype(np.intp)] = a[:, 5] * p * a[:, 3] / a[:, 4]
+        if index:
+            f64 = np.float64
+            ages = np.maximum(now - np.asarray(last, dtype=f64), 0.0)
+            p = return_probabilities(self.pi[turns], self._gap_array(), ages, self.horizon_s)
+            value = np.asarray(weights, dtype=f64) * p * np.asarray(saved, dtype=f64) / np.asarray(freed, dtype=f64)
+            if len(index) == len(nodes):
+                out = value
+            else:
+                out[index] = value
         return out.tolist()
 
     def describe(self) -> dict[str, Any]:
