@@ -24,6 +24,7 @@ eviction notifications (:meth:`CostAwareEviction.on_evict`): every victim whose 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -221,20 +222,38 @@ class CostAwareEviction(RankedEviction):
         self._num_requests = 0
         self._now = 0.0
         self._ranked_terms: dict[tuple[str, int], tuple[float, float]] = {}
+        self._ranking_effs: tuple[list[TreeNode], str, list[float]] | None = None
         self.alpha_history: list[tuple[float, float]] = []
 
     # ---- the score -------------------------------------------------------------------------
     def _efficiency(self, node: TreeNode, key: str) -> float:
-        value = node_value(node, key, spec=self.spec, flops=self.flops)
-        return value.saved_flops / value.bytes if value.bytes else 0.0
+        """``node_value``'s saved FLOPs per byte freed (0 when nothing is freed)."""
+        state_bytes, kv_page_bytes = spec_sizes(self.spec)
+        tier, resource = key.split("_", 1)
+        m, nbytes, end = node_extent(node, tier, resource, state_bytes, kv_page_bytes)
+        if not nbytes:
+            return 0.0
+        return (self.flops.saved_flops(m, end) if end >= 0 else 0.0) / nbytes
 
     def before_scoring(self, members: list[TreeNode], *, key: str, now: float) -> None:
         # The efficiency term is relative to the largest seen: take this ranking's largest into
         # account before scoring any member, so that no score depends on the scan order.
-        self._eff_ref = max([self._eff_ref, *(self._efficiency(n, key) for n in members)])
+        effs = [self._efficiency(n, key) for n in members]
+        self._eff_ref = max([self._eff_ref, *effs])
+        # The ranking scores these very members next, the tree unchanged: score_many reuses them.
+        self._ranking_effs = (members, key, effs)
 
-    def _terms(self, node: TreeNode, key: str, now: float) -> tuple[float, float]:
-        eff = self._efficiency(node, key)
+    def score_many(self, nodes: Sequence[TreeNode], *, key: str, now: float) -> list[float]:
+        """:meth:`score` of each node; a ranking's members with the efficiencies that
+        :meth:`before_scoring` has just computed for them."""
+        pending, self._ranking_effs = self._ranking_effs, None
+        if pending is None or pending[0] is not nodes or pending[1] != key:
+            return super().score_many(nodes, key=key, now=now)
+        return [self._score(n, key, now, eff) for n, eff in zip(nodes, pending[2], strict=True)]
+
+    def _terms(self, node: TreeNode, key: str, now: float, eff: float | None = None) -> tuple[float, float]:
+        if eff is None:
+            eff = self._efficiency(node, key)
         if eff > self._eff_ref:
             self._eff_ref = eff
         recency = 1.0 - min(max(now - node.last_access, 0.0) / self.recency_window_s, 1.0)
@@ -242,7 +261,10 @@ class CostAwareEviction(RankedEviction):
         return recency, efficiency
 
     def score(self, node: TreeNode, *, key: str, now: float) -> float:
-        terms = self._terms(node, key, now)
+        return self._score(node, key, now, None)
+
+    def _score(self, node: TreeNode, key: str, now: float, eff: float | None) -> float:
+        terms = self._terms(node, key, now, eff)
         self._ranked_terms[(key, node.node_id)] = terms
         return terms[0] + self.alpha * terms[1]
 

@@ -3,18 +3,26 @@
 ``node_extent`` (the walk behind ``node_value``), ``ReuseEviction.score_many`` (return
 probabilities as arrays) and ``RankedEviction``'s ranking must give, bit for bit, what the
 per-node formulas give: every list of a replay's tree is checked after every request, and a
-ranking is compared with a plain sort by the reference scores."""
+ranking is compared with a plain sort by the reference scores. A merge that computes victim keys
+on first use picks what one with every key picks, and cost-aware's rankings, which reuse the
+efficiencies they normalise by, replay as when every score computes its own."""
 
 from __future__ import annotations
 
 import bisect
 
+import numpy as np
 import pytest
 from trace_builders import make_config, mixed_trace
 
 import asynccache.policy.reuse as reuse_module
-from asynccache.policy.cost_aware import NodeValue, node_value
-from asynccache.policy.ranked import evictable, evictable_members, list_key
+from asynccache.policy.cost_aware import CostAwareEviction, NodeValue, node_value
+from asynccache.policy.ranked import (
+    RankedEviction,
+    evictable,
+    evictable_members,
+    list_key,
+)
 from asynccache.policy.reuse import ReuseEviction
 from asynccache.trace.flops import FlopModel
 from asynccache.trace.replay import TraceReplay
@@ -167,3 +175,31 @@ def test_a_merge_with_keys_on_first_use_picks_what_a_merge_with_all_keys_picks(
                 merges += 1
                 all_keys += len(kv_nodes) + len(st_nodes)
     assert merges > 500 and lazy_keys < all_keys / 2
+
+
+def test_cost_aware_rankings_reuse_the_efficiencies_they_normalise_by(monkeypatch: pytest.MonkeyPatch) -> None:
+    trace = mixed_trace(6, 240, shared=3)
+    config = make_config("branch/cost-aware", device_pages=24, host_pages=60)
+
+    def run() -> tuple[dict, dict, int]:
+        replay = TraceReplay(trace, config)
+        policy = replay.eviction
+        assert isinstance(policy, CostAwareEviction)
+        hits = np.zeros((len(trace), 3), dtype=np.int64)
+        for i in range(len(trace)):
+            hits[i] = replay._request(i)
+            if i % 40 == 0:
+                for lru in _lists(replay):
+                    key = list_key(lru)
+                    for n in lru.iter_oldest():
+                        value = reference_value(n, key, replay)
+                        want = value.saved_flops / value.bytes if value.bytes else 0.0
+                        assert policy._efficiency(n, key) == want
+        return replay._result(hits, 0.0).to_json(), dict(policy._ranked_terms), policy.num_rankings
+
+    fast = run()
+    monkeypatch.setattr(CostAwareEviction, "score_many", RankedEviction.score_many)
+    slow = run()
+    fast[0].pop("wall_s"), slow[0].pop("wall_s")
+    assert fast == slow
+    assert fast[2] > 20 and len(fast[1]) > 20
