@@ -33,10 +33,9 @@ from collections import OrderedDict, deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import numpy as np
-
 from asynccache.errors import ConfigError
 from asynccache.policy.branch import BranchAdmission
+from asynccache.policy.window import SortedWindow
 from asynccache.spec import HybridSpec
 
 if TYPE_CHECKING:
@@ -85,7 +84,7 @@ class AdaptiveAdmission(BranchAdmission):
         self._last_insert: float | None = None
         self._horizon_s = initial_horizon_s
         self._prompt_ends: OrderedDict[bytes, float] = OrderedDict()  # end-page hash → last seen
-        self._reuse_ages: deque[float] = deque(maxlen=4096)
+        self._reuse_ages = SortedWindow(4096)
         self.tree_grid: int | None = None
         self.storage_grid: int | None = None
         self.grid_history: list[tuple[float, str, int | None]] = []
@@ -104,7 +103,7 @@ class AdaptiveAdmission(BranchAdmission):
                 self._reuse_ages.append(now - seen)
                 n = len(self._reuse_ages)
                 if n >= self.min_observations and (n == self.min_observations or n % 64 == 0):
-                    self._horizon_s = float(np.quantile(np.asarray(self._reuse_ages), self.reuse_quantile))
+                    self._horizon_s = self._reuse_ages.quantile(self.reuse_quantile)
                 break
         end = prompt_len // page
         key = raw(end - 1) if 0 < end <= len(hashes) else raw(len(hashes) - 1)

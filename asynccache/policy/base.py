@@ -18,7 +18,7 @@ Policies are plain synchronous objects. They read node attributes (``num_pages``
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import TYPE_CHECKING, ClassVar
@@ -91,6 +91,10 @@ class EvictionPolicy(ABC):
     """Order of eviction within one LRU list (device KV, device state, host KV, host state)."""
 
     name: ClassVar[str] = "eviction"
+    #: ``victim_key`` has no side effects at all (on the policy either): eviction by bytes may
+    #: then compute only the keys it compares, each on first use (else :meth:`victim_keys` of
+    #: every peeked victim).
+    pure_victim_key: ClassVar[bool] = False
 
     @abstractmethod
     def candidates(self, lru: LRUList, *, now: float) -> Iterator[TreeNode]:
@@ -109,6 +113,11 @@ class EvictionPolicy(ABC):
         the two lists. Default: the last access (least recently used first). Must not change
         the tree."""
         return node.last_access
+
+    def victim_keys(self, nodes: Sequence[TreeNode], *, key: str, now: float) -> list[float]:
+        """:meth:`victim_key` of each of ``nodes``, in order (a policy may compute them together:
+        the values, and any side effects, must be those of calling it on each in turn)."""
+        return [self.victim_key(n, key=key, now=now) for n in nodes]
 
     def on_evict(self, node: TreeNode, list_key: str, how: EvictHow) -> None:
         """Called by the tree after it evicted ``node`` from list ``list_key`` (``how``: demoted,

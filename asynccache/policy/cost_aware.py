@@ -24,6 +24,7 @@ eviction notifications (:meth:`CostAwareEviction.on_evict`): every victim whose 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from asynccache.tree.node import EvictHow, TreeNode
     from asynccache.tree.results import MatchResult
 
-__all__ = ["STATE_CLASSES", "CostAwareEviction", "NodeValue", "node_value", "state_class"]
+__all__ = ["STATE_CLASSES", "CostAwareEviction", "NodeValue", "node_extent", "node_value", "spec_sizes", "state_class"]
 
 LEAF, INTERIOR, BRANCH = "leaf", "interior", "branch"
 STATE_CLASSES = (LEAF, INTERIOR, BRANCH)
@@ -61,14 +62,10 @@ class NodeValue:
     has_state: bool
 
 
-def _state_on(node: TreeNode, tier: str) -> bool:
-    return (node.device_state if tier == "device" else node.host_state) is not None
-
-
 _SIZES: dict[int, tuple[HybridSpec, int, int]] = {}
 
 
-def _sizes(spec: HybridSpec) -> tuple[int, int]:
+def spec_sizes(spec: HybridSpec) -> tuple[int, int]:
     """``(state_bytes, kv_page_bytes)`` of ``spec``, computed once (a ranking asks millions of times)."""
     hit = _SIZES.get(id(spec))
     if hit is None or hit[0] is not spec:
@@ -76,36 +73,46 @@ def _sizes(spec: HybridSpec) -> tuple[int, int]:
     return hit[1], hit[2]
 
 
-def node_value(node: TreeNode, key: str, *, spec: HybridSpec, flops: FlopModel) -> NodeValue:
-    """Saved FLOPs and freed bytes of evicting ``node`` from list ``key`` (module docstring)."""
-    state_bytes, kv_page_bytes = _sizes(spec)
-    tier, resource = key.split("_", 1)
+def node_extent(node: TreeNode, tier: str, resource: str, state_bytes: int, kv_page_bytes: int) -> tuple[int, int, int]:
+    """``(m, bytes, end)`` of evicting ``node`` from list ``f"{tier}_{resource}"``: the depth of
+    the nearest state above it (0 without one), the bytes freed, and its end in tokens; ``end``
+    is -1 for a KV victim without a state (it saves nothing). The walk of :func:`node_value`
+    without the FLOP model or a result object, for policies that score whole rankings."""
     if resource == "state":
         up = node.parent
-        while up is not None and up.parent is not None and not up.has_state:
+        while up is not None and up.parent is not None and up.device_state is None and up.host_state is None:
             up = up.parent
-        m = up.end_tokens if up is not None and up.parent is not None else 0
-        return NodeValue(
-            saved_flops=flops.saved_flops(m, node.end_tokens),
-            saved_tokens=node.end_tokens - m,
-            bytes=state_bytes,
-            has_state=True,
-        )
+        m = (up.start_page + up.num_pages) * up.page_size if up is not None and up.parent is not None else 0
+        return m, state_bytes, (node.start_page + node.num_pages) * node.page_size
     pages = node.num_pages
     nbytes = 0
-    if _state_on(node, tier):
+    if (node.device_state if tier == "device" else node.host_state) is not None:
         nbytes += state_bytes
     up = node.parent
-    while up is not None and up.parent is not None and not up.has_state and len(up.children) == 1:
+    while (
+        up is not None
+        and up.parent is not None
+        and up.device_state is None
+        and up.host_state is None
+        and len(up.children) == 1
+    ):
         pages += up.num_pages
         up = up.parent
     nbytes += pages * kv_page_bytes
-    if not node.has_state:
+    if node.device_state is None and node.host_state is None:
+        return 0, nbytes, -1
+    m = (up.start_page + up.num_pages) * up.page_size if up is not None and up.parent is not None else 0
+    return m, nbytes, (node.start_page + node.num_pages) * node.page_size
+
+
+def node_value(node: TreeNode, key: str, *, spec: HybridSpec, flops: FlopModel) -> NodeValue:
+    """Saved FLOPs and freed bytes of evicting ``node`` from list ``key`` (module docstring)."""
+    state_bytes, kv_page_bytes = spec_sizes(spec)
+    tier, resource = key.split("_", 1)
+    m, nbytes, end = node_extent(node, tier, resource, state_bytes, kv_page_bytes)
+    if end < 0:
         return NodeValue(saved_flops=0.0, saved_tokens=0, bytes=nbytes, has_state=False)
-    m = up.end_tokens if up is not None and up.parent is not None else 0
-    return NodeValue(
-        saved_flops=flops.saved_flops(m, node.end_tokens), saved_tokens=node.end_tokens - m, bytes=nbytes, has_state=True
-    )
+    return NodeValue(saved_flops=flops.saved_flops(m, end), saved_tokens=end - m, bytes=nbytes, has_state=True)
 
 
 # ---- ghosts: what happened to evicted states -------------------------------------------------
@@ -215,20 +222,38 @@ class CostAwareEviction(RankedEviction):
         self._num_requests = 0
         self._now = 0.0
         self._ranked_terms: dict[tuple[str, int], tuple[float, float]] = {}
+        self._ranking_effs: tuple[list[TreeNode], str, list[float]] | None = None
         self.alpha_history: list[tuple[float, float]] = []
 
     # ---- the score -------------------------------------------------------------------------
     def _efficiency(self, node: TreeNode, key: str) -> float:
-        value = node_value(node, key, spec=self.spec, flops=self.flops)
-        return value.saved_flops / value.bytes if value.bytes else 0.0
+        """``node_value``'s saved FLOPs per byte freed (0 when nothing is freed)."""
+        state_bytes, kv_page_bytes = spec_sizes(self.spec)
+        tier, resource = key.split("_", 1)
+        m, nbytes, end = node_extent(node, tier, resource, state_bytes, kv_page_bytes)
+        if not nbytes:
+            return 0.0
+        return (self.flops.saved_flops(m, end) if end >= 0 else 0.0) / nbytes
 
     def before_scoring(self, members: list[TreeNode], *, key: str, now: float) -> None:
         # The efficiency term is relative to the largest seen: take this ranking's largest into
         # account before scoring any member, so that no score depends on the scan order.
-        self._eff_ref = max([self._eff_ref, *(self._efficiency(n, key) for n in members)])
+        effs = [self._efficiency(n, key) for n in members]
+        self._eff_ref = max([self._eff_ref, *effs])
+        # The ranking scores these very members next, the tree unchanged: score_many reuses them.
+        self._ranking_effs = (members, key, effs)
 
-    def _terms(self, node: TreeNode, key: str, now: float) -> tuple[float, float]:
-        eff = self._efficiency(node, key)
+    def score_many(self, nodes: Sequence[TreeNode], *, key: str, now: float) -> list[float]:
+        """:meth:`score` of each node; a ranking's members with the efficiencies that
+        :meth:`before_scoring` has just computed for them."""
+        pending, self._ranking_effs = self._ranking_effs, None
+        if pending is None or pending[0] is not nodes or pending[1] != key:
+            return super().score_many(nodes, key=key, now=now)
+        return [self._score(n, key, now, eff) for n, eff in zip(nodes, pending[2], strict=True)]
+
+    def _terms(self, node: TreeNode, key: str, now: float, eff: float | None = None) -> tuple[float, float]:
+        if eff is None:
+            eff = self._efficiency(node, key)
         if eff > self._eff_ref:
             self._eff_ref = eff
         recency = 1.0 - min(max(now - node.last_access, 0.0) / self.recency_window_s, 1.0)
@@ -236,7 +261,10 @@ class CostAwareEviction(RankedEviction):
         return recency, efficiency
 
     def score(self, node: TreeNode, *, key: str, now: float) -> float:
-        terms = self._terms(node, key, now)
+        return self._score(node, key, now, None)
+
+    def _score(self, node: TreeNode, key: str, now: float, eff: float | None) -> float:
+        terms = self._terms(node, key, now, eff)
         self._ranked_terms[(key, node.node_id)] = terms
         return terms[0] + self.alpha * terms[1]
 

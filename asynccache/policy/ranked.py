@@ -29,7 +29,7 @@ leaf of its tier, nothing locked or loading.
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from asynccache.tree.lru import LRUList
     from asynccache.tree.node import TreeNode
 
-__all__ = ["RankedEviction", "evictable", "list_key"]
+__all__ = ["RankedEviction", "evictable", "evictable_check", "evictable_members", "list_key"]
 
 
 def list_key(lru: LRUList) -> str:
@@ -48,28 +48,65 @@ def list_key(lru: LRUList) -> str:
     return f"{lru.tier.value}_{lru.resource.value}"
 
 
+def _device_kv(node: TreeNode) -> bool:
+    return (
+        node.device_kv is not None
+        and node.device_lock == 0
+        and node.loading == 0
+        and node.num_device_children == 0
+        and (node.host_kv is not None or node.host_lock == 0)
+    )
+
+
+def _device_state(node: TreeNode) -> bool:
+    return node.device_state is not None and node.device_lock == 0 and node.loading == 0
+
+
+def _host_kv(node: TreeNode) -> bool:
+    return (
+        node.host_kv is not None
+        and node.host_lock == 0
+        and node.num_host_children == 0
+        and (node.device_kv is not None or (node.device_lock == 0 and node.loading == 0))
+    )
+
+
+def _host_state(node: TreeNode) -> bool:
+    return node.host_state is not None and node.host_lock == 0
+
+
+_EVICTABLE: dict[str, Callable[[TreeNode], bool]] = {
+    "device_kv": _device_kv,
+    "device_state": _device_state,
+    "host_kv": _host_kv,
+    "host_state": _host_state,
+}
+
+
+def evictable_check(key: str) -> Callable[[TreeNode], bool]:
+    """:func:`evictable` for the list named ``key``, as a one-argument function."""
+    try:
+        return _EVICTABLE[key]
+    except KeyError:
+        raise ConfigError(f"unknown LRU list {key!r}") from None
+
+
 def evictable(node: TreeNode, key: str) -> bool:
     """Whether the tree would evict ``node`` from the list named ``key`` right now."""
+    return evictable_check(key)(node)
+
+
+def evictable_members(lru: LRUList, key: str) -> list[TreeNode]:
+    """The members of ``lru`` (named ``key``) that :func:`evictable` accepts, least recently
+    used first. Most members of a KV list hold a child's KV on the tier: they are passed over
+    without a call."""
+    check = evictable_check(key)
+    members = lru.members()
     if key == "device_kv":
-        return (
-            node.device_kv is not None
-            and node.device_lock == 0
-            and node.loading == 0
-            and node.num_device_children == 0
-            and (node.host_kv is not None or node.host_lock == 0)
-        )
-    if key == "device_state":
-        return node.device_state is not None and node.device_lock == 0 and node.loading == 0
+        return [n for n in members if n.num_device_children == 0 and check(n)]
     if key == "host_kv":
-        return (
-            node.host_kv is not None
-            and node.host_lock == 0
-            and node.num_host_children == 0
-            and (node.device_kv is not None or (node.device_lock == 0 and node.loading == 0))
-        )
-    if key == "host_state":
-        return node.host_state is not None and node.host_lock == 0
-    raise ConfigError(f"unknown LRU list {key!r}")
+        return [n for n in members if n.num_host_children == 0 and check(n)]
+    return [n for n in members if check(n)]
 
 
 @dataclass(slots=True)
@@ -106,17 +143,29 @@ class RankedEviction(EvictionPolicy):
         """Hook called with a ranking's members before any is scored (e.g. to normalise a term
         over all of them, so that no score depends on the order they are scored in)."""
 
+    def score_many(self, nodes: Sequence[TreeNode], *, key: str, now: float) -> list[float]:
+        """:meth:`score` of each of ``nodes``, in order (a ranking's or a merge's victims). A
+        policy may compute them together; the values, and any side effects of scoring, must be
+        those of calling :meth:`score` on each node in turn."""
+        return [self.score(n, key=key, now=now) for n in nodes]
+
     # ---- ordering ------------------------------------------------------------------------
     def victim_key(self, node: TreeNode, *, key: str, now: float) -> float:
         """Comparable across lists: the score (utility per byte), not the last access."""
         return self.score(node, key=key, now=now)
 
+    def victim_keys(self, nodes: Sequence[TreeNode], *, key: str, now: float) -> list[float]:
+        if type(self).victim_key is not RankedEviction.victim_key:
+            return super().victim_keys(nodes, key=key, now=now)
+        return self.score_many(nodes, key=key, now=now)
+
     def _rank(self, lru: LRUList, key: str, now: float) -> _Ranking:
         self.begin_ranking(key, now)
-        members = [n for n in lru.iter_oldest() if evictable(n, key)]
+        members = evictable_members(lru, key)
         self.before_scoring(members, key=key, now=now)
-        scores = {n.node_id: self.score(n, key=key, now=now) for n in members}
-        members.sort(key=lambda n: scores[n.node_id])
+        scores = self.score_many(members, key=key, now=now)
+        order = sorted(range(len(members)), key=scores.__getitem__)  # stable, as a sort of members
+        members = [members[i] for i in order]
         self.num_rankings += 1
         ranking = _Ranking(nodes=members, cursor=0, ranked_at=now)
         self._rankings[key] = ranking

@@ -8,7 +8,7 @@ state lists) by::
 
     score = p_return(turn, age) · saved_tokens / bytes        (× redundant_weight, see below)
 
-- ``saved_tokens`` / ``bytes`` — :func:`~asynccache.policy.cost_aware.node_value`: tokens the
+- ``saved_tokens`` / ``bytes`` — :func:`~asynccache.policy.cost_aware.node_extent`: tokens the
   node's state saves over the nearest state above it, and the bytes evicting it frees (a KV
   victim: its pages, the stateless single-child chain above it, its state). KV without a state
   below it saves nothing and goes first.
@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from asynccache.errors import ConfigError
-from asynccache.policy.cost_aware import node_value
+from asynccache.policy.cost_aware import node_extent, spec_sizes
 from asynccache.policy.ranked import RankedEviction
 from asynccache.spec import HybridSpec
 
@@ -56,7 +56,10 @@ if TYPE_CHECKING:
     from asynccache.tree.node import TreeNode
     from asynccache.tree.results import InsertResult, MatchResult
 
-__all__ = ["ReuseEviction", "return_probability"]
+__all__ = ["ReuseEviction", "return_probabilities", "return_probability"]
+
+#: Rankings of at least this many nodes compute the return probabilities as arrays.
+_BATCH_MIN = 16
 
 
 def return_probability(pi: float, gaps: Sequence[float], age: float, horizon: float) -> float:
@@ -70,10 +73,20 @@ def return_probability(pi: float, gaps: Sequence[float], age: float, horizon: fl
     return float(pi * (g1 - g0) / max(1.0 - pi * g0, 1e-9))
 
 
+def return_probabilities(pi: np.ndarray, gaps: np.ndarray, ages: np.ndarray, horizon: float) -> np.ndarray:
+    """:func:`return_probability` elementwise over ``pi`` and ``ages`` (``gaps`` a sorted array),
+    with the same float64 operations in the same order, so each value is the one it gives."""
+    n = len(gaps)
+    g0 = np.searchsorted(gaps, ages, side="right") / n
+    g1 = np.searchsorted(gaps, ages + horizon, side="right") / n
+    return pi * (g1 - g0) / np.maximum(1.0 - pi * g0, 1e-9)
+
+
 class ReuseEviction(RankedEviction):
     """Return probability by conversation turn and age, per byte (see the module docstring)."""
 
     name: ClassVar[str] = "reuse"
+    pure_victim_key: ClassVar[bool] = True  # a score reads the tree and the learnt rates only
 
     def __init__(
         self,
@@ -122,6 +135,8 @@ class ReuseEviction(RankedEviction):
         self._prior_gaps = np.sort(-prior_gap_s * np.log1p(-q))
         self.gaps = self._prior_gaps
         self._gap_list: list[float] = self.gaps.tolist()
+        self._gaps_converted: list[float] | None = None  # the _gap_list that _gaps_as_array holds
+        self._gaps_as_array = self.gaps
         self.horizon_s = float(np.median(self.gaps))
         self.pi = np.full(max_turn + 1, 0.5)  # index 0: nodes that are not prompt ends (overall)
         self._refreshed_at = float("-inf")
@@ -208,19 +223,77 @@ class ReuseEviction(RankedEviction):
             self.refresh(now)
 
     # ---- the score -----------------------------------------------------------------------
+    def _weight(self, node: TreeNode, turn: int, host: bool) -> float:
+        weight = 1.0
+        if turn and node.children:
+            weight *= self.interior_weight
+        if host and node.device_kv is not None:
+            weight *= self.redundant_weight
+        return weight
+
     def score(self, node: TreeNode, *, key: str, now: float) -> float:
-        value = node_value(node, key, spec=self.spec, flops=self.flops)
-        if not value.has_state or value.bytes == 0:
+        tier, resource = key.split("_", 1)
+        state_bytes, kv_page_bytes = spec_sizes(self.spec)
+        m, nbytes, end = node_extent(node, tier, resource, state_bytes, kv_page_bytes)
+        if end < 0 or nbytes == 0:
             return 0.0
         turn = self._turn.get(node.node_id, 0)
         age = max(now - node.last_access, 0.0)
         p = return_probability(float(self.pi[turn]), self._gap_list, age, self.horizon_s)
-        weight = 1.0
-        if turn and node.children:
-            weight *= self.interior_weight
-        if key.startswith("host") and node.device_kv is not None:
-            weight *= self.redundant_weight
-        return weight * p * value.saved_tokens / value.bytes
+        return self._weight(node, turn, tier == "host") * p * (end - m) / nbytes
+
+    def _gap_array(self) -> np.ndarray:
+        """The gaps :meth:`score` bisects (``_gap_list``) as an array, converted once per list."""
+        if self._gaps_converted is not self._gap_list:
+            self._gaps_converted = self._gap_list
+            self._gaps_as_array = np.asarray(self._gap_list, dtype=np.float64)
+        return self._gaps_as_array
+
+    def score_many(self, nodes: Sequence[TreeNode], *, key: str, now: float) -> list[float]:
+        """:meth:`score` of each node, the return probabilities computed as arrays (the same
+        values: :func:`return_probabilities`)."""
+        if len(nodes) < _BATCH_MIN:
+            return [self.score(n, key=key, now=now) for n in nodes]
+        tier, resource = key.split("_", 1)
+        host = tier == "host"
+        state_bytes, kv_page_bytes = spec_sizes(self.spec)
+        turn_of = self._turn.get
+        interior, redundant = self.interior_weight, self.redundant_weight
+        # Columns over the nodes that save something (every value an integer or a float that
+        # float64 holds exactly): index, turn, last access, tokens saved, bytes freed, weight.
+        index: list[int] = []
+        turns: list[int] = []
+        last: list[float] = []
+        saved: list[int] = []
+        freed: list[int] = []
+        weights: list[float] = []
+        for i, node in enumerate(nodes):
+            m, nbytes, end = node_extent(node, tier, resource, state_bytes, kv_page_bytes)
+            if end < 0 or nbytes == 0:
+                continue
+            turn = turn_of(node.node_id, 0)
+            weight = 1.0  # as _weight: the same products in the same order
+            if turn and node.children:
+                weight *= interior
+            if host and node.device_kv is not None:
+                weight *= redundant
+            index.append(i)
+            turns.append(turn)
+            last.append(node.last_access)
+            saved.append(end - m)
+            freed.append(nbytes)
+            weights.append(weight)
+        out = np.zeros(len(nodes))
+        if index:
+            f64 = np.float64
+            ages = np.maximum(now - np.asarray(last, dtype=f64), 0.0)
+            p = return_probabilities(self.pi[turns], self._gap_array(), ages, self.horizon_s)
+            value = np.asarray(weights, dtype=f64) * p * np.asarray(saved, dtype=f64) / np.asarray(freed, dtype=f64)
+            if len(index) == len(nodes):
+                out = value
+            else:
+                out[index] = value
+        return out.tolist()
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -18,6 +18,9 @@ from asynccache.errors import AllocationError, ConfigError
 
 __all__ = ["IndexAllocator"]
 
+#: Frees of at most this many indices check them as a Python list (:meth:`IndexAllocator._free_short`).
+_SHORT = 16
+
 
 class IndexAllocator:
     """Allocator of indices ``0 … size-1`` (lowest indices handed out first after a reset)."""
@@ -69,6 +72,17 @@ class IndexAllocator:
 
     def free(self, indices: torch.Tensor | Iterable[int]) -> None:
         """Return ``indices`` to the pool. Raises on double free or foreign indices (nothing freed)."""
+        if (
+            type(indices) is torch.Tensor
+            and indices.is_cpu
+            and indices.dtype == torch.int64
+            and indices.ndim == 1
+            and indices.numel() <= _SHORT
+        ):
+            # A few indices (a state slot, a node's pages): the same checks on a Python list,
+            # without a dozen NumPy calls.
+            self._free_short(indices.tolist())
+            return
         arr = _as_numpy(indices)
         if arr.size == 0:
             return
@@ -82,6 +96,25 @@ class IndexAllocator:
             raise AllocationError(f"{self.name}: double free of indices {bad}")
         self._allocated[arr] = False
         self._free.extend(arr[::-1].tolist())
+
+    def _free_short(self, values: list[int]) -> None:
+        """:meth:`free` of a short list of ints: the same checks, errors and order of the free
+        stack as the array path."""
+        if not values:
+            return
+        size = self.size
+        if min(values) < 0 or max(values) >= size:
+            bad = [v for v in values if v < 0 or v >= size][:4]
+            raise AllocationError(f"{self.name}: indices {bad} are outside 0..{size - 1}")
+        if len(set(values)) != len(values):
+            raise AllocationError(f"{self.name}: free() got duplicate indices")
+        allocated = self._allocated
+        if not all(allocated[v] for v in values):
+            bad = [v for v in values if not allocated[v]][:4]
+            raise AllocationError(f"{self.name}: double free of indices {bad}")
+        for v in values:
+            allocated[v] = False
+        self._free.extend(reversed(values))
 
     def is_allocated(self, index: int) -> bool:
         if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < self.size:

@@ -25,10 +25,12 @@ states out of the bytes (they cost nothing and leave with their KV).
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import fields
 from functools import partial
 
 from asynccache.errors import ConfigError
+from asynccache.policy.base import EvictionPolicy
 from asynccache.policy.ranked import evictable
 from asynccache.pools.base import ItemPool
 from asynccache.tree.core import DemoteFn, WriteBackFn
@@ -142,9 +144,8 @@ class ByteEvictionMixin(EvictionMixin):
         first, until their bytes cover ``deficit`` (a KV victim's state on ``tier`` counts with
         it, and not again on the state list)."""
         kv_key, state_key = f"{tier.value}_kv", f"{tier.value}_state"
-        victim_key = self.eviction.victim_key
-        kv_keys = [float(victim_key(n, key=kv_key, now=now)) for n in kv_nodes]
-        st_keys = [float(victim_key(n, key=state_key, now=now)) for n in st_nodes]
+        kv_keys = _victim_keys(self.eviction, kv_nodes, kv_key, now)
+        st_keys = _victim_keys(self.eviction, st_nodes, state_key, now)
         pages = states = freed = 0
         gone: set[int] = set()  # nodes whose state leaves with their KV
         i = j = 0
@@ -152,7 +153,7 @@ class ByteEvictionMixin(EvictionMixin):
             if j < len(st_nodes) and st_nodes[j].node_id in gone:
                 j += 1
                 continue
-            if j >= len(st_nodes) or (i < len(kv_nodes) and kv_keys[i] <= st_keys[j]):
+            if j >= len(st_nodes) or (i < len(kv_nodes) and kv_keys(i) <= st_keys(j)):
                 node = kv_nodes[i]
                 i += 1
                 pages += node.num_pages
@@ -165,6 +166,24 @@ class ByteEvictionMixin(EvictionMixin):
                 states += 1
                 freed += state_bytes
         return pages, states
+
+
+def _victim_keys(policy: EvictionPolicy, nodes: list[TreeNode], key: str, now: float) -> Callable[[int], float]:
+    """The victim key of ``nodes[i]``, by index: all computed at once (``policy.victim_keys``),
+    or, when the policy's ``victim_key`` is pure, each on first use (the merge compares only the
+    victims it reaches)."""
+    if not getattr(policy, "pure_victim_key", False):
+        return [float(k) for k in policy.victim_keys(nodes, key=key, now=now)].__getitem__
+    keys: dict[int, float] = {}
+    victim_key = policy.victim_key
+
+    def at(i: int) -> float:
+        k = keys.get(i)
+        if k is None:
+            k = keys[i] = float(victim_key(nodes[i], key=key, now=now))
+        return k
+
+    return at
 
 
 def _free_bytes(kv_pool: ItemPool, state_pool: ItemPool | None) -> int:

@@ -130,6 +130,18 @@ class LRUList:
                 nxt = nxt.links[n]  # type: ignore[union-attr]
             cur = nxt
 
+    def members(self) -> list[TreeNode]:
+        """Members from least to most recently used, as a list (a snapshot: one pass without a
+        generator's per-member cost)."""
+        n, head = self._n, self._head
+        out: list[TreeNode] = []
+        append = out.append
+        cur = head.links[n]
+        while cur is not head:
+            append(cur)  # type: ignore[arg-type]
+            cur = cur.links[n]  # type: ignore[union-attr]
+        return out
+
     def iter_newest(self) -> Iterator[TreeNode]:
         """Members from most to least recently used (no mutation allowed meanwhile)."""
         p, head = self._p, self._head

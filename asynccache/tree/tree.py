@@ -21,7 +21,7 @@ costs O(nodes on the path), not O(tokens) Python steps.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -192,16 +192,16 @@ class HybridRadixTree(ByteEvictionMixin, TransferMixin):
         cuts: Sequence[int],
         tier: Tier,
         offset: int = 0,
-    ) -> tuple[list[TreeNode], int, list[torch.Tensor]]:
+    ) -> tuple[list[TreeNode], int, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Create / split nodes so ``buf`` is a path with a node boundary at every page in
         ``cuts``; attach ``indices`` (pages ``[offset, num_pages)``) on ``tier`` to the nodes
         that lack that tier. Pages before ``offset`` must already be held on ``tier`` (checked by
         the caller; ``offset`` must be in ``cuts``). Returns the path, the number of pages
-        attached and the duplicate index slices (for the caller to free)."""
+        attached and the caller's index slices of pages held already, with the node's own."""
         page_bytes = self.page_bytes
         device = tier is Tier.DEVICE
         path: list[TreeNode] = []
-        dups: list[torch.Tensor] = []
+        dups: list[tuple[torch.Tensor, torch.Tensor]] = []
         new_pages = 0
         pos = 0
         node = root
@@ -245,8 +245,8 @@ class HybridRadixTree(ByteEvictionMixin, TransferMixin):
                     new_pages += k
                 else:
                     # Already cached: free the caller's copy, except indices equal to the node's
-                    # own (a request passing back the pages of its match).
-                    dups.append(seg[seg != held])
+                    # own (a request passing back the pages of its match): see _free_duplicates.
+                    dups.append((seg, held))
             path.append(child)
             node = child
             pos = child.end_page
@@ -297,7 +297,7 @@ class HybridRadixTree(ByteEvictionMixin, TransferMixin):
         path, new_pages, dups = self._insert_path(root, buf, num_pages, kv, sorted(kept), Tier.DEVICE)
         free_slots = [s for p, s in offered.items() if p not in kept]
         new_states = self._attach_states(path, kept, Tier.DEVICE, free_slots)
-        num_dups = self._free_all(self.device_kv, dups)
+        num_dups = self._free_duplicates(self.device_kv, dups)
         if free_slots:
             self.device_mamba.free(torch.tensor(free_slots, dtype=torch.int64))
         self._touch_path(path)
@@ -350,7 +350,7 @@ class HybridRadixTree(ByteEvictionMixin, TransferMixin):
         path, new_pages, dups = self._insert_path(root, buf, num_pages, kv, cuts, Tier.HOST, start_page)
         free_slots: list[int] = []
         new_states = self._attach_states(path, offered, Tier.HOST, free_slots)
-        num_dups = self._free_all(self.host_kv, dups)
+        num_dups = self._free_duplicates(self.host_kv, dups)
         if free_slots:
             assert self.host_mamba is not None
             self.host_mamba.free(torch.tensor(free_slots, dtype=torch.int64))
@@ -408,10 +408,11 @@ class HybridRadixTree(ByteEvictionMixin, TransferMixin):
             self._touch(n)
 
     @staticmethod
-    def _free_all(pool: ItemPool, chunks: Iterable[torch.Tensor]) -> int:
-        chunks = [c for c in chunks if c.numel()]
-        if not chunks:
+    def _free_duplicates(pool: ItemPool, dups: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """Free at once the caller's indices of pages held already (``(given, held)``) but the node's own."""
+        if not dups:
             return 0
-        indices = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+        given, held = (torch.cat(t) for t in zip(*dups, strict=True))
+        indices = given[given != held]
         pool.free(indices)
         return int(indices.numel())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from asynccache.tree import HostLRUList, LRUList, Resource, Tier, TreeNode
@@ -32,6 +34,7 @@ def test_push_touch_remove_keep_order() -> None:
     lst.remove(c)
     assert _ids(lst) == [1, 3, 0] and c not in lst and d in lst
     assert [n.node_id for n in lst.iter_newest()] == [0, 3, 1]
+    assert lst.members() == list(lst.iter_oldest()) == lst.check_links()
     with pytest.raises(AssertionError):
         lst.push(a)
     with pytest.raises(AssertionError):
@@ -80,3 +83,23 @@ def test_check_links_detects_corruption() -> None:
     b.links[0] = c  # wrong prev pointer
     with pytest.raises(AssertionError, match="prev pointer"):
         lst.check_links()
+
+
+def test_members_is_the_list_in_lru_order_after_any_operations() -> None:
+    rng = random.Random(5)
+    lst = LRUList(2, name="t", tier=Tier.HOST, resource=Resource.STATE)
+    nodes = _nodes(40)
+    for _ in range(2000):
+        node = rng.choice(nodes)
+        if node not in lst:
+            anchor = rng.choice(nodes)
+            if anchor in lst and rng.random() < 0.3:
+                lst.insert_after(anchor, node)
+            else:
+                lst.push(node)
+        elif rng.random() < 0.5:
+            lst.touch(node)
+        else:
+            lst.remove(node)
+        assert lst.members() == lst.check_links()
+    assert 0 < len(lst.members()) < 40
