@@ -63,12 +63,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from asynccache.errors import ConfigError
+from asynccache.policy.ranked import evictable_check
 from asynccache.pools.base import ItemPool
 from asynccache.tree.core import DemoteFn, TreeCore, WriteBackFn
 from asynccache.tree.node import EvictHow, Tier, TreeNode
 from asynccache.tree.results import Allocation, EvictResult
 
 __all__ = ["EvictionMixin"]
+
+#: The device-KV rule the ranked eviction orders use too (one definition for both).
+_DEVICE_KV_EVICTABLE = evictable_check("device_kv")
 
 
 class EvictionMixin(TreeCore):
@@ -118,14 +122,8 @@ class EvictionMixin(TreeCore):
         )
 
     def _device_kv_evictable(self, node: TreeNode) -> bool:
-        return (
-            node.device_kv is not None
-            and node.device_lock == 0
-            and node.loading == 0
-            and node.num_device_children == 0
-            # Without a host copy the node is deleted, which a host pin forbids.
-            and (node.host_kv is not None or node.host_lock == 0)
-        )
+        # (without a host copy the node is deleted, which a host pin forbids)
+        return _DEVICE_KV_EVICTABLE(node)
 
     def _evict_device_kv(self, need: int, callback: WriteBackFn | None) -> tuple[int, int, int]:
         pages0 = self._device_pages

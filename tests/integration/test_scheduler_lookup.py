@@ -28,6 +28,27 @@ SPEC = tiny_spec()
 PAGE = SPEC.page_size
 
 
+def _reads_in_flight(cache: HybridCache, seconds: float) -> list[int]:
+    """Make each storage read wait ``seconds`` first; the returned one-item list holds the most
+    reads in flight at once."""
+    tier = cache.controller.tiering
+    assert tier is not None
+    real = tier.backend.batch_get_v2
+    in_flight, most = [0], [0]
+
+    async def slow_read(*args: object, **kwargs: object) -> object:
+        in_flight[0] += 1
+        most[0] = max(most[0], in_flight[0])
+        try:
+            await asyncio.sleep(seconds)
+            return await real(*args, **kwargs)  # type: ignore[arg-type]
+        finally:
+            in_flight[0] -= 1
+
+    tier.backend.batch_get_v2 = slow_read  # type: ignore[method-assign]
+    return most
+
+
 def _timeout_config(storage: Path, seconds: float) -> HybridCacheConfig:
     """The ``timeout`` prefetch policy with a fixed deadline of ``seconds``."""
     return config_with(
@@ -178,21 +199,7 @@ async def test_with_nothing_running_the_next_requests_lookups_read_side_by_side(
     async with HybridCache(SPEC, config_with(SPEC, storage_uri=tmp_path.as_uri())) as cache:
         for p in prefixes:
             await store_only(cache, p, grid=2)
-        tier = cache.controller.tiering
-        assert tier is not None
-        real = tier.backend.batch_get_v2
-        in_flight, most = [0], [0]
-
-        async def slow_read(*args: object, **kwargs: object) -> object:
-            in_flight[0] += 1
-            most[0] = max(most[0], in_flight[0])
-            try:
-                await asyncio.sleep(0.3)
-                return await real(*args, **kwargs)  # type: ignore[arg-type]
-            finally:
-                in_flight[0] -= 1
-
-        tier.backend.batch_get_v2 = slow_read  # type: ignore[method-assign]
+        most = _reads_in_flight(cache, 0.3)
         async with Scheduler(model, cache, SchedulerConfig(chunk_size=64)) as sched:
             results = await asyncio.gather(*(sched.generate([*p, 9], 2) for p in prefixes))
             assert sched.num_steps == 2  # one prefill step for the three, one decode step
@@ -339,21 +346,7 @@ async def test_reads_ahead_wait_for_the_reads_of_the_requests_next_in_line(tmp_p
     async with HybridCache(SPEC, config_with(SPEC, storage_uri=tmp_path.as_uri())) as cache:
         for p in prefixes:
             await store_only(cache, p, grid=2)
-        tier = cache.controller.tiering
-        assert tier is not None
-        real = tier.backend.batch_get_v2
-        in_flight, most = [0], [0]
-
-        async def slow_read(*args: object, **kwargs: object) -> object:
-            in_flight[0] += 1
-            most[0] = max(most[0], in_flight[0])
-            try:
-                await asyncio.sleep(0.3)
-                return await real(*args, **kwargs)  # type: ignore[arg-type]
-            finally:
-                in_flight[0] -= 1
-
-        tier.backend.batch_get_v2 = slow_read  # type: ignore[method-assign]
+        most = _reads_in_flight(cache, 0.3)
         async with Scheduler(model, cache, SchedulerConfig(chunk_size=64, max_running=1)) as sched:
             results = await asyncio.gather(*(sched.generate([*p, 9], 2) for p in prefixes))
     assert most[0] == 1
