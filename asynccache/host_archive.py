@@ -46,15 +46,6 @@ log = logging.getLogger("asynccache.tiering")
 _MAX_PENDING_BACKUPS = 4096
 
 
-def _path_to_root(node: Any) -> list[Any]:
-    path = []
-    while node is not None and node.parent is not None:
-        path.append(node)
-        node = node.parent
-    path.reverse()
-    return path
-
-
 class HostWriteArchiver:
     """The archives of one :class:`~asynccache.tiering.StorageTier` (see the module docstring)."""
 
@@ -106,7 +97,7 @@ class HostWriteArchiver:
         tier = self.tier
         if node.host_state is None or node.archived or not node.alive:
             return
-        path = _path_to_root(node)
+        path = self.tree.path_to(node)  # (alive, checked above)
         if any(n.host_kv is None for n in path):
             tier.counts["backup_skipped_not_on_host"] += 1
             return

@@ -135,8 +135,6 @@ class ReuseEviction(RankedEviction):
         self._prior_gaps = np.sort(-prior_gap_s * np.log1p(-q))
         self.gaps = self._prior_gaps
         self._gap_list: list[float] = self.gaps.tolist()
-        self._gaps_converted: list[float] | None = None  # the _gap_list that _gaps_as_array holds
-        self._gaps_as_array = self.gaps
         self.horizon_s = float(np.median(self.gaps))
         self.pi = np.full(max_turn + 1, 0.5)  # index 0: nodes that are not prompt ends (overall)
         self._refreshed_at = float("-inf")
@@ -242,13 +240,6 @@ class ReuseEviction(RankedEviction):
         p = return_probability(float(self.pi[turn]), self._gap_list, age, self.horizon_s)
         return self._weight(node, turn, tier == "host") * p * (end - m) / nbytes
 
-    def _gap_array(self) -> np.ndarray:
-        """The gaps :meth:`score` bisects (``_gap_list``) as an array, converted once per list."""
-        if self._gaps_converted is not self._gap_list:
-            self._gaps_converted = self._gap_list
-            self._gaps_as_array = np.asarray(self._gap_list, dtype=np.float64)
-        return self._gaps_as_array
-
     def score_many(self, nodes: Sequence[TreeNode], *, key: str, now: float) -> list[float]:
         """:meth:`score` of each node, the return probabilities computed as arrays (the same
         values: :func:`return_probabilities`)."""
@@ -258,7 +249,6 @@ class ReuseEviction(RankedEviction):
         host = tier == "host"
         state_bytes, kv_page_bytes = spec_sizes(self.spec)
         turn_of = self._turn.get
-        interior, redundant = self.interior_weight, self.redundant_weight
         # Columns over the nodes that save something (every value an integer or a float that
         # float64 holds exactly): index, turn, last access, tokens saved, bytes freed, weight.
         index: list[int] = []
@@ -272,22 +262,17 @@ class ReuseEviction(RankedEviction):
             if end < 0 or nbytes == 0:
                 continue
             turn = turn_of(node.node_id, 0)
-            weight = 1.0  # as _weight: the same products in the same order
-            if turn and node.children:
-                weight *= interior
-            if host and node.device_kv is not None:
-                weight *= redundant
             index.append(i)
             turns.append(turn)
             last.append(node.last_access)
             saved.append(end - m)
             freed.append(nbytes)
-            weights.append(weight)
+            weights.append(self._weight(node, turn, host))
         out = np.zeros(len(nodes))
         if index:
             f64 = np.float64
             ages = np.maximum(now - np.asarray(last, dtype=f64), 0.0)
-            p = return_probabilities(self.pi[turns], self._gap_array(), ages, self.horizon_s)
+            p = return_probabilities(self.pi[turns], self.gaps, ages, self.horizon_s)  # gaps: _gap_list's values
             value = np.asarray(weights, dtype=f64) * p * np.asarray(saved, dtype=f64) / np.asarray(freed, dtype=f64)
             if len(index) == len(nodes):
                 out = value

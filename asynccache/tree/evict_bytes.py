@@ -172,7 +172,7 @@ def _victim_keys(policy: EvictionPolicy, nodes: list[TreeNode], key: str, now: f
     """The victim key of ``nodes[i]``, by index: all computed at once (``policy.victim_keys``),
     or, when the policy's ``victim_key`` is pure, each on first use (the merge compares only the
     victims it reaches)."""
-    if not getattr(policy, "pure_victim_key", False):
+    if not policy.pure_victim_key:
         return [float(k) for k in policy.victim_keys(nodes, key=key, now=now)].__getitem__
     keys: dict[int, float] = {}
     victim_key = policy.victim_key
