@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from asynccache.storage import PoolName, PoolTransfer
+from asynccache.storage_admission import Ticket
 
 if TYPE_CHECKING:
     from asynccache.tiering import StorageTier
@@ -54,7 +55,8 @@ class HostWriteArchiver:
         self.tree = tier.tree
 
     def on_host_write(self, plan: Any) -> None:
-        """A device → host backup completed: archive each of its nodes with a host state."""
+        """A device → host backup completed: archive each of its nodes with a host state (those
+        the tier's storage admission rule, if any, admits when the archive is written)."""
         tier = self.tier
         for node in plan.nodes:
             if node.host_state is None or node.archived:
@@ -62,11 +64,18 @@ class HostWriteArchiver:
             if len(tier._in_flight) >= _MAX_PENDING_BACKUPS:
                 tier.counts["backup_skipped_busy"] += 1
                 continue
-            self.queue(node)
+            self.queue(node, ticket=self.ticket(node))
 
-    def queue(self, node: Any) -> asyncio.Task[None] | None:
+    def ticket(self, node: Any) -> Ticket | None:
+        """The storage admission rule's ticket for ``node`` now (None: no rule applies)."""
+        rule = self.tier.admission
+        return rule.ticket(node) if rule is not None and self.tier.storage_evicts else None
+
+    def queue(self, node: Any, *, ticket: Ticket | None = None) -> asyncio.Task[None] | None:
         """Start archiving ``node``, its path locked on the host until the archive has read it
-        (or ends without writing); the task, or None when the controller is shutting down."""
+        (or ends without writing); the task, or None when the controller is shutting down.
+        ``ticket``: the storage admission rule's, taken when the host write completed (None:
+        the archive is written)."""
         self.tree.lock_host(node)
         held = [True]
 
@@ -75,7 +84,7 @@ class HostWriteArchiver:
                 held[0] = False
                 self.tree.unlock_host(node)
 
-        coro = self._archive(node, release)
+        coro = self._archive(node, release, ticket)
         try:
             task = self.tier.spawn(coro, name="asynccache-backup")
         except RuntimeError:  # shutting down (a background task failed): the host copy stays
@@ -86,14 +95,14 @@ class HostWriteArchiver:
         task.add_done_callback(release)  # a task cancelled before it ran
         return task
 
-    async def _archive(self, node: Any, release: Callable[[], None]) -> None:
+    async def _archive(self, node: Any, release: Callable[[], None], ticket: Ticket | None) -> None:
         try:
             async with self.tier.sem:
-                await self._write_path(node, release)
+                await self._write_path(node, release, ticket)
         finally:
             release()
 
-    async def _write_path(self, node: Any, release: Callable[[], None]) -> None:
+    async def _write_path(self, node: Any, release: Callable[[], None], ticket: Ticket | None) -> None:
         tier = self.tier
         if node.host_state is None or node.archived or not node.alive:
             return
@@ -102,6 +111,10 @@ class HostWriteArchiver:
             tier.counts["backup_skipped_not_on_host"] += 1
             return
         evicts = tier.storage_evicts
+        rule = tier.admission if evicts else None
+        if rule is not None and not rule.admit(node, path, tier.backend, ticket):
+            tier.counts["backup_not_admitted"] += 1
+            return
         todo = path if evicts else [n for n in path if not n.archived]
         with_state = [n for n in todo if n.host_state is not None]
         try:
@@ -127,6 +140,8 @@ class HostWriteArchiver:
         if not state_ok:
             tier.counts["backup_failed"] += 1
             return
+        if rule is not None:
+            rule.written(node, ticket)
         if not evicts:
             # Not a node whose state arrived on the host while this was written: its own
             # archive follows.

@@ -60,6 +60,7 @@ from asynccache.prefetch import PrefetchResult, TailRestore, held_node
 from asynccache.restore_cost import ReadTimeCorrection, RestoreCost, plan_restore
 from asynccache.snapshots import SnapshotArchiver
 from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer, StorageBackend
+from asynccache.storage_admission import ArchiveAdmission
 
 if TYPE_CHECKING:
     from asynccache.controller import HybridCacheController
@@ -97,6 +98,9 @@ class StorageTier:
         self.snapshots = SnapshotArchiver(self)
         #: archives of completed host writes (:meth:`on_host_write`)
         self.archiver = HostWriteArchiver(self)
+        #: which of them a storage that evicts takes (:mod:`asynccache.storage_admission`;
+        #: None: all of them)
+        self.admission: ArchiveAdmission | None = None
 
     async def register(self) -> None:
         for name, (_, host) in self.controller.pools.items():
@@ -133,7 +137,7 @@ class StorageTier:
     def archive_now(self, node: Any) -> asyncio.Task[None] | None:
         """Archive ``node`` (its path KV + state) in the background; returns the task (None
         when the group is shutting down). Its path stays locked on the host until read."""
-        return self.archiver.queue(node)
+        return self.archiver.queue(node, ticket=self.archiver.ticket(node))
 
     # ---- prefetch ----------------------------------------------------------------------
     async def prefetch(

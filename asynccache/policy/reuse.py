@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -279,6 +279,22 @@ class ReuseEviction(RankedEviction):
             else:
                 out[index] = value
         return out.tolist()
+
+    # ---- storage admission (asynccache.storage_admission) --------------------------------
+    def turn_of(self, node: TreeNode) -> int:
+        """The conversation turn of the prompt that ends at ``node`` (0: not a prompt end)."""
+        return self._turn.get(node.node_id, 0)
+
+    def reuse_estimate(self) -> Callable[[int, float], float]:
+        """``p(turn, age)``: the chance that a prompt end of ``turn``, unused for ``age``
+        seconds, returns within the horizon, by the rates learnt so far (later refreshes do not
+        change it)."""
+        pi, gaps, horizon = self.pi, self._gap_list, self.horizon_s  # replaced, never mutated, on refresh
+
+        def p(turn: int, age: float) -> float:
+            return return_probability(float(pi[turn]), gaps, age, horizon)
+
+        return p
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -81,7 +81,8 @@ class ControllerReplay(TraceReplay):
         )
         self.tree.write_back = self.controller.write_back
         if self.storage_tier is not None:
-            # The controller's storage tier archives completed host writes itself.
+            # The controller's storage tier archives completed host writes itself (by the same
+            # storage admission rule: see started).
             self.storage_tier.archive_backups = False
 
     def _queue_snapshots(self) -> tuple[SnapshotArchive, torch.Tensor] | None:
@@ -146,6 +147,8 @@ class ControllerReplay(TraceReplay):
     def started(self) -> None:
         """Set the controller up for the replay, once it has started (``async with
         replay.controller``); then :meth:`_arequest` replays one request at a time."""
+        if self.controller.tiering is not None and self.storage_tier is not None:
+            self.controller.tiering.admission = self.storage_tier.admission
         if self.controller.tiering is not None and self.config.combo.storage_write == "demote":
             # The controller's tier archives every completed host write; demote writes only
             # host victims (the replay's tier, through the host budget's hook).

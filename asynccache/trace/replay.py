@@ -47,6 +47,7 @@ from asynccache.policy import WritePolicy
 from asynccache.pools import DeviceKVPool, DeviceMambaPool, HostKVPool, MambaPoolHost
 from asynccache.spec import HybridSpec
 from asynccache.storage import PoolName
+from asynccache.storage_admission import ArchiveAdmission
 from asynccache.trace.bound import BoundResult, infinite_cache_bound
 from asynccache.trace.budget import ByteBudget
 from asynccache.trace.flops import FlopModel
@@ -174,6 +175,8 @@ class TraceReplay:
             self.storage_tier = ReplayStorageTier(
                 self.tree, self.storage, write=combo.storage_write, backup=self._backup
             )
+            # Both engines' tiers share it (the controller engine's own tier takes it over).
+            self.storage_tier.admission = ArchiveAdmission(self.eviction, now=lambda: self._now)
         count_states = not self.attention_only
         self.device_budget = ByteBudget(
             tree=self.tree, tier=Tier.DEVICE, budget_bytes=budget.device, count_states=count_states
@@ -241,7 +244,13 @@ class TraceReplay:
         return result
 
     def _enforce_budgets(self) -> None:
-        self.device_budget.enforce()
+        if self.storage_tier is not None:
+            # The write-backs' archives are written once the device's eviction is over, as the
+            # controller engine writes them (then before the host evicts, in both).
+            with self.storage_tier.deferring():
+                self.device_budget.enforce()
+        else:
+            self.device_budget.enforce()
         if self.host_budget is not None:
             self.host_budget.enforce()
 
@@ -353,6 +362,8 @@ class TraceReplay:
             peak["storage"] = c.capacity_bytes if c.bytes_evicted else c.used_bytes
             extra["storage_objects"] = c.num_objects
             extra["prefetches"] = self.storage_tier.num_prefetches
+            if self.storage_tier.admission is not None:
+                extra["storage_admission"] = self.storage_tier.admission.counts()
             extra["storage_kv_bytes_written"] = self.storage.written_bytes(PoolName.KV)
             extra["storage_state_bytes_written"] = self.storage.written_bytes(PoolName.MAMBA)
         stats = self.tree.stats()

@@ -55,6 +55,7 @@ class AccountingStorage:
         self._regular: OrderedDict[tuple[PoolName, str], int] = OrderedDict()
         self._speculative: OrderedDict[tuple[PoolName, str], int] = OrderedDict()
         self.used_bytes = 0
+        self.speculative_bytes = 0  # of used_bytes
         self._written: dict[PoolName, int] = {}
         self._read: dict[PoolName, int] = {}
         self._evicted: dict[PoolName, int] = {}
@@ -84,6 +85,7 @@ class AccountingStorage:
             return size
         size = self._speculative.pop(k, None)
         if size is not None:
+            self.speculative_bytes -= size
             self._regular[k] = size
         return size
 
@@ -111,6 +113,8 @@ class AccountingStorage:
                 continue
             (self._speculative if speculative else self._regular)[k] = size
             self.used_bytes += size
+            if speculative:
+                self.speculative_bytes += size
             self._written[pool] = self._written.get(pool, 0) + size
             ok.append(True)
         return ok
@@ -146,6 +150,7 @@ class AccountingStorage:
         while self.used_bytes + size > self.capacity_bytes:
             if self._speculative:
                 (pool, _), old = self._speculative.popitem(last=False)
+                self.speculative_bytes -= old
             elif self._regular and not speculative:
                 (pool, _), old = self._regular.popitem(last=False)
             else:
@@ -154,6 +159,28 @@ class AccountingStorage:
             self._evicted[pool] = self._evicted.get(pool, 0) + 1
             self._bytes_evicted += old
         return True
+
+    def displaced(self, objects: Sequence[tuple[PoolName, str]]) -> list[tuple[PoolName, str]]:
+        """The regular objects a put of ``objects`` (regular) would evict, in the order it
+        would evict them; empty when their new bytes fit in free room and in the room that
+        speculative objects give up first. The objects among ``objects`` already stored are
+        left out (a put refreshes them). Nothing changes."""
+        need = self.used_bytes - self.capacity_bytes - self.speculative_bytes
+        for pool, key in objects:
+            if not self.contains(pool, key):
+                need += self.object_bytes(pool)
+        out: list[tuple[PoolName, str]] = []
+        if need <= 0:
+            return out
+        mine = set(objects)
+        for k, size in self._regular.items():
+            if k in mine:
+                continue
+            out.append(k)
+            need -= size
+            if need <= 0:
+                break
+        return out
 
     def objects(self) -> tuple[list[tuple[PoolName, str]], list[tuple[PoolName, str]]]:
         """The stored objects, regular and speculative, each least recently used first (the

@@ -32,13 +32,15 @@ bytes are kept.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 
 from asynccache.errors import ConfigError
 from asynccache.prefetch import held_node
 from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer
+from asynccache.storage_admission import ArchiveAdmission, Ticket
 from asynccache.trace.storage_index import AccountingStorage
 from asynccache.tree import HybridRadixTree, MatchResult, TreeNode
 
@@ -80,7 +82,10 @@ class ReplayStorageTier:
         self.num_prefetch_no_room = 0
         self.staged_state_bytes = 0  # device → host bytes of storage-only snapshots
         #: nodes a prefetch backed up, archived when it ends (as the controller's tier does)
-        self._deferred: list[TreeNode] | None = None
+        self._deferred: list[tuple[TreeNode, Ticket | None]] | None = None
+        #: which backups a tight storage takes (:mod:`asynccache.storage_admission`; None: all)
+        self.admission: ArchiveAdmission | None = None
+        self.num_not_admitted = 0
 
     # ---- writing -----------------------------------------------------------------------
     def _path_keys(self, node: TreeNode) -> list[str]:
@@ -89,31 +94,64 @@ class ReplayStorageTier:
             keys.extend(n.page_hashes)
         return keys
 
-    def archive_node(self, node: TreeNode) -> None:
+    def archive_node(self, node: TreeNode) -> bool:
         """Write ``node``'s path as the controller's tier does for a storage that evicts: the KV
         of every page, then the state of each path node with a host state (``node``'s own
         wherever it is). Put-if-absent: what is stored already is refreshed, so a path in use
         ages in storage no faster than in the tree. Nothing is marked archived (the storage may
-        drop what a flag would claim)."""
+        drop what a flag would claim). True when everything was stored."""
+        if not node.alive or node.parent is None:
+            return False
+        return self._write_path(node, self.tree.path_to(node))
+
+    def _write_path(self, node: TreeNode, path: list[TreeNode]) -> bool:
+        keys = [h for n in path for h in n.page_hashes]
+        if not all(self.storage.put(PoolName.KV, keys)):
+            return False
+        states = [n.page_hashes[-1] for n in path if n.host_state is not None or (n is node and n.has_state)]
+        return all(self.storage.put(PoolName.MAMBA, states))
+
+    def _archive_backup(self, node: TreeNode, ticket: Ticket | None) -> None:
+        """Archive a backed-up ``node`` if the storage admission rule lets it (``ticket``: taken
+        when the backup completed), as the controller's tier does."""
         if not node.alive or node.parent is None:
             return
         path = self.tree.path_to(node)
-        keys = [h for n in path for h in n.page_hashes]
-        if not all(self.storage.put(PoolName.KV, keys)):
+        rule = self.admission
+        if rule is not None and not rule.admit(node, path, self.storage, ticket):
+            self.num_not_admitted += 1
             return
-        states = [n.page_hashes[-1] for n in path if n.host_state is not None or (n is node and n.has_state)]
-        self.storage.put(PoolName.MAMBA, states)
+        if self._write_path(node, path) and rule is not None:
+            rule.written(node, ticket)
 
     def on_backup(self, nodes: Iterable[TreeNode]) -> None:
-        """After a device → host backup (``write="through"``): archive the nodes with a state."""
+        """After a device → host backup (``write="through"``): archive the nodes with a state
+        (those the storage admission rule, if any, admits)."""
         if not self.archive_backups:
             return
-        with_state = [n for n in nodes if n.host_state is not None]
-        if self._deferred is not None:  # a prefetch's backup: archived once the read is done
+        rule = self.admission
+        with_state = [(n, rule.ticket(n) if rule is not None else None) for n in nodes if n.host_state is not None]
+        if self._deferred is not None:  # archived once the prefetch or the eviction ends
             self._deferred.extend(with_state)
             return
-        for node in with_state:
-            self.archive_node(node)
+        for node, t in with_state:
+            self._archive_backup(node, t)
+
+    @contextmanager
+    def deferring(self) -> Iterator[None]:
+        """Archive the backups made inside the block when it ends, in their order, as the
+        controller's tier does with those of a device eviction's write-backs (it writes them
+        once the eviction is over: each path is then read as the whole eviction left it)."""
+        if self._deferred is not None:
+            yield
+            return
+        self._deferred = []
+        try:
+            yield
+        finally:
+            backed_up, self._deferred = self._deferred, None
+            for n, ticket in backed_up:
+                self._archive_backup(n, ticket)
 
     def demote(self, nodes: Sequence[TreeNode], list_key: str) -> None:
         """``evict_host``'s ``demote`` callback (``write="demote"``): before the tree drops the
@@ -202,7 +240,7 @@ class ReplayStorageTier:
             tree.unlock(node)
             tree.unlock_host(node)
             backed_up, self._deferred = self._deferred or [], None
-            for n in backed_up:
-                self.archive_node(n)
+            for n, ticket in backed_up:
+                self._archive_backup(n, ticket)
         self.num_prefetches += 1
         return True

@@ -113,3 +113,22 @@ async def test_a_storage_lookup_refreshes_what_it_finds_as_the_controller_s_does
         assert storage.objects() == twin.objects(), f"request {i}"
         hits += n > 0
     assert hits
+
+
+@pytest.mark.parametrize("storage", [20, 40, BIG])
+async def test_the_engines_agree_on_what_a_tight_storage_admits(storage: int) -> None:
+    """The storage admission rule (``asynccache.storage_admission``) skips archives in both
+    engines alike when storage is tight, and none when it has room."""
+    trace = mixed_trace(5, 120, shared=3)
+    config = make_config("adaptive/reuse/write_back", device_pages=24, host_pages=20, storage_pages=storage)
+    sync, ctrl = await replay_in_lockstep(trace, config)
+    assert sync.storage_tier is not None and ctrl.storage_tier is not None
+    assert sync.storage_tier.admission is not None and ctrl.storage_tier.admission is not None
+    counts = sync.storage_tier.admission.counts()
+    assert counts == ctrl.storage_tier.admission.counts()
+    assert ctrl.controller.tiering is not None
+    assert ctrl.controller.tiering.counts["backup_not_admitted"] == sync.storage_tier.num_not_admitted == counts["skipped"]
+    if storage == BIG:
+        assert counts == {"admitted_over_victim": 0, "skipped": 0}
+    else:
+        assert counts["skipped"] > 0
