@@ -141,7 +141,7 @@ class HostWriteArchiver:
             tier.counts["backup_failed"] += 1
             return
         if rule is not None:
-            rule.written(node, ticket)
+            rule.written(node, ticket, tier.backend)
         if not evicts:
             # Not a node whose state arrived on the host while this was written: its own
             # archive follows.

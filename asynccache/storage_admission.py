@@ -47,6 +47,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ArchiveAdmission", "ReturnEstimate", "Ticket"]
 
+#: The fewest records kept before the first sweep of evicted states.
+_SWEEP_MIN = 1024
+
 #: ``p(turn, age)``: the chance of a return within the policy's horizon (a frozen estimate).
 ReturnEstimate = Callable[[int, float], float]
 
@@ -71,6 +74,8 @@ class ArchiveAdmission:
         self.now = now
         #: state key → (turn, last_access) of the node last archived with its state there
         self._stored: dict[str, tuple[int, float]] = {}
+        #: records kept past this are swept of the states the backend no longer holds
+        self._sweep_at = _SWEEP_MIN
         self.num_admitted = 0  # archives that displaced a recorded state
         self.num_skipped = 0
 
@@ -114,10 +119,23 @@ class ArchiveAdmission:
         self.num_skipped += 1
         return False
 
-    def written(self, node: TreeNode, ticket: Ticket | None) -> None:
-        """Record the state an archive of ``node`` wrote (after :meth:`admit` let it)."""
-        if ticket is not None:
-            self._stored[node.page_hashes[-1]] = (ticket.turn, ticket.last_access)
+    def written(self, node: TreeNode, ticket: Ticket | None, backend: Any) -> None:
+        """Record the state an archive of ``node`` wrote to ``backend`` (after :meth:`admit`
+        let it). The records of states ``backend`` has evicted since are dropped once the
+        records have doubled since the last sweep, so they stay within twice what it holds."""
+        if ticket is None or getattr(backend, "displaced", None) is None:
+            return  # no rule for this backend: nothing to compare with later
+        self._stored[node.page_hashes[-1]] = (ticket.turn, ticket.last_access)
+        if len(self._stored) > self._sweep_at:
+            contains = getattr(backend, "contains", None)
+            if contains is not None:
+                self._stored = {k: v for k, v in self._stored.items() if contains(PoolName.MAMBA, k)}
+            self._sweep_at = max(_SWEEP_MIN, 2 * len(self._stored))
+
+    @property
+    def num_records(self) -> int:
+        """States recorded as archived (some of them evicted since the last sweep)."""
+        return len(self._stored)
 
     def counts(self) -> dict[str, int]:
         """Archives that would displace an archived state: written, skipped."""

@@ -122,7 +122,7 @@ class ReplayStorageTier:
             self.num_not_admitted += 1
             return
         if self._write_path(node, path) and rule is not None:
-            rule.written(node, ticket)
+            rule.written(node, ticket, self.storage)
 
     def on_backup(self, nodes: Iterable[TreeNode]) -> None:
         """After a device → host backup (``write="through"``): archive the nodes with a state

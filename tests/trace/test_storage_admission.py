@@ -48,7 +48,7 @@ def archive(rule: ArchiveAdmission, store: AccountingStorage, n: Any) -> bool:
         return False
     store.put(PoolName.KV, n.page_hashes)
     store.put(PoolName.MAMBA, [n.page_hashes[-1]])
-    rule.written(n, ticket)
+    rule.written(n, ticket, store)
     return True
 
 
@@ -130,3 +130,21 @@ def test_the_ticket_is_the_candidate_as_it_stood_when_its_host_write_completed()
     cold.last_access = NOW  # touched since: a fresh ticket would admit it
     assert rule.admit(cold, [cold], store, rule.ticket(cold))
     assert not rule.admit(cold, [cold], store, ticket)
+
+
+def test_the_records_of_evicted_states_are_swept() -> None:
+    """A long run archives far more states than a small disk holds: the rule's records stay
+    within twice the sweep's floor or twice what the storage holds, not one per archive."""
+    rule, store = ArchiveAdmission(Returns(), now=lambda: NOW), storage(8)
+    for i in range(5000):  # each archive a warmer path than the last: all admitted
+        assert archive(rule, store, node(f"n{i}", turn=3, last_access=float(i)))
+    assert store.used_bytes <= 8
+    assert 0 < rule.num_records <= 2 * 1024
+    assert rule.counts()["skipped"] == 0
+
+
+def test_a_backend_without_the_rule_leaves_no_records() -> None:
+    rule = ArchiveAdmission(Returns(), now=lambda: NOW)
+    n = node("a", turn=3, last_access=NOW)
+    rule.written(n, rule.ticket(n), object())  # a backend that cannot say what it displaces
+    assert rule.num_records == 0
