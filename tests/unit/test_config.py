@@ -56,6 +56,14 @@ def test_write_policy_and_pinning_are_checked_with_the_config(change: dict[str, 
         HybridCacheConfig(**(BASE | change))
 
 
+def test_a_cache_needs_a_spec_and_a_config() -> None:
+    config = HybridCacheConfig(**BASE)
+    with pytest.raises(ConfigError, match="spec must be a HybridSpec"):
+        HybridCache("tiny", config)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="config must be a HybridCacheConfig"):
+        HybridCache(SPEC, dict(BASE))  # type: ignore[arg-type]
+
+
 def test_numpy_integers_are_taken_as_ints() -> None:
     cfg = HybridCacheConfig(device_kv_pages=np.int64(8), device_state_slots=np.int32(4), max_ctas=np.int64(16))
     assert (cfg.device_kv_pages, cfg.device_state_slots, cfg.max_ctas) == (8, 4, 16)
