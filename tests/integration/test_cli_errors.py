@@ -59,6 +59,10 @@ def _one_line_error(capsys: pytest.CaptureFixture[str], *needles: str) -> None:
         ([*TINY_MULTITURN, "--modes", "kv-offload", "--storage", "file:///tmp/x"], ("kv+mamba+storage",)),
         ([*TINY_MULTITURN, "--modes", "no-offload", "--storage-option", "read_processes=0"], ("kv+mamba+storage",)),
         (["bench", "storage", "--num-pages", "0", "--num-states", "0"], ("nothing to measure",)),
+        ([*TINY_MULTITURN, "--modes", "kv-ofload"], ("--modes", "unknown modes ['kv-ofload']")),  # had no "error:"
+        ([*TINY_MULTITURN, "--modes", ","], ("--modes names no mode",)),
+        (["bench", "prefix", "--preset", "tiny", "--repeats", "0"], ("--repeats >= 1",)),
+        (["bench", "prefix", "--from-json", "/nonexistent/r.json"], ("cannot read /nonexistent/r.json",)),
         (["bench", "storage", "--uri", "memory://", "--cold-reads"], ("--cold-reads", "file://")),
         (["bench", "storage", "--uri", "s3://[::1", "--num-pages", "1"], ("--uri", "malformed")),
     ],
@@ -80,6 +84,18 @@ def test_bench_storage_with_a_root_it_cannot_write_under_is_one_line(
     assert main(["bench", "storage", "--uri", uri, "--preset", "tiny", "--num-pages", "1", "--rounds", "1"]) == 2
     _one_line_error(capsys, uri, "cannot write under")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_bench_prefix_with_a_storage_dir_it_cannot_write_is_refused_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run measured every tier with a disk tier that stored nothing, then failed with a
+    traceback reading the directory."""
+    (tmp_path / "file").write_text("")
+    argv = ["bench", "prefix", "--preset", "tiny", "--device", "cpu", "--storage-dir", str(tmp_path / "file" / "disk")]
+    assert main(argv) == 2
+    _one_line_error(capsys, "--storage-dir", "cannot write there")
+    assert capsys.readouterr().out == ""  # nothing was measured
 
 
 def test_trace_bad_sizes_and_empty_policies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
