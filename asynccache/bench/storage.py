@@ -58,7 +58,13 @@ from asynccache.errors import AsyncCacheError, BackendError, ConfigError
 from asynccache.pools.base import ItemPool
 from asynccache.pools.host import HostKVPool, MambaPoolHost
 from asynccache.spec import HybridSpec
-from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer, open_backend, storage_scheme
+from asynccache.storage import (
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    open_backend,
+    storage_scheme,
+)
 from storage_backends.base import ObjectBackend, usable_cores
 from storage_backends.local_disk import LocalDiskBackend, parse_file_uri
 from storage_backends.object_store import ObjectStoreBackend
