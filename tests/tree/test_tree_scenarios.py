@@ -902,6 +902,22 @@ def test_token_inputs_are_equivalent() -> None:
         assert tree.match_prefix(t).num_tokens == 3 * PAGE
 
 
+@pytest.mark.parametrize("tokens", [[1.7] * 8, [1, 1, 1, 1, 1, 1, 1, 1.5], [True] * 8, [[1] * 4, [1] * 4], [None] * 8])
+def test_a_list_of_token_ids_that_are_not_integers_is_refused(tokens: list[object]) -> None:
+    """A list of floats was truncated: it matched, and was cached as, the prompt of its integer
+    parts (arrays and tensors of a float dtype were refused already)."""
+    tree, _ = make_tree()
+    put(tree, [1] * 8)
+    with pytest.raises(ConfigError, match="token ids must be"):
+        tree.match_prefix(tokens)
+    alloc = tree.alloc_device(2, 0)
+    assert alloc is not None
+    with pytest.raises(ConfigError, match="token ids must be"):
+        tree.insert(tokens, alloc.kv_indices)
+    tree.device_kv.free(alloc.kv_indices)
+    tree.check_integrity()
+
+
 def test_evicted_and_deleted_nodes_cannot_be_locked() -> None:
     tree, _ = make_tree(host_pages=None, host_states=None)
     r = put(tree, seq(1, PAGE))
