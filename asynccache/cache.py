@@ -98,7 +98,7 @@ class HybridCache:
     ``config.storage_uri``. ``materialize=False``: accounting mode (pools without buffers).
     ``clock``: the tree's time source, a callable returning seconds (``last_access``, and the
     ``now`` eviction policies see; default ``time.monotonic``), e.g. a trace's simulated clock;
-    not callable: :class:`ConfigError`.
+    not callable: :class:`ConfigError`, as is a ``spec`` or ``config`` of another type.
     """
 
     def __init__(
@@ -116,6 +116,12 @@ class HybridCache:
         from asynccache.policy import EndsAdmission, LRUEviction, WritePolicy
         from asynccache.tree import HybridRadixTree
 
+        if not isinstance(spec, HybridSpec):
+            raise ConfigError(
+                f"spec must be a HybridSpec (HybridSpec.preset, HybridSpec.from_hf_config), got {type(spec).__name__}"
+            )
+        if not isinstance(config, HybridCacheConfig):
+            raise ConfigError(f"config must be a HybridCacheConfig, got {type(config).__name__}")
         if clock is not None and not callable(clock):
             raise ConfigError(f"clock must be a callable returning seconds, got {type(clock).__name__}")
         _check_layer_kinds(spec, config, storage=backend is not None or config.storage_uri is not None)

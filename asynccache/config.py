@@ -89,6 +89,13 @@ class HybridCacheConfig:
 
             storage_scheme(self.storage_uri)  # a URI that does not parse is refused here, redacted
         object.__setattr__(self, "host_layout", PoolLayout.parse(self.host_layout))
+        from asynccache.policy.write import WritePolicy
+
+        WritePolicy.parse(self.write_policy)  # refused here, not when a cache is built from the config
+        if self.pin_host_memory is not None and not isinstance(self.pin_host_memory, bool):
+            # a truthy "no" or 0.0 would otherwise demand pinned memory, or skip it, by accident
+            pin = self.pin_host_memory
+            raise ConfigError(f"pin_host_memory must be None (pin when possible), True or False, got {pin!r}")
         try:
             object.__setattr__(self, "prefetch_policy", PrefetchPolicy(self.prefetch_policy))
         except ValueError:

@@ -347,7 +347,8 @@ def run(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = sorted(set(modes) - set(MODES))
     if unknown or not modes:
-        print(f"unknown modes {unknown}; known: {list(MODES)}" if modes else "--modes names no mode", file=sys.stderr)
+        why = f"unknown modes {unknown}; known: {list(MODES)}" if modes else "--modes names no mode"
+        print(f"error: --modes: {why}", file=sys.stderr)
         return 2
     storage_mode = "kv+mamba+storage" in modes
     if not storage_mode and (args.storage is not None or args.storage_option):

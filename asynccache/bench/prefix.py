@@ -384,6 +384,15 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         )
     if args.storage_dir and os.path.exists(args.storage_dir) and not os.path.isdir(args.storage_dir):
         return f"--storage-dir {args.storage_dir}: not a directory"
+    if args.storage_dir:
+        # Made (if missing) and written to now: a disk tier that cannot write stores nothing, and
+        # the raw reads after the run's measurements failed on it.
+        try:
+            os.makedirs(args.storage_dir, exist_ok=True)
+            with tempfile.TemporaryFile(dir=args.storage_dir):
+                pass
+        except OSError as e:
+            return f"--storage-dir {args.storage_dir}: cannot write there ({e.strerror or e})"
     return None
 
 
@@ -392,14 +401,14 @@ def run(args: argparse.Namespace) -> int:
         try:
             res = json.loads(Path(args.from_json).read_text())
         except (OSError, ValueError) as e:
-            print(f"cannot read {args.from_json}: {e}", file=sys.stderr)
+            print(f"error: cannot read {args.from_json}: {e}", file=sys.stderr)
             return 2
         if not isinstance(res, dict):
             print(f"error: {args.from_json} is not a result of this benchmark (not a JSON object)", file=sys.stderr)
             return 2
     else:
         if (why := check_arguments(args)) is not None:
-            print(why, file=sys.stderr)
+            print(f"error: {why}", file=sys.stderr)
             return 2
         try:
             res = uvloop.run(_run(args))

@@ -52,13 +52,19 @@ import torch
 import uvloop
 
 from asynccache.bench.backend_options import add_option_argument, parse_options
-from asynccache.bench.options import positive_int
+from asynccache.bench.options import nonnegative_int, positive_int
 from asynccache.bench.raw_paths import RawFile, RawPath, RawS3, drop_from_page_cache
 from asynccache.errors import AsyncCacheError, BackendError, ConfigError
 from asynccache.pools.base import ItemPool
 from asynccache.pools.host import HostKVPool, MambaPoolHost
 from asynccache.spec import HybridSpec
-from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer, open_backend
+from asynccache.storage import (
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    open_backend,
+    storage_scheme,
+)
 from storage_backends.base import ObjectBackend, usable_cores
 from storage_backends.local_disk import LocalDiskBackend, parse_file_uri
 from storage_backends.object_store import ObjectStoreBackend
@@ -72,11 +78,11 @@ log = logging.getLogger(__name__)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uri", default=None, help="file:// or s3:// URI (default: a temporary local directory)")
     parser.add_argument("--preset", default="qwen3-next-80b", help="HybridSpec preset (default qwen3-next-80b)")
-    parser.add_argument("--tp-size", type=int, default=1, help="TP shard of the spec (default 1)")
-    parser.add_argument("--num-pages", type=int, default=256, help="KV pages per round (default 256)")
-    parser.add_argument("--num-states", type=int, default=2, help="Mamba states per round (default 2)")
-    parser.add_argument("--batch-pages", type=int, default=64, help="pages per batch call (default 64)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds, medians reported (default 3)")
+    parser.add_argument("--tp-size", type=positive_int, default=1, help="TP shard of the spec (default 1)")
+    parser.add_argument("--num-pages", type=nonnegative_int, default=256, help="KV pages per round (default 256)")
+    parser.add_argument("--num-states", type=nonnegative_int, default=2, help="Mamba states per round (default 2)")
+    parser.add_argument("--batch-pages", type=positive_int, default=64, help="pages per batch call (default 64)")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="rounds, medians reported (default 3)")
     parser.add_argument(
         "--max-concurrency", type=positive_int, default=None, help="backend's objects in flight (default: the backend's)"
     )
@@ -163,7 +169,11 @@ async def _bench(args: argparse.Namespace, uri: str, user_options: dict[str, Any
         raise ConfigError(f"{uri}: the benchmark needs a built-in backend")
     raw: RawPath
     if isinstance(backend, LocalDiskBackend):
-        raw = RawFile(backend, run_id)
+        try:
+            raw = RawFile(backend, run_id)
+        except OSError as e:  # a root that cannot be made or written: bad input, found before any write
+            await backend.aclose()
+            raise ConfigError(f"{uri}: cannot write under {backend.root} ({e.strerror or e})") from None
     elif isinstance(backend, ObjectStoreBackend):
         raw = RawS3(backend, run_id)
     else:
@@ -304,7 +314,7 @@ def _remove_folders(folders: list[str]) -> None:
     for folder in folders:
         try:
             os.rmdir(folder)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # never made (a file above it: NotADirectoryError)
             continue
         except OSError as e:
             log.warning("%s: not removed: %s", folder, e.strerror or type(e).__name__)
@@ -312,11 +322,16 @@ def _remove_folders(folders: list[str]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.rounds < 1 or args.num_pages < 0 or args.num_states < 0 or args.num_pages + args.num_states == 0:
-        print("need rounds >= 1 and at least one page or state", file=sys.stderr)
+    if args.num_pages + args.num_states == 0:
+        print("error: --num-pages and --num-states are both 0: nothing to measure", file=sys.stderr)
         return 2
-    if args.batch_pages < 1:
-        print("--batch-pages must be >= 1", file=sys.stderr)
+    try:
+        scheme = "file" if args.uri is None else storage_scheme(args.uri)
+    except ConfigError as e:
+        print(f"error: --uri: {e}", file=sys.stderr)
+        return 2
+    if args.cold_reads and scheme != "file":
+        print("error: --cold-reads drops objects from the page cache: a file:// URI only", file=sys.stderr)
         return 2
     try:
         user_options = parse_options(args.options)

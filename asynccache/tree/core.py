@@ -18,15 +18,20 @@ Nothing here allocates from a pool; frees happen only where the tree owns the in
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
+from asynccache.checks import as_int
 from asynccache.errors import ConfigError
 from asynccache.policy.write import WriteMode
 from asynccache.tree.bookkeeping import POOL_NAMES, DemoteFn, EvictListener, WriteBackFn
 from asynccache.tree.locks import TreeLocks
 from asynccache.tree.node import EvictHow, TreeNode
 from kernels.api import all_distinct
+
+if TYPE_CHECKING:
+    from asynccache.pools.base import ItemPool
 
 __all__ = ["POOL_NAMES", "DemoteFn", "EvictListener", "TreeCore", "WriteBackFn"]
 
@@ -187,31 +192,49 @@ class TreeCore(TreeLocks):
         return tuple(n for i, n in enumerate(path[: last + 1]) if i in chosen or n.host_kv is None)
 
     # ---- argument checks -------------------------------------------------------------------
-    def _check_indices(self, indices: torch.Tensor | Sequence[int], num_pages: int, what: str) -> torch.Tensor:
-        t = indices if isinstance(indices, torch.Tensor) else torch.as_tensor(list(indices), dtype=torch.int64)
+    def _check_indices(
+        self, indices: torch.Tensor | Sequence[int], num_pages: int, what: str, pool: ItemPool | None
+    ) -> torch.Tensor:
+        """``indices`` as a private int64 CPU tensor: one per page, distinct, each in ``pool``
+        (when there is one)."""
+        try:
+            t = indices if isinstance(indices, torch.Tensor) else torch.as_tensor(list(indices), dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ConfigError(f"{what} must be a 1-D integer tensor or a sequence of ints ({e})") from None
         if t.dim() != 1 or t.numel() != num_pages:
             raise ConfigError(f"{what} must hold one index per full page ({num_pages}), got shape {tuple(t.shape)}")
         if t.dtype not in (torch.int64, torch.int32):
             raise ConfigError(f"{what} must be an integer tensor, got {t.dtype}")
         # A private copy: the caller may reuse its tensor (e.g. a row of its page table).
         t = t.clone() if t.dtype is torch.int64 and t.device.type == "cpu" else t.to("cpu", torch.int64)
+        if pool is not None and t.numel() and not (0 <= int(t.min()) and int(t.max()) < pool.num_items):
+            # The tree would hold them, and the eviction that frees them fail (AllocationError).
+            raise ConfigError(f"{what}: indices outside {pool.name}'s 0..{pool.num_items - 1}")
         if not all_distinct(t.numpy()):
             raise ConfigError(f"{what}: the same page index is given twice")
         return t
 
-    def _check_states(self, states: Mapping[int, int] | None, num_pages: int, what: str) -> dict[int, int]:
-        """``{token position: slot}`` → ``{page position: slot}``, validated."""
+    def _check_states(
+        self, states: Mapping[int, int] | None, num_pages: int, what: str, pool: ItemPool | None
+    ) -> dict[int, int]:
+        """``{token position: slot}`` → ``{page position: slot}``, validated: integer positions
+        on page boundaries, integer slots in ``pool`` (when there is one)."""
         if not states:
             return {}
         out: dict[int, int] = {}
-        for pos, slot in states.items():
-            pos, slot = int(pos), int(slot)
+        for position, state_slot in states.items():
+            pos, slot = as_int(position), as_int(state_slot)
+            if pos is None or slot is None:
+                raise ConfigError(f"{what}: positions and slots are integers, got {position!r}: {state_slot!r}")
             if pos % self.page_size or not 0 < pos <= num_pages * self.page_size:
                 raise ConfigError(
                     f"{what}: position {pos} is not a page boundary in (0, {num_pages * self.page_size}]"
                 )
             if slot < 0:
                 raise ConfigError(f"{what}: negative slot {slot} at position {pos}")
+            if pool is not None and slot >= pool.num_items:
+                where = f"{pool.name}'s 0..{pool.num_items - 1}"
+                raise ConfigError(f"{what}: slot {slot} at position {pos} is outside {where}")
             out[pos // self.page_size] = slot
         if len(set(out.values())) != len(out):
             raise ConfigError(f"{what}: the same slot is given at two positions")

@@ -43,7 +43,12 @@ def encode_tokens(tokens: TokenIds, page_size: int) -> tuple[bytes, int]:
     elif isinstance(tokens, (bytes, bytearray, memoryview, str)):
         raise ConfigError(f"token ids must be integers, got {type(tokens).__name__}")
     else:
-        arr = np.asarray(tokens, dtype=np.int64)
+        # The type is inferred, then checked: asked for int64, NumPy truncated floats (1.7 → 1)
+        # and a list of floats matched, and was cached as, the prompt of their integer parts.
+        try:
+            arr = np.asarray(tokens)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"token ids must be a 1-D sequence of integers ({e})") from None
     if arr.ndim != 1:
         raise ConfigError(f"token ids must be 1-D, got shape {tuple(arr.shape)}")
     if arr.dtype.kind not in "iu" and arr.size:

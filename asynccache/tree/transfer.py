@@ -166,7 +166,7 @@ class TransferMixin(TreeCore):
     def _check_indices_count(
         self, indices: torch.Tensor | Sequence[int], num_pages: int, slot: int | None, need_state: bool
     ) -> torch.Tensor:
-        kv = self._check_indices(indices, num_pages, "device_kv_indices")
+        kv = self._check_indices(indices, num_pages, "device_kv_indices", self.device_kv)
         if need_state != (slot is not None):
             raise ConfigError(
                 "device_state_slot is required exactly when the state is on the host only "
@@ -291,9 +291,9 @@ class TransferMixin(TreeCore):
                 work.append((n, need_kv, need_state))
         num_kv = sum(n.num_pages for n, k, _ in work if k)
         num_states = sum(1 for _, _, s in work if s)
-        host_kv = self._check_indices(host_kv_indices, num_kv, "host_kv_indices")
+        host_kv = self._check_indices(host_kv_indices, num_kv, "host_kv_indices", self.host_kv)
         slots = self._check_indices(
-            _EMPTY if host_state_slots is None else host_state_slots, num_states, "host_state_slots"
+            _EMPTY if host_state_slots is None else host_state_slots, num_states, "host_state_slots", self.host_mamba
         )
         dev_kv: list[torch.Tensor] = []
         dev_states: list[int] = []

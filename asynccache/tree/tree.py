@@ -274,8 +274,8 @@ class HybridRadixTree(ByteEvictionMixin, TransferMixin):
         nothing changed and the caller still owns everything.
         """
         buf, num_pages = encode_tokens(tokens, self.page_size)
-        kv = self._check_indices(kv_indices, num_pages, "kv_indices")
-        offered = self._check_states(states, num_pages, "states")
+        kv = self._check_indices(kv_indices, num_pages, "kv_indices", self.device_kv)
+        offered = self._check_states(states, num_pages, "states", self.device_mamba)
         if prompt_len is not None and prompt_len < 0:
             raise ConfigError(f"prompt_len must be >= 0, got {prompt_len}")
         root = self._root_for(salt, create=True)
@@ -335,8 +335,8 @@ class HybridRadixTree(ByteEvictionMixin, TransferMixin):
         buf, num_pages = encode_tokens(tokens, self.page_size)
         if not 0 <= start_page <= num_pages:
             raise ConfigError(f"start_page={start_page} outside 0..{num_pages}")
-        kv = self._check_indices(host_kv_indices, num_pages - start_page, "host_kv_indices")
-        offered = self._check_states(host_states, num_pages, "host_states")
+        kv = self._check_indices(host_kv_indices, num_pages - start_page, "host_kv_indices", self.host_kv)
+        offered = self._check_states(host_states, num_pages, "host_states", self.host_mamba)
         if offered and self.host_mamba is None:
             raise ConfigError("host_states given but the tree has no host state pool")
         if any(p < start_page for p in offered):

@@ -58,6 +58,13 @@ def _one_line_error(capsys: pytest.CaptureFixture[str], *needles: str) -> None:
         (["bench", "storage", "--uri", "memory://", "--num-pages", "1"], ("no raw path",)),
         ([*TINY_MULTITURN, "--modes", "kv-offload", "--storage", "file:///tmp/x"], ("kv+mamba+storage",)),
         ([*TINY_MULTITURN, "--modes", "no-offload", "--storage-option", "read_processes=0"], ("kv+mamba+storage",)),
+        (["bench", "storage", "--num-pages", "0", "--num-states", "0"], ("nothing to measure",)),
+        ([*TINY_MULTITURN, "--modes", "kv-ofload"], ("--modes", "unknown modes ['kv-ofload']")),  # had no "error:"
+        ([*TINY_MULTITURN, "--modes", ","], ("--modes names no mode",)),
+        (["bench", "prefix", "--preset", "tiny", "--repeats", "0"], ("--repeats >= 1",)),
+        (["bench", "prefix", "--from-json", "/nonexistent/r.json"], ("cannot read /nonexistent/r.json",)),
+        (["bench", "storage", "--uri", "memory://", "--cold-reads"], ("--cold-reads", "file://")),
+        (["bench", "storage", "--uri", "s3://[::1", "--num-pages", "1"], ("--uri", "malformed")),
     ],
 )
 def test_bad_input_is_one_line_and_status_2(
@@ -65,6 +72,30 @@ def test_bad_input_is_one_line_and_status_2(
 ) -> None:
     assert main(argv) == 2
     _one_line_error(capsys, *needles)
+
+
+def test_bench_storage_with_a_root_it_cannot_write_under_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file above the root: the raw path's folder cannot be made (was a FileNotFoundError
+    traceback); the folders the run made are removed."""
+    (tmp_path / "file").write_text("")
+    uri = f"file://{tmp_path}/file/store"
+    assert main(["bench", "storage", "--uri", uri, "--preset", "tiny", "--num-pages", "1", "--rounds", "1"]) == 2
+    _one_line_error(capsys, uri, "cannot write under")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_bench_prefix_with_a_storage_dir_it_cannot_write_is_refused_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run measured every tier with a disk tier that stored nothing, then failed with a
+    traceback reading the directory."""
+    (tmp_path / "file").write_text("")
+    argv = ["bench", "prefix", "--preset", "tiny", "--device", "cpu", "--storage-dir", str(tmp_path / "file" / "disk")]
+    assert main(argv) == 2
+    _one_line_error(capsys, "--storage-dir", "cannot write there")
+    assert capsys.readouterr().out == ""  # nothing was measured
 
 
 def test_trace_bad_sizes_and_empty_policies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -98,6 +129,9 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_run(
         ["bench", "transfer", "--reps", "0"],
         ["bench", "overlap", "--repeats", "0"],
         ["bench", "trace", "--jobs", "0"],
+        ["bench", "storage", "--rounds", "0"],  # these four were a line without "error:"
+        ["bench", "storage", "--batch-pages", "0"],
+        ["bench", "storage", "--tp-size", "0"],
     ],
 )
 def test_counts_that_must_be_positive_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -124,6 +158,8 @@ def test_counts_that_must_be_positive_are_usage_errors(argv: list[str], capsys: 
         (["bench", "overlap", "--compute-ratio", "-1"], "finite number > 0"),
         (["bench", "overlap", "--device", "foo"], "not a device"),
         (["bench", "storage", "--max-concurrency", "0"], "must be >= 1"),
+        (["bench", "storage", "--num-pages", "-1"], "must be >= 0"),
+        (["bench", "storage", "--num-states", "-1"], "must be >= 0"),
         (["bench", "trace", "--active-params", "-5"], "finite number > 0"),
         (["bench", "trace", "--active-params", "nan"], "finite number > 0"),
     ],

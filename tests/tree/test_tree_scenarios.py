@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -166,6 +168,43 @@ def test_insert_refuses_a_page_given_twice() -> None:
     with pytest.raises(ConfigError, match="twice"):
         tree.insert(tokens, kv, states={4 * PAGE: int(alloc.state_slots[0])})
     assert tree.stats().num_nodes == 0
+
+
+@pytest.mark.parametrize(
+    ("tier", "bad", "message"),
+    [
+        ("device", {"page": 64}, "kv_indices: indices outside device_kv's 0..63"),
+        ("device", {"page": -1}, "kv_indices: indices outside device_kv's 0..63"),
+        ("device", {"slot": 16}, "states: slot 16 at position 16 is outside device_mamba's 0..15"),
+        ("device", {"slot": 0.5}, "states: positions and slots are integers"),  # was taken as slot 0
+        ("device", {"position": 16.0}, "states: positions and slots are integers"),
+        ("host", {"page": 128}, "host_kv_indices: indices outside host_kv's 0..127"),
+        ("host", {"slot": 32}, "host_states: slot 32 at position 16 is outside host_mamba's 0..31"),
+    ],
+)
+def test_insert_refuses_indices_outside_the_pools(tier: str, bad: dict[str, float], message: str) -> None:
+    """The tree took them, failed its integrity check, and the eviction that freed them raised
+    AllocationError (inside whatever allocation evicted: another request's admission)."""
+    tree, _ = make_tree()
+    tokens = seq(1, 4 * PAGE)
+    alloc = tree.alloc_device(4, 1) if tier == "device" else tree.alloc_host(4, 1)
+    assert alloc is not None
+    kv = alloc.kv_indices.clone()
+    if "page" in bad:
+        kv[2] = int(bad["page"])
+    slot = bad.get("slot", int(alloc.state_slots[0]))
+    position = bad.get("position", 4 * PAGE)
+    insert = tree.insert if tier == "device" else tree.insert_host
+    keyword = "states" if tier == "device" else "host_states"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        insert(tokens, kv, **{keyword: {position: slot}})
+    assert tree.stats().num_nodes == 0
+    # Nothing changed: the caller still owns what it allocated, and gives it back.
+    kv_pool, state_pool = (tree.device_kv, tree.device_mamba) if tier == "device" else (tree.host_kv, tree.host_mamba)
+    assert kv_pool is not None and state_pool is not None
+    kv_pool.free(alloc.kv_indices)
+    state_pool.free(alloc.state_slots)
+    tree.check_integrity()
 
 
 def test_host_only_state_triggers_load_back_even_when_kv_is_on_device() -> None:
@@ -861,6 +900,22 @@ def test_token_inputs_are_equivalent() -> None:
     put(tree, s)
     for t in (s, tuple(s), np.asarray(s, dtype=np.int32), torch.tensor(s)):
         assert tree.match_prefix(t).num_tokens == 3 * PAGE
+
+
+@pytest.mark.parametrize("tokens", [[1.7] * 8, [1, 1, 1, 1, 1, 1, 1, 1.5], [True] * 8, [[1] * 4, [1] * 4], [None] * 8])
+def test_a_list_of_token_ids_that_are_not_integers_is_refused(tokens: list[object]) -> None:
+    """A list of floats was truncated: it matched, and was cached as, the prompt of its integer
+    parts (arrays and tensors of a float dtype were refused already)."""
+    tree, _ = make_tree()
+    put(tree, [1] * 8)
+    with pytest.raises(ConfigError, match="token ids must be"):
+        tree.match_prefix(tokens)
+    alloc = tree.alloc_device(2, 0)
+    assert alloc is not None
+    with pytest.raises(ConfigError, match="token ids must be"):
+        tree.insert(tokens, alloc.kv_indices)
+    tree.device_kv.free(alloc.kv_indices)
+    tree.check_integrity()
 
 
 def test_evicted_and_deleted_nodes_cannot_be_locked() -> None:

@@ -40,6 +40,30 @@ def test_values_that_make_no_sense_are_refused_by_name(change: dict[str, Any], f
         HybridCacheConfig(**(BASE | change))
 
 
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"write_policy": "write_through_selectve:2"}, "unknown write policy"),
+        ({"write_policy": "write_through_selective:0"}, "hit_threshold"),
+        ({"write_policy": None}, "unknown write policy"),
+        ({"pin_host_memory": "no"}, "pin_host_memory"),  # truthy: it demanded pinned memory
+        ({"pin_host_memory": 0}, "pin_host_memory"),
+    ],
+)
+def test_write_policy_and_pinning_are_checked_with_the_config(change: dict[str, Any], message: str) -> None:
+    """Refused where the config is made, not later where a cache is built from it."""
+    with pytest.raises(ConfigError, match=message):
+        HybridCacheConfig(**(BASE | change))
+
+
+def test_a_cache_needs_a_spec_and_a_config() -> None:
+    config = HybridCacheConfig(**BASE)
+    with pytest.raises(ConfigError, match="spec must be a HybridSpec"):
+        HybridCache("tiny", config)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="config must be a HybridCacheConfig"):
+        HybridCache(SPEC, dict(BASE))  # type: ignore[arg-type]
+
+
 def test_numpy_integers_are_taken_as_ints() -> None:
     cfg = HybridCacheConfig(device_kv_pages=np.int64(8), device_state_slots=np.int32(4), max_ctas=np.int64(16))
     assert (cfg.device_kv_pages, cfg.device_state_slots, cfg.max_ctas) == (8, 4, 16)
