@@ -59,6 +59,8 @@ def encode_tokens(tokens: TokenIds, page_size: int) -> tuple[bytes, int]:
 
 def seed_hash(namespace: str, salt: str) -> bytes:
     """The chain's origin for one namespace (model, page size, dtypes, shard) and tenant salt."""
+    if not isinstance(salt, str):
+        raise ConfigError(f"salt must be a str, got {type(salt).__name__}")
     data = b"asynccache/tree/v1\0" + namespace.encode() + b"\0" + salt.encode()
     return hashlib.blake2b(data, digest_size=_DIGEST_BYTES).digest()
 

@@ -52,7 +52,8 @@ class TreeLocks(TreeBookkeeping):
             node = node.parent
 
     def unlock(self, node: TreeNode) -> None:
-        """Undo one :meth:`lock` of ``node``. Raises :class:`TreeError` below zero."""
+        """Undo one :meth:`lock` of ``node``. Raises :class:`TreeError` below zero; unlocking a
+        root (a miss's ``last_node``) does nothing, as locking it does."""
         path = self.path_to(node)
         if any(n.device_lock <= 0 for n in path):
             raise TreeError(f"unlock of {node} without a matching lock")
@@ -71,7 +72,7 @@ class TreeLocks(TreeBookkeeping):
             node = node.parent
 
     def unlock_host(self, node: TreeNode) -> None:
-        """Undo one :meth:`lock_host`. Raises :class:`TreeError` below zero."""
+        """Undo one :meth:`lock_host`. Raises :class:`TreeError` below zero (a root: nothing)."""
         path = self.path_to(node)
         if any(n.host_lock <= 0 for n in path):
             raise TreeError(f"unlock_host of {node} without a matching lock_host")

@@ -29,6 +29,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from asynccache.checks import as_int
 from asynccache.errors import ConfigError
 from asynccache.tree.core import TreeCore
 from asynccache.tree.errors import TreeError
@@ -172,6 +173,13 @@ class TransferMixin(TreeCore):
                 "device_state_slot is required exactly when the state is on the host only "
                 f"(needed: {need_state}, given: {slot})"
             )
+        if slot is not None:
+            value = as_int(slot)
+            if value is None or not 0 <= value < self.device_mamba.num_items:
+                raise ConfigError(
+                    f"device_state_slot must be an integer in {self.device_mamba.name}'s "
+                    f"0..{self.device_mamba.num_items - 1}, got {slot!r}"
+                )
         return kv
 
     def finish_load(self, plan: LoadPlan) -> None:

@@ -207,6 +207,42 @@ def test_insert_refuses_indices_outside_the_pools(tier: str, bad: dict[str, floa
     tree.check_integrity()
 
 
+@pytest.mark.parametrize("slot", [10**6, -1, 0.5])
+def test_begin_load_refuses_a_device_state_slot_outside_the_pool(slot: float) -> None:
+    """The plan would copy the state to a slot the pool does not have (a device fault in the
+    copy, or a slot the tree later frees twice); nothing is planned or pinned."""
+    tree, transfer = make_tree()
+    s = seq(1, 4 * PAGE)
+    r = put(tree, s, states=[4 * PAGE])
+    transfer.backup(r.backup_nodes)
+    tree.evict_device(num_kv_pages=100, num_states=100)
+    m = tree.match_prefix(s)
+    assert m.needs_load and m.state_tier is Tier.HOST
+    kv = tree.device_kv.alloc(4)
+    with pytest.raises(ConfigError, match="device_state_slot must be an integer"):
+        tree.begin_load(m, kv, slot)
+    assert not tree.match_prefix(s).pending_load
+    tree.device_kv.free(kv)
+    tree.check_integrity()
+
+
+def test_a_salt_that_is_not_a_str_is_refused() -> None:
+    tree, _ = make_tree()
+    with pytest.raises(ConfigError, match="salt must be a str"):
+        tree.match_prefix(seq(1, 2 * PAGE), salt=5)  # type: ignore[arg-type]
+
+
+def test_unlocking_a_root_does_nothing_as_locking_it_does() -> None:
+    """A miss's last_node is the root: a scheduler locks and unlocks it like any match."""
+    tree, _ = make_tree()
+    m = tree.match_prefix(seq(1, 2 * PAGE))
+    assert m.num_tokens == 0 and m.last_node.parent is None
+    tree.lock(m.last_node)
+    tree.unlock(m.last_node)
+    tree.unlock(m.last_node)
+    tree.check_integrity()
+
+
 def test_host_only_state_triggers_load_back_even_when_kv_is_on_device() -> None:
     tree, transfer = make_tree()
     s = seq(1, 5 * PAGE)
