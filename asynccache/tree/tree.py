@@ -6,8 +6,9 @@ its KV pages and its states live (device, host), what may be evicted, and how mu
 request can reuse. It is plain synchronous code: it never awaits and never copies bytes — the
 controller moves the bytes and reports back through the load / backup protocol.
 
-Operations (this module; eviction in ``evict`` and, by bytes, ``evict_bytes``, copies in
-``transfer``, split and cascade in ``core``, locks in ``locks``, bookkeeping in ``bookkeeping``):
+Operations (this module; eviction in ``evict`` and, by bytes, ``evict_bytes``, allocation that
+evicts in ``alloc``, copies in ``transfer``, split and cascade in ``core``, locks in ``locks``,
+bookkeeping in ``bookkeeping``):
 
 - :meth:`HybridRadixTree.match_prefix` — walk page-aligned keys, cut back to the deepest state.
 - :meth:`HybridRadixTree.insert` — device pages and states of a finished (or prefilled) request.
@@ -29,6 +30,7 @@ import torch
 from asynccache.errors import ConfigError
 from asynccache.policy.base import AdmissionContext
 from asynccache.pools.base import ItemPool
+from asynccache.tree.alloc import AllocationMixin
 from asynccache.tree.evict_bytes import ByteEvictionMixin
 from asynccache.tree.hashing import PageHashes, TokenIds, encode_tokens
 from asynccache.tree.node import Tier, TreeNode
@@ -40,7 +42,7 @@ __all__ = ["HybridRadixTree"]
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
-class HybridRadixTree(ByteEvictionMixin, TransferMixin):
+class HybridRadixTree(ByteEvictionMixin, AllocationMixin, TransferMixin):
     """Radix tree over page-aligned token ids with per-tier KV and recurrent-state bookkeeping.
 
     ``device_kv`` / ``device_mamba``: device pools (pages, state slots). ``host_kv`` /
