@@ -38,6 +38,7 @@ from asynccache.bench.options import positive_float, positive_int
 from asynccache.errors import ConfigError
 from asynccache.spec import PRESETS, HybridSpec
 from asynccache.trace.bound import BoundResult, infinite_cache_bound
+from asynccache.trace.config import ReplayConfig
 from asynccache.trace.controller_replay import replay_trace_with_controller
 from asynccache.trace.flops import FlopModel
 from asynccache.trace.loader import MOONCAKE_BLOCK_SIZE, load_trace
@@ -48,7 +49,7 @@ from asynccache.trace.policies import (
     make_eviction,
     parse_combo,
 )
-from asynccache.trace.replay import ReplayConfig, replay_trace
+from asynccache.trace.replay import replay_trace
 from asynccache.trace.report import format_markdown_table, format_table, plot_results
 from asynccache.trace.results import (
     ReplayResult,

@@ -41,8 +41,9 @@ from asynccache.controller import HybridCacheController
 from asynccache.errors import CapacityError
 from asynccache.snapshots import SnapshotArchive
 from asynccache.trace.bound import BoundResult
+from asynccache.trace.config import ReplayConfig
 from asynccache.trace.loader import Trace
-from asynccache.trace.replay import ReplayConfig, TraceReplay
+from asynccache.trace.replay import TraceReplay
 from asynccache.trace.results import ReplayResult
 
 __all__ = ["ControllerReplay", "replay_trace_with_controller"]

@@ -31,34 +31,32 @@ Policies hook in three ways beyond the tree's own interfaces (all optional, duck
 The ``attention-only`` admission is a reference, not a hybrid policy: a state at every page
 that costs no bytes (the budgets count KV only), i.e. a cache of attention layers alone where
 any cached prefix is reusable.
+
+Primitives: :class:`TraceReplay` (one replay of one trace, synchronous copies) and
+:func:`replay_trace` (run one); what to replay, :class:`ReplayConfig`, lives in
+:mod:`asynccache.trace.config` and is re-exported here.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from asynccache.errors import CapacityError, ConfigError
+from asynccache.errors import CapacityError
 from asynccache.policy import WritePolicy
 from asynccache.pools import DeviceKVPool, DeviceMambaPool, HostKVPool, MambaPoolHost
-from asynccache.spec import HybridSpec
 from asynccache.storage import PoolName
 from asynccache.storage_admission import ArchiveAdmission
 from asynccache.trace.bound import BoundResult, infinite_cache_bound
 from asynccache.trace.budget import ByteBudget
+from asynccache.trace.config import ReplayConfig
 from asynccache.trace.flops import FlopModel
 from asynccache.trace.loader import Trace
-from asynccache.trace.policies import (
-    ATTENTION_ONLY,
-    PolicyCombo,
-    make_admission,
-    make_eviction,
-)
-from asynccache.trace.results import ReplayResult, TierBudget
+from asynccache.trace.policies import ATTENTION_ONLY, make_admission, make_eviction
+from asynccache.trace.results import ReplayResult
 from asynccache.trace.storage_index import AccountingStorage
 from asynccache.trace.storage_tier import ReplayStorageTier
 from asynccache.trace.synth import make_synthesizer
@@ -75,36 +73,6 @@ __all__ = ["ReplayConfig", "TraceReplay", "replay_trace"]
 
 #: Smallest step of the replay clock: touches within one trace millisecond stay ordered.
 _CLOCK_EPS_S = 1e-7
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ReplayConfig:
-    """What to replay: the model geometry, byte budgets per tier, and the policy combination.
-
-    ``active_params`` overrides the FLOP model's estimate. ``check_integrity_every``: run the
-    tree's invariant checks every N requests (tests). ``progress_every``: call the progress
-    callback every N requests.
-    """
-
-    spec: HybridSpec
-    budget: TierBudget
-    combo: PolicyCombo
-    active_params: float | None = None
-    check_integrity_every: int = 0
-    progress_every: int = 1000
-
-    def __post_init__(self) -> None:
-        spec = self.spec
-        if not (spec.num_attention_layers and spec.kv_page_bytes and spec.num_mamba_layers and spec.state_bytes):
-            raise ConfigError(
-                f"trace replay needs both attention KV and recurrent state: {spec.model_id} has "
-                f"{spec.num_attention_layers} attention layer(s) ({spec.kv_page_bytes:,} B of KV per page) and "
-                f"{spec.num_mamba_layers} recurrent layer(s) ({spec.state_bytes:,} B per state)"
-            )
-        if self.budget.storage and not self.budget.host:
-            raise ConfigError("a storage tier needs a host tier (prefetches land on the host)")
-        if self.budget.storage and self.combo.admission == ATTENTION_ONLY:
-            raise ConfigError("the attention-only reference has no storage tier (its states cost no bytes)")
 
 
 class TraceReplay:

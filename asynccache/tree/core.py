@@ -7,8 +7,8 @@ Primitives:
   tombstone cascade, a node's LRU touch on every tier; the backup selection (whether a node is
   backed up, nodes with their ancestors that lack a host copy, the nodes of a path the write
   policy wants backed up now); the checks of a call's page indices and state slots. The base of
-  :class:`~asynccache.tree.evict.EvictionMixin` and :class:`~asynccache.tree.transfer.TransferMixin`;
-  not used on its own.
+  :class:`~asynccache.tree.match.MatchMixin`, :class:`~asynccache.tree.evict.EvictionMixin` and
+  :class:`~asynccache.tree.transfer.TransferMixin`; not used on its own.
 - :data:`WriteBackFn`, :data:`DemoteFn`, :data:`EvictListener`, :data:`POOL_NAMES` — re-exported
   from :mod:`asynccache.tree.bookkeeping`.
 

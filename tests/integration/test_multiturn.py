@@ -211,11 +211,11 @@ def test_storage_options_without_the_storage_mode_are_refused(capsys: pytest.Cap
 
 
 def test_the_table_keeps_its_columns_apart_for_ttfts_of_ten_seconds_and_more(capsys: pytest.CaptureFixture[str]) -> None:
-    from asynccache.bench.multiturn import _print_tables
+    from asynccache.bench.multiturn_report import print_tables
 
     rounds = [{"hit_rate": 0.0, "ttft_ms_mean": 13566.2}, {"hit_rate": 0.129, "ttft_ms_mean": 367.7}]
     ttft = {"mean": 4272.4, "p50": 3958.3, "p99": 10119.1}
-    _print_tables({"no-offload": {"hit_rate": 0.077, "ideal_hit_rate": 0.618, "fraction_of_ideal": 0.125,
+    print_tables({"no-offload": {"hit_rate": 0.077, "ideal_hit_rate": 0.618, "fraction_of_ideal": 0.125,
                                   "ttft_ms": ttft, "throughput_tok_s": 270, "rounds": rounds}})  # fmt: skip
     row, cells = (line for line in capsys.readouterr().out.splitlines() if line.startswith("no-offload"))
     assert row.split()[4:7] == ["4272.4ms", "3958.3ms", "10119.1ms"]
