@@ -159,8 +159,9 @@ class HybridCacheController(StorageTierMixin):
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Cancel queued operations, finish in-flight copies and backups, then stop background
-        tasks and close the backend. Idempotent; concurrent calls wait for the first."""
+        """Cancel queued operations, finish in-flight copies, storage lookups and backups, then
+        stop background tasks and close the backend. Idempotent; concurrent calls wait for the
+        first."""
         if self._closing is not None:
             await asyncio.shield(self._closing)
             if self._backend_closing is not None:
@@ -186,12 +187,10 @@ class HybridCacheController(StorageTierMixin):
                 self.start_loading()
             if self._write_queue:
                 self.start_writing()
-            if self._loaders:
-                await asyncio.gather(*self._loaders, return_exceptions=True)
-            await self._load_completion.drain()
-            await self._write_completion.drain()
-            if self.tiering is not None:
-                await self.tiering.drain()
+            # Until nothing is in flight: a storage lookup may still back the tree's head up to
+            # the host (a copy the completion tasks, stopped below, must complete) and insert
+            # what it read.
+            await self.wait_idle()
         finally:
             for t in self._tasks:
                 t.cancel()

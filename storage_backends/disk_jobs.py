@@ -143,11 +143,15 @@ class DiskJobsMixin(ObjectBackend):
 
     def _write_file(self, stop: threading.Event, deadline: float, item: BatchItem) -> bool:
         """Write ``item`` put-if-absent: into a temporary file, then linked to its name.
-        ``True`` when stored, ``False`` when an object was there. The temporary file is removed
-        in any case; a failure to remove it is logged — not a failure of the write (a link
-        done is an object stored); with a capacity, its scan removes it after ``STALE_TMP_S``."""
+        ``True`` when stored, ``False`` when an object was there. Only an object of a size valid
+        for the key counts as there (the caller takes success as "stored", and the tier above
+        may drop its host copy on it): one of another size — an empty or short file a power
+        loss left behind an un-fsynced link, a foreign one — is replaced. The temporary file is
+        removed in any case; a failure to remove it is logged — not a failure of the write (a
+        link done is an object stored); with a capacity, its scan removes it after
+        ``STALE_TMP_S``."""
         path = item.name
-        if os.path.exists(path):
+        if self._holds_valid_size(item):
             self._record_size(path)
             return False  # put-if-absent; the link below settles races
         tmp = f"{path}.{uuid.uuid4().hex}.tmp"
@@ -165,15 +169,29 @@ class DiskJobsMixin(ObjectBackend):
             try:
                 os.link(tmp, path)
             except FileExistsError:
-                self._record_size(path)
-                return False
+                if self._holds_valid_size(item):
+                    self._record_size(path)
+                    return False
+                os.replace(tmp, path)  # an invalid object: replaced atomically
             self._record_size(path, size)
             return True
         finally:
             try:
                 os.unlink(tmp)
+            except FileNotFoundError:
+                pass  # it replaced an invalid object
             except OSError as e:
                 log.warning("could not remove the temporary file %s: %s", tmp, e)
+
+    def _holds_valid_size(self, item: BatchItem) -> bool:
+        """Whether an object of a size valid for ``item`` is stored under its name. The payload
+        is not read: a damaged object of the right size passes, and is caught (and removed) by
+        the next read."""
+        try:
+            size = os.stat(item.name).st_size
+        except FileNotFoundError:
+            return False
+        return self.codec.valid_size(item.geometry, item.key, size)
 
     def _stored_size(self, name: str, largest: int) -> int:
         return self._written_sizes.pop(name, largest)

@@ -54,8 +54,9 @@ class MemoryBackend(ObjectBackend):
         return True
 
     async def _write_object(self, item: BatchItem) -> bool:
-        if item.name in self.objects:
-            return False
+        stored = self.objects.get(item.name)
+        if stored is not None and self.codec.valid_size(item.geometry, item.key, len(stored)):
+            return False  # an object of another size is replaced: success means a valid one is stored
         self.objects[item.name] = self.codec.encode(item.geometry, item.key, item.buffers())
         return True
 

@@ -10,6 +10,8 @@ waits for storage cannot take them.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -239,3 +241,90 @@ async def test_the_tree_s_pages_are_locked_while_the_prefetch_runs(tmp_path: Pat
         assert cache.tree.stats().num_nodes == 0
         pools = (cache.device_kv, cache.device_mamba, cache.host_kv, cache.host_mamba)
         assert free_counts(cache) == tuple(p.num_items for p in pools if p is not None)
+
+
+class _CopyInFlight:
+    """A backup's end event, as on CUDA, whose copy lands once ``landed`` is set."""
+
+    def __init__(self, landed: threading.Event) -> None:
+        self.landed = landed
+
+    def query(self) -> bool:
+        return self.landed.is_set()
+
+    def synchronize(self) -> None:
+        self.landed.wait(30)
+
+
+async def test_close_waits_for_a_prefetch_whose_head_backup_it_issued(tmp_path: Path) -> None:
+    """The completion tasks run as on CUDA. A close begins while an archive (its storage write
+    slow) and a prefetch (its lookup slow) are in flight; the prefetch then backs the tree's head
+    up to the host, and that copy lands only once the archive is over. The close must let the
+    backup complete and the prefetch end before it stops the completion tasks: before, it
+    stopped them once the archives were drained, the prefetch waited for ever for its backup,
+    and the close with it. Nothing stays locked."""
+    computed = await store_prefix(tmp_path, keep_kv_from=HEAD)
+    cache = make_cache(tmp_path, write_policy="write_back")
+    ctrl, tree = cache.controller, cache.tree
+    ctrl._cuda = True  # start the completion tasks, as on CUDA
+    landed = threading.Event()
+    set_gate, exists_gate, head_backup_issued = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    closing: asyncio.Task[None] | None = None
+    await cache.__aenter__()
+    try:
+        tier = ctrl.tiering
+        assert tier is not None
+        backend = tier.backend
+        real_set, real_exists = backend.batch_set_v2, backend.batch_exists_v2
+
+        async def slow_set(*args: Any, **kwargs: Any) -> Any:
+            await set_gate.wait()
+            return await real_set(*args, **kwargs)
+
+        async def slow_exists(*args: Any, **kwargs: Any) -> Any:
+            await exists_gate.wait()
+            return await real_exists(*args, **kwargs)
+
+        backend.batch_set_v2 = slow_set  # type: ignore[method-assign]
+        backend.batch_exists_v2 = slow_exists  # type: ignore[method-assign]
+        # An archive in flight: another prefix backed up to the host, its storage write slow.
+        other = [(t + 100) % 250 + 1 for t in range(2 * PAGE)]
+        zeros = torch.zeros((computed.kv.shape[0], 2, computed.kv.shape[2]), dtype=torch.uint8)
+        pages, slots = write_device(cache, zeros, [torch.zeros_like(computed.states[HEAD * PAGE])])
+        backup = ctrl.write(tree.path_to(tree.insert(other, pages, states={2 * PAGE: slots[0]}).last_node))
+        assert backup is not None
+        ctrl.start_writing()
+        await backup
+        (archive,) = tier._in_flight
+        # From here a backup's copy lands once the archive has ended.
+        archive.add_done_callback(lambda _: landed.set())
+        real_finish = ctrl._writes._finish
+
+        def in_flight(ops: Any, merged: Any, event: Any, *, error: Any) -> None:
+            head_backup_issued.set()
+            real_finish(ops, merged, _CopyInFlight(landed), error=error)
+
+        ctrl._writes._finish = in_flight  # type: ignore[method-assign]
+        put_head(cache, computed, num_pages=HEAD, state=False)  # on the device only
+        task = ctrl.prefetch(TOKENS, tree.match_prefix(TOKENS))
+        assert task is not None
+        closing = asyncio.create_task(cache.aclose())
+        await asyncio.sleep(0)  # the close starts (runs to its first wait)
+        assert ctrl._closing is not None and not closing.done()
+        exists_gate.set()
+        async with asyncio.timeout(10):
+            await head_backup_issued.wait()
+        set_gate.set()
+        async with asyncio.timeout(10):
+            await closing
+        result = task.result()
+        assert result.num_tokens == STORED * PAGE and tier.counts["prefetch_head_backups"] == 1
+    finally:
+        landed.set()
+        exists_gate.set()
+        set_gate.set()
+        if closing is not None and not closing.done():
+            closing.cancel()
+    stats = tree.stats()
+    assert (stats.num_active_plans, stats.device_locked_pages, stats.host_locked_pages) == (0, 0, 0)
+    tree.check_integrity()

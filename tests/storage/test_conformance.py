@@ -354,6 +354,27 @@ async def test_wrongly_sized_objects_are_removed_at_exists(harness: Harness) -> 
     assert backend.statistics().num_corrupt == 1
 
 
+@pytest.mark.parametrize("damage", ["empty", "truncated", "extended"])
+async def test_a_write_replaces_an_object_of_a_size_no_valid_object_has(harness: Harness, damage: str) -> None:
+    """An object under the key's name whose size no valid object of the key has (a power loss
+    after an un-fsynced link leaves an empty or short file) is not "already present": the write
+    replaces it. A success means a valid object is stored: the tier marks the node archived on
+    it and may then drop the only other copy."""
+    keys = make_keys(1, seed=f"resize-{damage}")
+    backend, kv, _ = await opened(harness, seed=5)
+    await put(backend, kv_transfer(keys, [0]))
+    name = backend.object_name(PoolName.KV, keys[0])
+    good = await harness.raw_get(backend, name)
+    assert good is not None
+    bad = {"empty": b"", "truncated": good[: len(good) // 2], "extended": good + bytes(len(good))}[damage]
+    await harness.raw_put(backend, name, bad)
+    assert await put(backend, kv_transfer(keys, [0])) == [[True]]
+    reader, kv2, _ = await opened(harness, seed=None)
+    assert await get(reader, kv_transfer(keys, [1])) == [[True]]
+    assert slot(kv2, 1) == slot(kv, 0)
+    assert reader.statistics().num_corrupt == 0
+
+
 # ---- capacity ----------------------------------------------------------------------------------
 async def test_capacity_limit_evicts_least_recently_used(harness: Harness, caplog: pytest.LogCaptureFixture) -> None:
     keys = make_keys(5, seed="cap")
