@@ -6,7 +6,14 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from serving import PAGE, arith_prompt, free_counts, serving_config, tiny_model, tiny_spec
+from serving import (
+    PAGE,
+    arith_prompt,
+    free_counts,
+    serving_config,
+    tiny_model,
+    tiny_spec,
+)
 
 from asynccache.cache import HybridCache
 from asynccache.reference.scheduler import Scheduler, SchedulerConfig

@@ -970,7 +970,7 @@ async def test_a_put_of_a_key_being_evicted_waits_for_its_delete(harness: Harnes
 async def test_an_object_truncated_between_the_probe_and_the_read_is_a_miss(harness: Harness) -> None:
     """The probe finds a page and a state; both are cut short before the read: each is a miss
     (counted corrupt, removed), and the other page of the batch is served exactly."""
-    backend, kv, mamba = await opened(harness)
+    backend, kv, _ = await opened(harness)
     keys = make_keys(2, seed="probe-then-read")
     assert await put(backend, kv_transfer(keys, [0, 1]), mamba_transfer(keys[1:], [1])) == [[True, True], [True]]
     async with asyncio.timeout(DEADLINE_S):
