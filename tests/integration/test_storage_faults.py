@@ -11,6 +11,7 @@ from serving import (
     arith_prompt,
     free_counts,
     serving_config,
+    settled,
     tiny_model,
     tiny_spec,
 )
@@ -33,16 +34,6 @@ def _awaiting(task: object) -> list[str]:
     return names
 
 
-async def _settled(cache: HybridCache) -> tuple[int, ...]:
-    await cache.controller.wait_idle()
-    assert cache.controller.tiering is not None
-    await cache.controller.tiering.drain()
-    cache.flush_device()
-    cache.flush_host()
-    cache.tree.check_integrity()
-    return free_counts(cache)
-
-
 async def test_a_request_cancelled_while_its_tail_is_read_frees_the_loop_for_others(tmp_path: Path) -> None:
     """The only running request waits for its tail's read; cancelled meanwhile, it is dropped at
     once — another request runs to its end while the read is still held — and once the read
@@ -55,7 +46,7 @@ async def test_a_request_cancelled_while_its_tail_is_read_frees_the_loop_for_oth
         async with Scheduler(model, cache, SEGMENTATION) as sched:
             r1 = await sched.generate(P1, 4)
             prompt = P1 + r1.output_ids + arith_prompt(9, 11, 5)
-            assert await _settled(cache) == full
+            assert await settled(cache) == full
             read_page_s = SPEC.kv_page_bytes / 1e6
             tier.cost = RestoreCost(read_bytes_per_s=1e6, prefill_tokens_per_s=PAGE / (3.0 * read_page_s))
             real, entered, gate = tier.backend.batch_get_v2, asyncio.Event(), asyncio.Event()
@@ -82,4 +73,4 @@ async def test_a_request_cancelled_while_its_tail_is_read_frees_the_loop_for_oth
                 gate.set()
             assert len(result.output_ids) == 2
             assert not sched._running and not sched._waiting
-        assert await _settled(cache) == full
+        assert await settled(cache) == full
