@@ -206,7 +206,8 @@ class Scheduler(AdmitMixin, FinishMixin):
                     req.future.set_exception(CapacityError("request does not fit in the device pools"))
             return
         ctrl = self.cache.controller
-        await self._resume_tails()
+        if not await self._resume_tails():
+            return  # a request came or went while every running one waited for its tail
         counter = ctrl.start_loading()
         seqs, reqs = self._build_batch()
         seeds = self._seed_working_slots(reqs)
@@ -253,17 +254,28 @@ class Scheduler(AdmitMixin, FinishMixin):
         return late
 
     # ---- split restores ----------------------------------------------------------------
-    async def _resume_tails(self) -> None:
+    async def _resume_tails(self) -> bool:
         """Apply the tail restores whose head is computed and whose read has landed; when no
-        request could run otherwise, wait for the first read (so one can run afterwards)."""
+        request could run otherwise, wait for the first read (so one can run afterwards), or
+        for a submission or a cancellation: ``False`` then, and the step ends there (the next
+        one takes the request in, or drops the cancelled one; a read that hangs until its
+        timeout holds up neither)."""
         blocked = [r for r in self._running if r.tail is not None and r.num_computed >= r.tail.begin_tokens]
         if not blocked:
-            return
+            return True
         if len(blocked) == len(self._running) and not any(r.tail.fetch.done() for r in blocked):
-            await asyncio.wait({r.tail.fetch for r in blocked}, return_when=asyncio.FIRST_COMPLETED)
+            self._wakeup.clear()
+            woken = asyncio.ensure_future(self._wakeup.wait())
+            try:
+                await asyncio.wait({woken, *(r.tail.fetch for r in blocked)}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                woken.cancel()
+            if not any(r.tail.fetch.done() for r in blocked):
+                return False
         for r in blocked:
             if r.tail.fetch.done():
                 self._apply_tail(r)
+        return True
 
     def _apply_tail(self, req: Request) -> None:
         tail, req.tail = req.tail, None

@@ -97,3 +97,15 @@ def free_counts(cache: HybridCache) -> tuple[int, ...]:
     """Free indices of the device and host pools (a leak shows as a smaller count)."""
     pools = (cache.device_kv, cache.device_mamba, cache.host_kv, cache.host_mamba)
     return tuple(p.num_free for p in pools if p is not None)
+
+
+async def settled(cache: HybridCache) -> tuple[int, ...]:
+    """Wait for the copies and archives in flight, flush device and host, check the tree (no
+    lock left) and return :func:`free_counts` (a leak shows as a smaller count)."""
+    await cache.controller.wait_idle()
+    assert cache.controller.tiering is not None
+    await cache.controller.tiering.drain()
+    cache.flush_device()
+    cache.flush_host()
+    cache.tree.check_integrity()
+    return free_counts(cache)

@@ -14,6 +14,7 @@ from serving import (
     arith_prompt,
     config_with,
     free_counts,
+    settled,
     slow_backend,
     store_only,
     tiny_model,
@@ -224,15 +225,6 @@ async def _occupied(sched: Scheduler, step_s: float = 0.005) -> asyncio.Future: 
     return long_run
 
 
-async def _settled(cache: HybridCache) -> tuple[int, ...]:
-    await cache.controller.wait_idle()
-    assert cache.controller.tiering is not None
-    await cache.controller.tiering.drain()
-    cache.flush_device()
-    cache.flush_host()
-    return free_counts(cache)
-
-
 async def test_lookups_of_requests_beyond_the_room_read_while_it_is_taken(tmp_path: Path) -> None:
     """With the device's room taken, the waiting requests' restores are read ahead (both side by
     side) and serve them exactly once they are admitted; with ``lookahead_host_fraction=0``
@@ -252,7 +244,7 @@ async def test_lookups_of_requests_beyond_the_room_read_while_it_is_taken(tmp_pa
             async with Scheduler(model, cache, config) as sched:
                 for p in prefixes:  # computed, written to storage, then in storage only
                     await sched.generate(p, 1)
-                assert await _settled(cache) == full
+                assert await settled(cache) == full
                 long_run = await _occupied(sched)
                 reads = slow_backend(cache, "batch_get_v2", 0.2)
                 waiting = [sched.submit(p, 3) for p in prompts]
@@ -266,7 +258,7 @@ async def test_lookups_of_requests_beyond_the_room_read_while_it_is_taken(tmp_pa
                 assert not long_run.done() and len(sched._waiting) == 2
                 long_run.cancel()
                 results = await asyncio.gather(*waiting)
-            assert await _settled(cache) == full
+            assert await settled(cache) == full
         assert [r.output_ids for r in results] == [c.output_ids for c in cold]
         assert all(r.cached_tokens >= 6 * PAGE and r.cached_by_tier["storage"] == r.cached_tokens for r in results)
 
@@ -334,7 +326,7 @@ async def test_a_request_cancelled_while_its_lookup_reads_ahead_leaves_nothing_h
             doomed.cancel()
             await asyncio.sleep(0.5)  # the read lands after the cancellation
             long_run.cancel()
-        assert await _settled(cache) == full
+        assert await settled(cache) == full
 
 
 async def test_reads_ahead_wait_for_the_reads_of_the_requests_next_in_line(tmp_path: Path) -> None:

@@ -965,3 +965,29 @@ async def test_a_put_of_a_key_being_evicted_waits_for_its_delete(harness: Harnes
     assert await evicting == [[True]] and await again == [[True]]
     assert await harness.raw_get(backend, backend.object_name(PoolName.KV, keys[0])) is not None
     assert await get(backend, kv_transfer(keys[:1], [5])) == [[True]]
+
+
+async def test_an_object_truncated_between_the_probe_and_the_read_is_a_miss(harness: Harness) -> None:
+    """The probe finds a page and a state; both are cut short before the read: each is a miss
+    (counted corrupt, removed), and the other page of the batch is served exactly."""
+    backend, kv, _ = await opened(harness)
+    keys = make_keys(2, seed="probe-then-read")
+    assert await put(backend, kv_transfer(keys, [0, 1]), mamba_transfer(keys[1:], [1])) == [[True, True], [True]]
+    async with asyncio.timeout(DEADLINE_S):
+        probe = await backend.batch_exists_v2(
+            keys,
+            [
+                PoolTransfer(pool_name=PoolName.KV, hit_policy=PoolHitPolicy.ALL_PAGES),
+                PoolTransfer(pool_name=PoolName.MAMBA, hit_policy=PoolHitPolicy.TRAILING_PAGES),
+            ],
+        )
+    assert probe.num_hit_pages == 2
+    names = [backend.object_name(PoolName.KV, keys[1]), backend.object_name(PoolName.MAMBA, keys[1])]
+    for name in names:
+        data = await harness.raw_get(backend, name)
+        assert data is not None
+        await harness.raw_put(backend, name, data[:-100])
+    assert await get(backend, kv_transfer(keys, [2, 3]), mamba_transfer(keys[1:], [2])) == [[True, False], [False]]
+    assert slot(kv, 2) == slot(kv, 0)
+    assert backend.statistics().num_corrupt == 2
+    assert [await harness.raw_get(backend, name) for name in names] == [None, None]
