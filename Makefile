@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-gpu clean
+.PHONY: setup demo test test-gpu lint clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,9 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check asynccache kernels storage_backends tests
 
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -212,7 +212,7 @@ class HybridCache:
     def build(cls, spec: HybridSpec, config: HybridCacheConfig, **kwargs: Any) -> HybridCache:
         return cls(spec, config, **kwargs)
 
-    async def __aenter__(self) -> HybridCache:
+    async def __aenter__(self) -> Self:
         await self.controller.__aenter__()
         return self
 

@@ -37,7 +37,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 
@@ -133,7 +133,7 @@ class HybridCacheController(StorageTierMixin):
         self.tiering: Any = None  # set in __aenter__ when a backend is configured
 
     # ---- lifecycle ---------------------------------------------------------------------
-    async def __aenter__(self) -> HybridCacheController:
+    async def __aenter__(self) -> Self:
         if self._closing is not None or self._tg is not None:
             # A second TaskGroup would orphan the first; a closed backend would serve nothing.
             raise ClosedError("the controller is " + ("closed" if self._closing is not None else "entered already"))

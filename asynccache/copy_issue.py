@@ -218,7 +218,7 @@ class LoadIssuer(_Issuer):
             else:
                 steps[-1][1].extend(after)  # the worker's last step carries them
                 worker = loop.run_in_executor(None, functools.partial(issue, done, yield_gil=True))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 — handed to the waiters through the worker future
             worker = loop.create_future()
             worker.set_exception(e)
         return self._complete(ops, (merged, deferred), counter, worker, issued, last)
@@ -250,7 +250,7 @@ class LoadIssuer(_Issuer):
             error = e
             with contextlib.suppress(Exception):
                 await worker  # let the worker finish enqueuing before anything is released
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 — failed into the counter: every layer waiter gets it
             error = e
         for name, (nbytes, launches) in issued.items():
             self._stats.bytes_moved("h2d", name, nbytes)
@@ -299,7 +299,7 @@ class WriteIssuer(_Issuer):
                 if stream is not None:
                     event = torch.cuda.Event(blocking=True)
                     event.record(stream)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 — the operations finish with the error; the caller sees it
             if stream is not None:
                 event = torch.cuda.Event(blocking=True)
                 event.record(stream)

@@ -131,7 +131,7 @@ class HostWriteArchiver:
             # KV first, the states last: a state in storage always has its KV.
             kv_ok = all((await tier.backend.batch_set_v2([kv]))[0])
             state_ok = kv_ok and all((await tier.backend.batch_set_v2([state]))[0])
-        except Exception as e:  # a backend failure is a skipped backup, never a crash
+        except Exception as e:  # noqa: BLE001 — a backend failure is a skipped backup, never a crash
             tier.counts["backup_failed"] += 1
             log.warning("backup to storage failed: %s", e)
             return

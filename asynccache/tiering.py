@@ -183,7 +183,7 @@ class StorageTier:
         held = max(start_page, min(match.num_matched_tokens // self.tree.spec.page_size, len(keys)))
         try:
             n = await self._deepest_stored(keys, start_page, held)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 — a storage failure is a miss, logged and counted
             self.counts["prefetch_failed"] += 1
             log.warning("storage lookup failed: %s", e)
             return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
@@ -282,7 +282,7 @@ class StorageTier:
                     PoolTransfer(pool_name=PoolName.MAMBA, keys=(keys[-1],), host_indices=host_slot),
                 ]
             )
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 — a storage failure is a miss, logged and counted
             self.counts["prefetch_failed"] += 1
             log.warning("tail restore from storage failed: %s", e)
             return False
@@ -350,7 +350,7 @@ class StorageTier:
             self.counts["prefetch_hit"] += 1
             self.counts["prefetch_pages"] += n - first
             return PrefetchResult(num_tokens=n * page, num_pages_fetched=n - first)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 — a storage failure is a miss, logged and counted
             self.counts["prefetch_failed"] += 1
             log.warning("prefetch from storage failed: %s", e)
             return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)

@@ -136,7 +136,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 
             return run_layer
 
-        m, op = await load_all()
+        _m, op = await load_all()
         t0 = _mark(device)
         counter = ctrl.start_loading()
         for lid in layer_ids:
@@ -184,14 +184,14 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             await forward(no_wait)
             times["device"].append(_elapsed_ms(device, t0, _mark(device)))
             # (b) layer by layer
-            m, op = await load_all()
+            _m, op = await load_all()
             t0 = _mark(device)
             counter = ctrl.start_loading()
             await forward(counter.wait)
             times["layerwise"].append(_elapsed_ms(device, t0, _mark(device)))
             await op
             # (c) load everything first
-            m, op = await load_all()
+            _m, op = await load_all()
             t0 = _mark(device)
             h0 = time.perf_counter()
             counter = ctrl.start_loading()

@@ -249,13 +249,13 @@ async def _bench(args: argparse.Namespace, uri: str, user_options: dict[str, Any
                 if path == "backend":
                     await backend.register_host_pool_v2(PoolName.KV, src_kv)
                     await backend.register_host_pool_v2(PoolName.MAMBA, src_state)
-                times[f"{path}_write"] = await _timed(lambda p=p: p(r, True))
+                times[f"{path}_write"] = await _timed(lambda p=p, r=r: p(r, True))
                 if args.cold_reads:
                     await asyncio.to_thread(evict, path, r)
                 if path == "backend":
                     await backend.register_host_pool_v2(PoolName.KV, dst_kv)
                     await backend.register_host_pool_v2(PoolName.MAMBA, dst_state)
-                times[f"{path}_read"] = await _timed(lambda p=p: p(r, False))
+                times[f"{path}_read"] = await _timed(lambda p=p, r=r: p(r, False))
                 check_and_clear()
             row = {k: bytes_per_round / v / 1e9 for k, v in times.items()}
             rows.append(row)

@@ -254,8 +254,7 @@ class CostAwareEviction(RankedEviction):
     def _terms(self, node: TreeNode, key: str, now: float, eff: float | None = None) -> tuple[float, float]:
         if eff is None:
             eff = self._efficiency(node, key)
-        if eff > self._eff_ref:
-            self._eff_ref = eff
+        self._eff_ref = max(self._eff_ref, eff)
         recency = 1.0 - min(max(now - node.last_access, 0.0) / self.recency_window_s, 1.0)
         efficiency = eff / self._eff_ref if self._eff_ref > 0 else 0.0
         return recency, efficiency

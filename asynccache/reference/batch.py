@@ -26,6 +26,7 @@ sequences share a pass when the model packs sequences (see ``HybridModel``).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -131,7 +132,7 @@ def _segments(seq: SequenceInput, i: int, page_size: int) -> list[Segment]:
     cuts = sorted(p for p in seq.snapshots if p < seq.end)
     bounds = [seq.start, *cuts, seq.end]
     out = []
-    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+    for lo, hi in itertools.pairwise(bounds):
         out.append(
             Segment(
                 seq_index=i,

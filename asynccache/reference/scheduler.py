@@ -42,6 +42,7 @@ import contextlib
 import itertools
 import time
 from collections.abc import Sequence
+from typing import Self
 
 import torch
 
@@ -108,7 +109,7 @@ class Scheduler(AdmitMixin, FinishMixin):
         self._loading_slots: dict[int, int] = {}
 
     # ---- lifecycle ---------------------------------------------------------------------
-    async def __aenter__(self) -> Scheduler:
+    async def __aenter__(self) -> Self:
         self._tg = asyncio.TaskGroup()
         await self._tg.__aenter__()
         self._task = self._tg.create_task(self._loop(), name="asynccache-scheduler")

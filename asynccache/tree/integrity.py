@@ -207,10 +207,10 @@ def _check_node(tree: TreeCore, node: TreeNode) -> None:
 
 
 def _check_ownership(tree: TreeCore, owned: dict[str, list[np.ndarray]]) -> None:
-    for name in owned:
+    for name, indices in owned.items():
         pool = tree.pool(name)
         claims = tree._in_flight[name]
-        parts = owned[name] + ([np.fromiter(claims, dtype=np.int64)] if claims else [])
+        parts = indices + ([np.fromiter(claims, dtype=np.int64)] if claims else [])
         arr = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
         if pool is None:
             _ok(arr.size == 0, f"[ownership] {name}: indices held but the pool does not exist")

@@ -92,7 +92,7 @@ async def _yield() -> None:
 
 
 async def test_values_read_after_wait_are_the_loaded_values() -> None:
-    spec, cache = make_cache(64)
+    _spec, cache = make_cache(64)
     tokens = list(range(1, 64 * PAGE + 1))
     async with cache:
         expected = await populate_and_demote(cache, tokens)

@@ -27,12 +27,12 @@ def make_spec() -> HybridSpec:
 
 def make_cache(**overrides: Any) -> HybridCache:
     spec = make_spec()
-    cfg = dict(
-        device_kv_pages=256,
-        device_state_slots=32,
-        host_kv_bytes=512 * spec.kv_page_bytes,
-        host_state_bytes=64 * spec.state_bytes,
-    )
+    cfg = {
+        "device_kv_pages": 256,
+        "device_state_slots": 32,
+        "host_kv_bytes": 512 * spec.kv_page_bytes,
+        "host_state_bytes": 64 * spec.state_bytes,
+    }
     cfg.update(overrides)
     return HybridCache(spec, HybridCacheConfig(**cfg))
 
@@ -293,7 +293,7 @@ async def test_many_concurrent_requests_write_and_load() -> None:
             pytest.fail(f"request {i} never got room to load")
 
         # The device holds ~6 prefixes at once: loaders evict each other's unlocked data.
-        for batch in (range(0, 5), range(5, 10), range(10, 15), range(15, 20)):
+        for batch in (range(5), range(5, 10), range(10, 15), range(15, 20)):
             await asyncio.gather(*(loader(i) for i in batch))
             cache.tree.check_integrity()
 

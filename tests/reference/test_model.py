@@ -4,6 +4,7 @@ restore-and-continue, safetensors, and the per-layer wait on the transfer counte
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -67,7 +68,7 @@ async def prefill(
     """Prefill ``ids`` in forward calls split at ``cuts``; returns the last call's logits."""
     bounds = [0, *cuts, len(ids)]
     logits = torch.empty(0)
-    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+    for lo, hi in itertools.pairwise(bounds):
         logits = await run(model, kv, st, seq(ids[lo:hi], lo, pages, slot))
     return logits
 
@@ -78,8 +79,8 @@ def state_of(st: DeviceMambaPool, slot: int) -> dict[tuple[int, str], torch.Tens
 
 def assert_states_equal(a: dict[tuple[int, str], torch.Tensor], b: dict[tuple[int, str], torch.Tensor]) -> None:
     assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), f"state {key} differs"
+    for key, value in a.items():
+        assert torch.equal(value, b[key]), f"state {key} differs"
 
 
 # ---- (1) segmentation ------------------------------------------------------------------

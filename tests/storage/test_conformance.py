@@ -80,7 +80,7 @@ async def test_roundtrip_both_pools_any_layout(harness: Harness, src_layout: str
 
 async def test_state_and_page_of_one_key_are_separate_objects(harness: Harness) -> None:
     keys = make_keys(1)
-    backend, kv, mamba = await opened(harness)
+    backend, _kv, _mamba = await opened(harness)
     await put(backend, kv_transfer(keys, [0]))
     assert await get(backend, mamba_transfer(keys, [3])) == [[False]]
     assert await hit_pages(backend, keys, kv_transfer(keys), mamba_transfer(keys)) == 0
@@ -102,7 +102,7 @@ async def test_missing_keys_are_misses_and_leave_slots_untouched(harness: Harnes
 # ---- exists and hit policies -----------------------------------------------------------------
 async def test_exists_honours_every_policy(harness: Harness) -> None:
     keys = make_keys(12, seed="prefix")
-    backend, kv, mamba = await opened(harness)
+    backend, _kv, _mamba = await opened(harness)
     kv_present = [0, 1, 2, 3, 4, 5, 6, 7]  # key 8.. absent
     state_present = [1, 3, 4, 9]
     await put(backend, kv_transfer([keys[i] for i in kv_present], kv_present),
@@ -145,7 +145,7 @@ async def test_exists_honours_every_policy(harness: Harness) -> None:
 
 async def test_exists_probes_long_prefixes_in_windows(harness: Harness) -> None:
     keys = make_keys(300, seed="long")
-    backend, kv, mamba = await opened(harness)
+    backend, _kv, mamba = await opened(harness)
     kv_big, _ = make_pools(num_items=300)
     backend2 = harness.open()
     await backend2.register_host_pool_v2(PoolName.KV, kv_big)
@@ -170,7 +170,7 @@ async def test_exists_probes_long_prefixes_in_windows(harness: Harness) -> None:
 # ---- writes ----------------------------------------------------------------------------------
 async def test_put_if_absent_keeps_the_first_object(harness: Harness) -> None:
     keys = make_keys(1)
-    backend, kv, mamba = await opened(harness)
+    backend, kv, _mamba = await opened(harness)
     assert await put(backend, kv_transfer(keys, [0])) == [[True]]
     assert await put(backend, kv_transfer(keys, [1])) == [[True]]  # present: success, not rewritten
     assert await get(backend, kv_transfer(keys, [2])) == [[True]]
@@ -304,8 +304,8 @@ DAMAGE = {
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 async def test_invalid_objects_are_misses_and_removed(harness: Harness, damage: str, caplog: pytest.LogCaptureFixture) -> None:
     keys = make_keys(2, seed="damage")
-    backend, kv, mamba = await opened(harness, seed=3)
-    foreign, fkv, _ = await opened(harness, namespace=OTHER_NAMESPACE, seed=4)
+    backend, kv, _mamba = await opened(harness, seed=3)
+    foreign, _fkv, _ = await opened(harness, namespace=OTHER_NAMESPACE, seed=4)
     await put(backend, kv_transfer(keys, [0, 1]))
     await put(foreign, kv_transfer(keys[:1], [0]))
     name = backend.object_name(PoolName.KV, keys[0])
@@ -330,7 +330,7 @@ async def test_invalid_objects_are_misses_and_removed(harness: Harness, damage: 
 
 async def test_object_under_another_key_is_a_miss(harness: Harness) -> None:
     keys = make_keys(2, seed="swap")
-    backend, kv, _ = await opened(harness)
+    backend, _kv, _ = await opened(harness)
     await put(backend, kv_transfer(keys[:1], [0]))
     data = await harness.raw_get(backend, backend.object_name(PoolName.KV, keys[0]))
     assert data is not None
@@ -342,7 +342,7 @@ async def test_object_under_another_key_is_a_miss(harness: Harness) -> None:
 
 async def test_wrongly_sized_objects_are_removed_at_exists(harness: Harness) -> None:
     keys = make_keys(3, seed="sized")
-    backend, kv, _ = await opened(harness)
+    backend, _kv, _ = await opened(harness)
     await put(backend, kv_transfer(keys, [0, 1, 2]))
     name = backend.object_name(PoolName.KV, keys[1])
     data = await harness.raw_get(backend, name)
@@ -380,7 +380,7 @@ async def test_capacity_limit_evicts_least_recently_used(harness: Harness, caplo
     keys = make_keys(5, seed="cap")
     probe = harness.open()
     size = probe.codec.object_bytes(ObjectGeometry.of_pool(PoolName.KV, make_pools(1)[0]), keys[0])
-    backend, kv, mamba = await opened(harness, capacity_bytes=3 * size)
+    backend, _kv, _mamba = await opened(harness, capacity_bytes=3 * size)
     for i in range(3):
         assert await put(backend, kv_transfer(keys[i : i + 1], [i])) == [[True]]
     assert await get(backend, kv_transfer(keys[:1], [7])) == [[True]]  # key 0 is now the most recent
@@ -522,7 +522,7 @@ TRAVERSAL_KEYS = ["../../../../etc/passwd", "ab/../../cd", "/etc/passwd", "..", 
 
 @pytest.mark.parametrize("key", TRAVERSAL_KEYS)
 async def test_keys_that_attempt_path_traversal_are_refused(harness: Harness, key: str) -> None:
-    backend, kv, _ = await opened(harness)
+    backend, _kv, _ = await opened(harness)
     before = await harness.raw_names()
     for call in (put(backend, kv_transfer([key], [0])), get(backend, kv_transfer([key], [0])),
                  backend.batch_exists_v2([key], [kv_transfer([])])):
@@ -541,7 +541,7 @@ async def test_malformed_calls_raise(harness: Harness) -> None:
     backend = harness.open()
     with pytest.raises(ConfigError, match="not registered"):
         await backend.batch_get_v2([kv_transfer(keys, [0, 1])])
-    backend, kv, mamba = await opened(harness)
+    backend, _kv, mamba = await opened(harness)
     with pytest.raises(ConfigError, match="host indices"):
         await backend.batch_set_v2([kv_transfer(keys, [0])])
     with pytest.raises(ConfigError, match="outside pool"):
@@ -559,7 +559,7 @@ async def test_malformed_calls_raise(harness: Harness) -> None:
 
 
 async def test_statistics_snapshot_is_frozen(harness: Harness) -> None:
-    backend, kv, _ = await opened(harness)
+    backend, _kv, _ = await opened(harness)
     stats = backend.statistics()
     with pytest.raises(AttributeError):
         stats.num_hits = 3  # type: ignore[misc]

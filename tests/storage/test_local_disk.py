@@ -49,7 +49,7 @@ def files(root: Path) -> list[str]:
 
 async def test_disk_full_skips_the_backup_and_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                              caplog: pytest.LogCaptureFixture) -> None:
-    backend, kv, _ = await open_disk(tmp_path)
+    backend, _kv, _ = await open_disk(tmp_path)
     keys = make_keys(3, seed="full")
     assert await backend.batch_set_v2([kv_transfer(keys[:1], [0])]) == [[True]]
 
@@ -138,10 +138,10 @@ def test_a_really_full_filesystem(tmp_path: Path) -> None:
     script.write_text(SMALL_FS_SCRIPT.format(tests=tests_dir, repo=repo))
     cmd = (f"mount -t tmpfs -o size=1m tmpfs {mount_point} && "
            f"exec {sys.executable} -W error {script} {mount_point}")
-    probe = subprocess.run([unshare, "-rm", "true"], capture_output=True, timeout=30)
+    probe = subprocess.run([unshare, "-rm", "true"], capture_output=True, timeout=30, check=False)
     if probe.returncode != 0:
         pytest.skip(f"unprivileged mount namespaces unavailable: {probe.stderr.decode()[:200]}")
-    proc = subprocess.run([unshare, "-rm", "sh", "-c", cmd], capture_output=True, timeout=120, text=True)
+    proc = subprocess.run([unshare, "-rm", "sh", "-c", cmd], capture_output=True, timeout=120, text=True, check=False)
     if proc.returncode != 0 and "mount" in proc.stderr and "permission" in proc.stderr.lower():
         pytest.skip(f"tmpfs mount refused: {proc.stderr[:200]}")
     assert proc.returncode == 0, proc.stderr
@@ -154,7 +154,7 @@ def test_a_really_full_filesystem(tmp_path: Path) -> None:
 
 
 async def test_stale_temporary_files_are_removed_by_the_scan(tmp_path: Path) -> None:
-    backend, kv, _ = await open_disk(tmp_path, capacity_bytes=1 << 20)
+    backend, _kv, _ = await open_disk(tmp_path, capacity_bytes=1 << 20)
     keys = make_keys(2, seed="tmp")
     await backend.batch_set_v2([kv_transfer(keys, [0, 1])])
     name = backend.object_name(PoolName.KV, keys[0])
@@ -177,10 +177,10 @@ async def test_stale_temporary_files_are_removed_by_the_scan(tmp_path: Path) -> 
 
 async def test_a_timed_out_read_never_touches_the_slot_after_returning(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    backend, kv, mamba = await open_disk(tmp_path, timeout_s=0.2, read_piece_bytes=4096)  # many pieces: the deadline is checked between them
+    backend, _kv, mamba = await open_disk(tmp_path, timeout_s=0.2, read_piece_bytes=4096)  # many pieces: the deadline is checked between them
     keys = make_keys(1, seed="slow")
     await backend.batch_set_v2([mamba_transfer(keys, [0])])
-    dst_kv, dst = make_pools(seed=None)
+    _dst_kv, dst = make_pools(seed=None)
     await backend.register_host_pool_v2(PoolName.MAMBA, dst)
     release = threading.Event()
     real = object_reads.preadv_all
@@ -202,7 +202,7 @@ async def test_a_timed_out_read_never_touches_the_slot_after_returning(tmp_path:
 
 
 async def test_no_fsync_and_no_leftovers(tmp_path: Path) -> None:
-    backend, kv, mamba = await open_disk(tmp_path, fsync=False, max_concurrency=3)
+    backend, _kv, _mamba = await open_disk(tmp_path, fsync=False, max_concurrency=3)
     keys = make_keys(20, seed="nofsync")
     assert await backend.batch_set_v2([kv_transfer(keys[:8], range(8)), mamba_transfer(keys[8:16], range(8))]) == [
         [True] * 8, [True] * 8]

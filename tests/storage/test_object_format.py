@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import numpy as np
@@ -156,7 +157,7 @@ def test_keys_and_names_are_strict() -> None:
 )
 def test_checksum_does_not_depend_on_how_the_payload_is_cut(data: bytes, cuts: list[int]) -> None:
     points = sorted({min(c, len(data)) for c in cuts} | {0, len(data)})
-    pieces = [np.frombuffer(data[a:b], dtype=np.uint8) for a, b in zip(points, points[1:])]
+    pieces = [np.frombuffer(data[a:b], dtype=np.uint8) for a, b in itertools.pairwise(points)]
     assert payload_checksum(pieces) == payload_checksum([data])
 
 

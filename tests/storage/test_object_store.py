@@ -64,7 +64,7 @@ async def test_server_killed_mid_batch(private_seaweedfs: SeaweedServer, monkeyp
     server = private_seaweedfs
     for name, value in server.env.items():
         monkeypatch.setenv(name, value)
-    backend, kv, mamba = await open_s3(server, "killed", timeout_s=2.0, max_retries=1, max_concurrency=2)
+    backend, kv, _mamba = await open_s3(server, "killed", timeout_s=2.0, max_retries=1, max_concurrency=2)
     keys = make_keys(64, seed="killed")
     assert await backend.batch_set_v2([kv_transfer(keys, range(64)), mamba_transfer(keys[:4], range(4))]) == [
         [True] * 64, [True] * 4]
@@ -108,7 +108,7 @@ async def test_a_hung_server_times_out_into_misses(private_seaweedfs: SeaweedSer
     server = private_seaweedfs
     for name, value in server.env.items():
         monkeypatch.setenv(name, value)
-    backend, kv, mamba = await open_s3(server, "hung", timeout_s=1.0, max_retries=0)
+    backend, _kv, _mamba = await open_s3(server, "hung", timeout_s=1.0, max_retries=0)
     keys = make_keys(4, seed="hung")
     assert await backend.batch_set_v2([kv_transfer(keys, range(4))]) == [[True] * 4]
     server.pause()
@@ -174,7 +174,7 @@ async def test_wrong_credentials_are_failures_and_never_logged(s3_env: SeaweedSe
                                                                caplog: pytest.LogCaptureFixture) -> None:
     wrong = "not-the-secret-" + s3_env.secret_key[::-1]
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", wrong)
-    backend, kv, _ = await open_s3(s3_env, "badcreds", timeout_s=5.0, max_retries=0)
+    backend, _kv, _ = await open_s3(s3_env, "badcreds", timeout_s=5.0, max_retries=0)
     keys = make_keys(2, seed="creds")
     with caplog.at_level(logging.WARNING, logger="asynccache.storage"):
         assert await backend.batch_set_v2([kv_transfer(keys, [0, 1])]) == [[False, False]]

@@ -71,7 +71,7 @@ def test_infinite_cache_with_every_page_admission_reaches_the_bound() -> None:
 
 # ---- eviction order ----------------------------------------------------------------------------
 # X: 8 full pages (+ 1 token), Y: 1 full page, Z: 2 full pages; then X continues.
-X = list(range(0, 9))
+X = list(range(9))
 LONG_VS_SHORT = make_trace(
     [(0, X), (1, [20, 21]), (2, [30, 31, 32]), (3, X[:-1] + [40, 41])]
 )

@@ -374,7 +374,7 @@ def test_eviction_order_write_back_backs_up_before_freeing() -> None:
 
 
 def test_write_back_saves_a_state_attached_after_the_kv_was_backed_up() -> None:
-    tree, transfer = make_tree(write_policy="write_back")
+    tree, _transfer = make_tree(write_policy="write_back")
     s = seq(1, 4 * PAGE)
     put(tree, s)
     tree.evict_device(num_kv_pages=4)  # written back and demoted
@@ -417,7 +417,7 @@ def test_write_back_with_an_in_flight_copy_frees_only_after_finish() -> None:
 
 
 def test_write_back_without_host_room_drops() -> None:
-    tree, transfer = make_tree(write_policy="write_back", host_pages=2, host_states=4)
+    tree, _transfer = make_tree(write_policy="write_back", host_pages=2, host_states=4)
     s = seq(1, 3 * PAGE)
     put(tree, s)
     ev = tree.evict_device(num_kv_pages=3)

@@ -30,20 +30,20 @@ LIMIT_ENV = "ASYNCCACHE_HOST_LIMIT_BYTES"
 
 def make_spec(**overrides: object) -> HybridSpec:
     """5 layers: attention on 1 and 4, recurrent on 0 and 2 (3 is MLP only); odd component sizes."""
-    fields: dict[str, object] = dict(
-        model_id="toy",
-        num_layers=5,
-        attention_layer_ids=(1, 4),
-        mamba_layer_ids=(0, 2),
-        num_kv_heads=2,
-        head_dim=8,
-        kv_dtype=torch.float16,
-        page_size=4,
-        state_components=(
+    fields: dict[str, object] = {
+        "model_id": "toy",
+        "num_layers": 5,
+        "attention_layer_ids": (1, 4),
+        "mamba_layer_ids": (0, 2),
+        "num_kv_heads": 2,
+        "head_dim": 8,
+        "kv_dtype": torch.float16,
+        "page_size": 4,
+        "state_components": (
             StateComponent(name="conv", shape=(5, 3), dtype=torch.bfloat16),  # 30 bytes at 0
             StateComponent(name="ssm", shape=(2, 3, 4), dtype=torch.float32),  # 96 bytes at 32
         ),
-    )
+    }
     fields.update(overrides)
     return HybridSpec(**fields)  # type: ignore[arg-type]
 

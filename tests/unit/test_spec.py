@@ -37,20 +37,20 @@ QWEN3_NEXT_80B_STATE_BYTES = 77_266_944  # 36 × (32·128·128·4 + 3·8192·2)
 
 def make_spec(**overrides: Any) -> HybridSpec:
     """A small hand-built spec: 4 layers, attention on 1 and 3, recurrent on 0 and 2."""
-    fields: dict[str, Any] = dict(
-        model_id="toy",
-        num_layers=4,
-        attention_layer_ids=(1, 3),
-        mamba_layer_ids=(0, 2),
-        num_kv_heads=2,
-        head_dim=8,
-        kv_dtype=torch.float16,
-        page_size=4,
-        state_components=(
+    fields: dict[str, Any] = {
+        "model_id": "toy",
+        "num_layers": 4,
+        "attention_layer_ids": (1, 3),
+        "mamba_layer_ids": (0, 2),
+        "num_kv_heads": 2,
+        "head_dim": 8,
+        "kv_dtype": torch.float16,
+        "page_size": 4,
+        "state_components": (
             StateComponent(name="conv", shape=(5, 3), dtype=torch.bfloat16),  # 30 bytes
             StateComponent(name="ssm", shape=(2, 3, 4), dtype=torch.float32),  # 96 bytes
         ),
-    )
+    }
     fields.update(overrides)
     return HybridSpec(**fields)
 
