@@ -131,6 +131,10 @@ def _as_numpy(indices: torch.Tensor | Iterable[int]) -> np.ndarray:
         # A float or bool tensor would be truncated to some other index: reject it.
         if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
             raise AllocationError(f"indices must be an integer tensor, got {indices.dtype}")
+        if indices.ndim == 0:  # a scalar, as for ints: free(t[None]) or free([i]) was meant
+            raise AllocationError(
+                f"indices must be a tensor or a sequence of indices, got a 0-d tensor ({indices.item()!r})"
+            )
         return indices.detach().to("cpu", torch.int64).numpy().reshape(-1)
     try:
         arr = np.asarray(indices if isinstance(indices, np.ndarray) else list(indices))

@@ -111,14 +111,15 @@ def test_numpy_integer_counts_are_taken_as_ints() -> None:
     assert held is not None and held.tolist() == [0, 1]
 
 
-@pytest.mark.parametrize("scalar", [1, "numpy"])
+@pytest.mark.parametrize("scalar", [1, "numpy", "tensor"])
 def test_a_scalar_given_to_free_is_refused_by_name(scalar: object) -> None:
     import numpy as np
 
     alloc = make_allocator(4)
     assert alloc.alloc(2) is not None
+    given = {"numpy": np.int64(1), "tensor": torch.tensor(1)}.get(scalar, scalar)  # type: ignore[call-overload]
     with pytest.raises(AllocationError, match="a tensor or a sequence of indices"):
-        alloc.free(np.int64(1) if scalar == "numpy" else scalar)  # type: ignore[arg-type]
+        alloc.free(given)  # type: ignore[arg-type]
     assert alloc.num_free == 2
 
 
