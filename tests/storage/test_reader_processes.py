@@ -409,10 +409,36 @@ async def test_a_send_that_fails_on_a_live_child_waits_for_its_end(tmp_path: Pat
     await backend.aclose()
 
 
+async def test_a_batch_goes_out_at_once_so_the_children_read_while_the_loop_is_busy(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Every chunk of a batch is sent before any reply is taken: a forward pass that holds the
+    event loop (its launches waiting for the device) does not leave the children idle."""
+    slow_children(monkeypatch, 0.3)  # no reply comes back while the batch is being sent
+    backend, kv, _ = await open_procs(tmp_path)
+    keys = await stored(backend, 8, "at-once")
+    send, sent_units = reader_processes.ReaderProcesses._send, []
+
+    def counted(self: object, c: object, msg: tuple, **options: object) -> object:
+        if msg[0] == "read":
+            sent_units.append(len(msg[1]))
+        return send(self, c, msg, **options)
+
+    monkeypatch.setattr(reader_processes.ReaderProcesses, "_send", counted)
+    reading = asyncio.create_task(backend.batch_get_v2([kv_transfer(keys, range(8, 16))]))
+    for _ in range(20):  # the read's dispatch: a few loop turns, far below one unit's 0.3 s
+        await asyncio.sleep(0)
+    assert sum(sent_units) == 8 and len(sent_units) > 2  # all of it, in chunks for both children
+    assert not reading.done()
+    assert await reading == [[True] * 8]
+    assert [slot(kv, 8 + i) for i in range(8)] == [slot(kv, i) for i in range(8)]
+    await backend.aclose()
+
+
 async def test_a_mapping_behind_a_busy_childs_reads_does_not_get_it_killed(tmp_path: Path, monkeypatch) -> None:
     """A pool registered while a child reads a batch: its mapping waits behind the child's
     units, each of which has ``timeout_s``; the child is not killed for that."""
-    slow_children(monkeypatch, 0.4)  # the two chunks ahead of the mapping: 4 units, 1.6 s
+    slow_children(monkeypatch, 0.4)  # the chunks ahead of the mapping: 6 units, 2.4 s
     backend = LocalDiskBackend(tmp_path.as_uri(), namespace=NAMESPACE, read_processes=1, fsync=False, timeout_s=1.0)
     kv, mamba = make_pools(16, seed=3, shared=True)
     await backend.register_host_pool_v2(PoolName.KV, kv)
