@@ -13,17 +13,19 @@ Primitives:
 - :class:`ReaderProcesses` — the ``n`` children: the shared memories they map (``memory_id``,
   ``pieces``), their starts in the background (``start``, ``available``), a batch's units spread
   over them (``read``), and their close (``aclose``).
+- :func:`deal_by_bytes` — a batch's units cut into chunks of nearly equal bytes.
 - :class:`ReaderLost` — a unit no child read (from :mod:`storage_backends.reader_child`, where a
   child is started, sent its requests and stopped).
 
 The event loop sends each child chunks of work units (the object's path, geometry, key,
 payload range and the slot's pieces as offsets into a mapped pool), ``CHUNKS_IN_FLIGHT`` ahead
 of its replies, and takes each reply when the child's socket is readable — no thread of this
-process waits. A batch is cut into that many chunks per child, so a batch that is not too large
-goes out at once, and the children read it whether or not the loop is free meanwhile. A caller cancelled
-meanwhile still waits for the chunks in flight (a child must not write into a slot after the
-call that named it has returned); each unit has its own deadline, ``timeout_s`` from its
-start, and a child that has not replied in time is killed (see ``storage_backends.reader_child``).
+process waits. A batch is cut into that many chunks per child, of nearly equal bytes, so a
+batch that is not too large goes out at once and the children read it whether or not the loop
+is free meanwhile. A caller cancelled meanwhile still waits for the chunks in flight (a child
+must not write into a slot after the call that named it has returned); each unit has its own
+deadline, ``timeout_s`` from its start, and a child that has not replied in time is killed (see
+``storage_backends.reader_child``).
 A child that dies fails its chunks' units with :class:`ReaderLost` — the local disk reads those
 with its threads — only once it has exited; a child whose socket fails while it may still run
 is killed first.
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import itertools
 import logging
 import math
@@ -73,18 +76,26 @@ from storage_backends.workers import drain_future
 
 log = logging.getLogger("asynccache.storage")
 
-__all__ = ["CLOSE_GRACE_S", "RETRY_START_S", "START_TIMEOUT_S", "ReaderLost", "ReaderProcesses"]
+__all__ = [
+    "CLOSE_GRACE_S",
+    "RETRY_START_S",
+    "START_TIMEOUT_S",
+    "ReaderLost",
+    "ReaderProcesses",
+    "deal_by_bytes",
+]
 
-#: Units per message: enough to keep a child's pipe round trip small against its reads, few
-#: enough that the children share a batch's tail.
-CHUNK_UNITS_MAX = 16
+#: Units per message, at most: enough to keep a child's pipe round trip small against its reads
+#: (a 32k-token prefix of hybrid-3b, 525 units, goes out in one round to 8 children).
+CHUNK_UNITS_MAX = 32
 #: Chunks sent to a child ahead of its replies. A batch is cut into this many chunks per child
-#: (up to ``CHUNK_UNITS_MAX`` units each), so a batch of up to ``CHUNKS_IN_FLIGHT · n ·
-#: CHUNK_UNITS_MAX`` units goes out at once: a forward pass may hold the event loop for most of
-#: its GPU time (the launches wait for the device's queue: ~160 ms for a 2,048-token chunk of
-#: hybrid-3b on an H200), and children that had to wait for the loop to take a reply before
-#: getting more work sat idle meanwhile (a split restore's tail read up to 2.3 × its estimate
-#: with two ahead).
+#: (more rounds of as many where a chunk would exceed ``CHUNK_UNITS_MAX`` units), of nearly
+#: equal bytes (:func:`deal_by_bytes`), so a batch of up to ``CHUNKS_IN_FLIGHT · n ·
+#: CHUNK_UNITS_MAX`` units goes out at once and the children finish together. A forward pass may
+#: hold the event loop for most of its GPU time (its launches wait for the device's queue: ~160
+#: ms for a 2,112-token pass of hybrid-3b on an H200); children that had to wait for the loop to
+#: take a reply before they got more work sat idle meanwhile (a split restore's tail read at up
+#: to 2.3 × its estimate with two chunks ahead).
 CHUNKS_IN_FLIGHT = 4
 
 #: After a child failed to start, its slot is left empty for this long before a start is tried
@@ -97,6 +108,20 @@ START_TIMEOUT_S = 30.0
 #: On close, a child that has not finished the requests it holds and exited within this long (a
 #: stopped or wedged one) is killed; so is the dead child a start replaces, past this long.
 CLOSE_GRACE_S = 5.0
+
+
+def deal_by_bytes(sizes: Sequence[int], num_chunks: int) -> list[list[int]]:
+    """The indices of ``sizes`` dealt into at most ``num_chunks`` chunks of nearly equal bytes:
+    the largest first, each to the chunk with the fewest bytes so far (a state's 4 MiB ranges,
+    first in a batch, spread over the children instead of filling one child's first chunk).
+    Each chunk's indices ascend; empty chunks are left out."""
+    heap = [(0, k) for k in range(max(1, num_chunks))]
+    chunks: list[list[int]] = [[] for _ in heap]
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        nbytes, k = heapq.heappop(heap)
+        chunks[k].append(i)
+        heapq.heappush(heap, (nbytes + sizes[i], k))
+    return [sorted(chunk) for chunk in chunks if chunk]
 
 
 class ReaderProcesses(ReaderChannels):
@@ -186,8 +211,9 @@ class ReaderProcesses(ReaderChannels):
         slots = self._up_slots()  # a child being started takes no part: no read waits for a start
         if not slots or not units:
             return results
-        chunk = max(1, min(CHUNK_UNITS_MAX, math.ceil(len(units) / (CHUNKS_IN_FLIGHT * len(slots)))))
-        starts = iter(range(0, len(units), chunk))
+        rounds = max(CHUNKS_IN_FLIGHT, math.ceil(len(units) / (CHUNK_UNITS_MAX * len(slots))))
+        dealt = deal_by_bytes([sum(n for _, _, n in unit.pieces) for unit in units], rounds * len(slots))
+        chunks = iter(dealt)
 
         async def drive(slot: int) -> None:
             try:
@@ -198,7 +224,7 @@ class ReaderProcesses(ReaderChannels):
             if maybe_child is None:  # died meanwhile
                 return
             child = maybe_child
-            inflight: deque[tuple[int, int, asyncio.Future[Any]]] = deque()
+            inflight: deque[tuple[list[int], asyncio.Future[Any]]] = deque()
 
             # A child holds at most CHUNKS_IN_FLIGHT chunks of all batches together (its
             # ``room``), so a slow or stuck one never fills its socket, where a send would block
@@ -206,9 +232,9 @@ class ReaderProcesses(ReaderChannels):
             # while it waits for more.
             def take_chunk() -> bool:  # with a unit of room held
                 if not stopping():
-                    for start in starts:
-                        part = units[start : start + chunk]
-                        inflight.append((start, len(part), self._send(child, ("read", list(part)))))
+                    for indices in chunks:
+                        part = [units[i] for i in indices]
+                        inflight.append((indices, self._send(child, ("read", part))))
                         return True
                 child.room.release()  # nothing (more) to send
                 return False
@@ -224,14 +250,14 @@ class ReaderProcesses(ReaderChannels):
                 if take_chunk():
                     await send_more()
                 while inflight:
-                    start, count, fut = inflight[0]
+                    indices, fut = inflight[0]
                     try:
                         replies = await asyncio.shield(fut)
-                        for i, reply in enumerate(replies):
-                            results[start + i] = reply_outcome(reply)
+                        for i, reply in zip(indices, replies, strict=True):
+                            results[i] = reply_outcome(reply)
                     except BackendError as e:
-                        for i in range(count):
-                            results[start + i] = e
+                        for i in indices:
+                            results[i] = e
                     inflight.popleft()
                     child.room.release()
                     if child.dead:
@@ -242,13 +268,13 @@ class ReaderProcesses(ReaderChannels):
                             break
                     await send_more()
             except BaseException:
-                for _, _, fut in inflight:  # the child may be writing into their slots
+                for _, fut in inflight:  # the child may be writing into their slots
                     await drain_future(fut)
                     child.room.release()
                 raise
 
         async with asyncio.TaskGroup() as tg:
-            for slot in slots[: math.ceil(len(units) / chunk)]:
+            for slot in slots[: len(dealt)]:
                 tg.create_task(drive(slot))
         return results
 

@@ -409,6 +409,21 @@ async def test_a_send_that_fails_on_a_live_child_waits_for_its_end(tmp_path: Pat
     await backend.aclose()
 
 
+@pytest.mark.parametrize("num_chunks", [1, 7, 32, 600])
+def test_a_batch_is_dealt_into_chunks_of_nearly_equal_bytes(num_chunks: int) -> None:
+    """A 32k-token restore's units (a state's 4 MiB ranges first, then 512 KV pages): every
+    unit once, each chunk's indices ascending, the chunks' bytes within one unit of each other,
+    and the state's ranges spread (one per chunk while there are chunks for them)."""
+    sizes = [4 << 20] * 13 + [1_149_184] * 512
+    chunks = reader_processes.deal_by_bytes(sizes, num_chunks)
+    assert sorted(i for chunk in chunks for i in chunk) == list(range(len(sizes)))
+    assert all(chunk == sorted(chunk) for chunk in chunks)
+    assert len(chunks) == min(num_chunks, len(sizes))
+    totals = [sum(sizes[i] for i in chunk) for chunk in chunks]
+    assert max(totals) - min(totals) <= max(sizes)
+    assert max(sum(i < 13 for i in chunk) for chunk in chunks) == max(1, -(-13 // len(chunks)))
+
+
 async def test_a_batch_goes_out_at_once_so_the_children_read_while_the_loop_is_busy(
     tmp_path: Path, monkeypatch
 ) -> None:
