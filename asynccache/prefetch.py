@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,7 @@ from asynccache.stats import StatsRecorder
 from asynccache.storage import PoolName, PoolTransfer
 
 if TYPE_CHECKING:
+    from asynccache.restore_cost import SplitTiming
     from asynccache.tree import HybridRadixTree
 
 __all__ = ["PrefetchResult", "Prefetcher", "TailRestore", "held_node"]
@@ -50,7 +52,9 @@ class TailRestore:
     when every item arrived intact. The slots are private (not in the tree): the caller copies
     them to the device and then calls :meth:`release` — also on every path that drops the
     restore. Releasing before the fetch finished defers the free until it has (a read may still
-    be landing in the slots); the fetch itself is never cancelled.
+    be landing in the slots); the fetch itself is never cancelled. The caller reports when it
+    has computed the head (:meth:`head_computed`): the tier then learns which side of the split
+    was the slower one (``timing``, see :class:`~asynccache.restore_cost.SplitTiming`).
     """
 
     begin_tokens: int
@@ -60,6 +64,12 @@ class TailRestore:
     fetch: asyncio.Task[bool]
     free: Callable[[], None]
     released: bool = False
+    timing: SplitTiming | None = None
+
+    def head_computed(self) -> None:
+        """The engine has computed the head ``[.., begin_tokens)`` (the first call counts)."""
+        if self.timing is not None:
+            self.timing.head_done(time.perf_counter())
 
     @property
     def ok(self) -> bool:

@@ -1,8 +1,9 @@
 """What restoring a prefix from storage costs against recomputing it: the storage tier's cost
-model (:class:`RestoreCost`: read bandwidth and a position-aware prefill time) and the
-correction of its read estimates by observed read times (:class:`ReadTimeCorrection`), and
-the plan they give (:func:`plan_restore`): how much of a stored prefix the storage tier
-(``asynccache.tiering``) restores whole, restores split, or leaves to be recomputed.
+model (:class:`RestoreCost`: read bandwidth and a position-aware prefill time), the correction
+of its estimates by observed times (:class:`ReadTimeCorrection`; :class:`SplitTiming` tells a
+split restore's slow side from the other), and the plan they give (:func:`plan_restore`): how
+much of a stored prefix the storage tier (``asynccache.tiering``) restores whole, restores
+split, or leaves to be recomputed.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from asynccache.errors import ConfigError
 if TYPE_CHECKING:
     from asynccache.spec import HybridSpec
 
-__all__ = ["ReadTimeCorrection", "RestoreCost", "plan_restore"]
+__all__ = ["ReadTimeCorrection", "RestoreCost", "SplitTiming", "plan_restore"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,7 +104,12 @@ class ReadTimeCorrection:
     def observe(self, nbytes: int, elapsed_s: float, read_bytes_per_s: float) -> None:
         if nbytes < self.min_bytes or elapsed_s <= 0:
             return
-        ratio = elapsed_s * read_bytes_per_s / nbytes
+        self.observe_ratio(elapsed_s * read_bytes_per_s / nbytes)
+
+    def observe_ratio(self, ratio: float) -> None:
+        """One observed ÷ estimated time (any estimate: a read's, or a computation's)."""
+        if not ratio > 0:
+            return
         self.factor = ratio if not self.samples else self.alpha * ratio + (1 - self.alpha) * self.factor
         self.samples += 1
         self.ratios.append(ratio)
@@ -112,6 +118,81 @@ class ReadTimeCorrection:
         """``factor ← toward + keep · (factor − toward)`` when the factor is above ``toward``."""
         if self.factor > toward:
             self.factor = toward + keep * (self.factor - toward)
+
+
+class SplitTiming:
+    """When a split restore's two sides finished, and which correction each time goes to.
+
+    The tail's read is observed when the event loop takes its last reply (:meth:`landed`), the
+    head's computation when the engine reports it done (:meth:`head_done`). A forward pass can
+    hold the loop for most of its GPU time, so a tail that landed while the head computed is
+    seen only when the head is done: its time then bounds the read from above and says how long
+    the head took, not the read. So, once both are known:
+
+    - the tail landed first (the head was the longer side): the head's time corrects
+      ``compute`` (computing beside reads); the tail's corrects ``read`` only where it lowers it;
+    - the head was done first (the engine waited for the tail): the tail's time corrects
+      ``read``; the head's corrects ``compute`` only where it lowers it.
+
+    An owner that never reports the head (:meth:`settle_unreported`, when the restore is
+    released) gets the tail's time as a read observation, as without the head's report.
+    Estimates are the cost model's, uncorrected; a tail of fewer than ``read.min_bytes`` is not
+    observed (its time is mostly latency)."""
+
+    __slots__ = (
+        "_compute", "_read", "head_est_s", "head_s", "settled", "started", "tail_bytes", "tail_est_s", "tail_s"
+    )
+
+    def __init__(
+        self,
+        *,
+        read: ReadTimeCorrection,
+        compute: ReadTimeCorrection,
+        head_est_s: float,
+        tail_est_s: float,
+        tail_bytes: int,
+        started: float,
+    ) -> None:
+        self._read, self._compute = read, compute
+        self.head_est_s, self.tail_est_s, self.tail_bytes = head_est_s, tail_est_s, tail_bytes
+        self.started = started
+        self.head_s: float | None = None
+        self.tail_s: float | None = None
+        self.settled = False
+
+    def landed(self, now: float) -> None:
+        """The tail's read is in (intact)."""
+        if self.tail_s is None:
+            self.tail_s = now - self.started
+            self._settle()
+
+    def head_done(self, now: float) -> None:
+        """The engine computed the head."""
+        if self.head_s is None:
+            self.head_s = now - self.started
+            self._settle()
+
+    def settle_unreported(self) -> None:
+        """No head report came (the restore is released): the tail's time, if it landed, is a
+        read observation."""
+        if not self.settled and self.tail_s is not None:
+            self.settled = True
+            self._observe(self._read, self.tail_s / self.tail_est_s, bound=False, read=True)
+
+    def _settle(self) -> None:
+        if self.settled or self.head_s is None or self.tail_s is None:
+            return
+        self.settled = True
+        head_ratio, tail_ratio = self.head_s / self.head_est_s, self.tail_s / self.tail_est_s
+        tail_first = self.tail_s <= self.head_s
+        self._observe(self._compute, head_ratio, bound=not tail_first)
+        self._observe(self._read, tail_ratio, bound=tail_first, read=True)
+
+    def _observe(self, correction: ReadTimeCorrection, ratio: float, *, bound: bool, read: bool = False) -> None:
+        if read and self.tail_bytes < correction.min_bytes:
+            return
+        if not bound or ratio < correction.factor:
+            correction.observe_ratio(ratio)
 
 
 def plan_restore(
@@ -125,6 +206,7 @@ def plan_restore(
     allow_tail: bool,
     read_factor: float = 1.0,
     tail_read_factor: float = 1.0,
+    head_compute_factor: float = 1.0,
 ) -> tuple[int, int, bool]:
     """``(begin, end, split_possible)``: the pages to restore of a prefix of ``num_tokens`` tokens
     whose first ``start_page`` pages (and the state there) are cached, storage holding the KV of
@@ -138,7 +220,8 @@ def plan_restore(
     Reading ``p`` pages and the state costs ``(p·kv_page_bytes + state_bytes) / read_bw``, the
     bandwidth divided by ``read_factor`` for whole restores and by ``tail_read_factor`` for tails
     read beside a head's computation (:class:`ReadTimeCorrection`); computing positions
-    ``[a, b)`` costs :meth:`RestoreCost.compute_s`. Restoring first and computing after costs
+    ``[a, b)`` costs :meth:`RestoreCost.compute_s`, times ``head_compute_factor`` for a head
+    computed beside a tail's reads. Restoring first and computing after costs
     the sum, which is concave in the depth (reading is linear in it, and a token costs more to
     compute the deeper it sits), so among such splits only the two ends can win: everything or
     nothing. Recomputing is always a candidate, so restoring is never chosen when estimated
@@ -152,7 +235,7 @@ def plan_restore(
     rest_s = cost.compute_s(n * page, num_tokens)  # computed after the stored prefix in every plan
 
     def head_s(begin: int) -> float:
-        return cost.compute_s(start * page, begin * page)
+        return cost.compute_s(start * page, begin * page) * head_compute_factor
 
     def tail_s(begin: int) -> float:
         return ((n - begin) * kvb + sb) / bw_tail

@@ -35,10 +35,13 @@
   two: ``min over b of max(compute(head b), read(tail from b))``, b not before the first page
   read from storage (:func:`~asynccache.restore_cost.plan_restore`). Read estimates are corrected
   by the read times observed, separately for whole restores and for tails read beside a head's
-  computation (:class:`ReadTimeCorrection`): the two share the host's CPU, so a split overlaps
-  less than perfectly, and the model learns by how much. While whole restores are chosen over a
-  possible split, the split's correction fades back toward the whole-restore one, so a split is
-  tried again. (``counts["prefetch_split"]`` counts every choice other than a whole restore:
+  computation (:class:`ReadTimeCorrection`), and the head's computation by its time beside the
+  reads (``compute_beside_reads``): the two share the host, so a split overlaps less than
+  perfectly, and the model learns by how much and on which side — a tail is observed when it
+  landed, a head when the engine reports it computed (``TailRestore.head_computed``), and each
+  side's time corrects its own estimate (:class:`~asynccache.restore_cost.SplitTiming`). While
+  whole restores are chosen over a possible split, the split's corrections fade back (the
+  tail's toward the whole-restore one, the head's toward 1), so a split is tried again. (``counts["prefetch_split"]`` counts every choice other than a whole restore:
   recomputing or a tail restore.)
 """
 
@@ -57,7 +60,12 @@ from asynccache.completion import drop_done
 from asynccache.errors import ClosedError
 from asynccache.host_archive import HostWriteArchiver
 from asynccache.prefetch import PrefetchResult, TailRestore, held_node
-from asynccache.restore_cost import ReadTimeCorrection, RestoreCost, plan_restore
+from asynccache.restore_cost import (
+    ReadTimeCorrection,
+    RestoreCost,
+    SplitTiming,
+    plan_restore,
+)
 from asynccache.snapshots import SnapshotArchiver
 from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer, StorageBackend
 from asynccache.storage_admission import ArchiveAdmission
@@ -88,9 +96,11 @@ class StorageTier:
         self.counts: Counter[str] = Counter()
         #: Cost model for choosing how much of a stored prefix to restore (``None``: all of it).
         self.cost: RestoreCost | None = None
-        #: Observed ÷ estimated read time of whole restores and of split restores' tails.
+        #: Observed ÷ estimated read time of whole restores and of split restores' tails, and
+        #: computation time of split restores' heads (beside their tails' reads).
         self.read_alone = ReadTimeCorrection()
         self.read_beside_compute = ReadTimeCorrection()
+        self.compute_beside_reads = ReadTimeCorrection(min_bytes=0)
         #: Archive each completed device → host backup (write-through to storage). Off: storage
         #: gets only what the owner writes itself (trace replay's ``storage_write="demote"``).
         self.archive_host_writes = True
@@ -204,6 +214,7 @@ class StorageTier:
                 allow_tail=allow_tail,
                 read_factor=self.read_alone.factor,
                 tail_read_factor=self.read_beside_compute.factor,
+                head_compute_factor=self.compute_beside_reads.factor,
             )
             if (begin, n) != (start_page, stored):
                 self.counts["prefetch_split"] += 1
@@ -212,6 +223,7 @@ class StorageTier:
                 # time: let a pessimism learnt from a few slow tails fade toward the whole-read
                 # figure.
                 self.read_beside_compute.relax(self.read_alone.factor)
+                self.compute_beside_reads.relax(1.0)
             if n <= start_page:  # recomputing is estimated faster than restoring
                 return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
         if begin > start_page:
@@ -259,8 +271,22 @@ class StorageTier:
         def free() -> None:
             host_kv_pool.free(host_kv)
             host_state_pool.free(host_slot)
+            if timing is not None:
+                timing.settle_unreported()
 
-        read = self._read_tail(keys[begin:n], host_kv, host_slot)
+        timing = None
+        if self.cost is not None:
+            spec = self.tree.spec
+            tail_bytes = (n - begin) * spec.kv_page_bytes + spec.state_bytes
+            timing = SplitTiming(
+                read=self.read_beside_compute,
+                compute=self.compute_beside_reads,
+                head_est_s=self.cost.compute_s(match.num_tokens // page * page, begin * page),
+                tail_est_s=tail_bytes / self.cost.read_bytes_per_s,
+                tail_bytes=tail_bytes,
+                started=time.perf_counter(),
+            )
+        read = self._read_tail(keys[begin:n], host_kv, host_slot, timing)
         try:
             fetch = self._tg.create_task(read, name="asynccache-tail")
         except RuntimeError as e:  # shutting down (a background task failed)
@@ -269,12 +295,19 @@ class StorageTier:
             raise ClosedError(f"the controller is shutting down: {e}") from e
         self.counts["prefetch_tail"] += 1
         tail = TailRestore(
-            begin_tokens=begin * page, end_tokens=n * page, host_kv=host_kv, host_slot=host_slot, fetch=fetch, free=free
+            begin_tokens=begin * page,
+            end_tokens=n * page,
+            host_kv=host_kv,
+            host_slot=host_slot,
+            fetch=fetch,
+            free=free,
+            timing=timing,
         )
         return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0, tail=tail)
 
-    async def _read_tail(self, keys: list[str], host_kv: torch.Tensor, host_slot: torch.Tensor) -> bool:
-        t0 = time.perf_counter()
+    async def _read_tail(
+        self, keys: list[str], host_kv: torch.Tensor, host_slot: torch.Tensor, timing: SplitTiming | None
+    ) -> bool:
         try:
             results = await self.backend.batch_get_v2(
                 [
@@ -290,7 +323,8 @@ class StorageTier:
             self.counts["prefetch_incomplete"] += 1
             return False
         self.counts["tail_pages"] += len(keys)
-        self._observe(self.read_beside_compute, len(keys), time.perf_counter() - t0)
+        if timing is not None:
+            timing.landed(time.perf_counter())
         return True
 
     def _observe(self, correction: ReadTimeCorrection, num_pages: int, elapsed_s: float) -> None:

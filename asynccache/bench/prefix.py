@@ -244,6 +244,8 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             "beside_compute": tier.read_beside_compute.factor,
             "alone_observed": list(tier.read_alone.ratios),
             "beside_compute_observed": list(tier.read_beside_compute.ratios),
+            "head_compute": tier.compute_beside_reads.factor,
+            "head_compute_observed": list(tier.compute_beside_reads.ratios),
         }
     med = {k: statistics.median(v) for k, v in times.items()}
     pairs = list(zip(times["device"], times["host"], strict=True))

@@ -120,6 +120,9 @@ def print_report(res: dict[str, Any]) -> None:
     print(f"observed / estimated read time: {corr['alone']:.2f} alone, {corr['beside_compute']:.2f} beside a head's computation")
     seen = ", ".join(f"{r:.2f}" for r in corr["beside_compute_observed"]) or "none"
     print(f"  each tail read beside a head (observed / estimated): {seen}")
+    if "head_compute" in corr:  # (results written before the head's correction lack it)
+        heads = ", ".join(f"{r:.2f}" for r in corr["head_compute_observed"]) or "none"
+        print(f"observed / estimated head computation beside the reads: {corr['head_compute']:.2f}; each: {heads}")
 
 
 def plot(res: dict[str, Any], path: str) -> None:

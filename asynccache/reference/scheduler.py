@@ -264,6 +264,8 @@ class Scheduler(AdmitMixin, FinishMixin):
         blocked = [r for r in self._running if r.tail is not None and r.num_computed >= r.tail.begin_tokens]
         if not blocked:
             return True
+        for r in blocked:
+            r.tail.head_computed()  # (the first report of each counts)
         if len(blocked) == len(self._running) and not any(r.tail.fetch.done() for r in blocked):
             self._wakeup.clear()
             woken = asyncio.ensure_future(self._wakeup.wait())

@@ -15,7 +15,7 @@ from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
 from asynccache.errors import ConfigError
 from asynccache.policy import EveryPageAdmission
-from asynccache.restore_cost import plan_restore
+from asynccache.restore_cost import SplitTiming, plan_restore
 from asynccache.spec import HybridSpec
 from asynccache.tiering import ReadTimeCorrection, RestoreCost, StorageTier
 
@@ -351,4 +351,72 @@ async def test_splits_are_tried_again_after_slow_tails_stop_being_observed() -> 
         assert tails[0] is False and tails[-1] is True
         assert all(a > b for a, b in itertools.pairwise(factors[:-1]))  # fading while not observed
         assert tier.read_beside_compute.samples == 1  # the split was observed again
+        cache.tree.check_integrity()
+
+
+def split_timing(read: ReadTimeCorrection, compute: ReadTimeCorrection, **kwargs: float) -> SplitTiming:
+    """A split estimated at 10 s of head and 10 s of tail, started at t = 0."""
+    return SplitTiming(read=read, compute=compute, head_est_s=10.0, tail_est_s=10.0, tail_bytes=1 << 30, started=0.0)
+
+
+@pytest.mark.parametrize(
+    ("head_done", "landed", "compute_factor", "read_factor"),
+    [
+        # The tail landed while the head computed: the head was the slow side; the tail's time is
+        # only a bound (its last reply waited for the loop), which here says nothing new.
+        (17.0, 16.0, 1.7, 1.0),
+        # The same, but the tail's bound is below what the model expects: it lowers the read's.
+        (17.0, 6.0, 1.7, 0.6),
+        # The engine waited for the tail: the tail was the slow side; the head's time is a bound.
+        (8.0, 15.0, 0.8, 1.5),
+        (12.0, 15.0, 1.0, 1.5),
+    ],
+)
+def test_a_split_s_time_corrects_the_side_that_took_it(
+    head_done: float, landed: float, compute_factor: float, read_factor: float
+) -> None:
+    read, compute = ReadTimeCorrection(min_bytes=0), ReadTimeCorrection(min_bytes=0)
+    timing = split_timing(read, compute)
+    timing.landed(landed)
+    assert compute.samples == read.samples == 0  # nothing until both sides are in
+    timing.head_done(head_done)
+    timing.head_done(head_done + 5)  # the first report counts
+    timing.settle_unreported()  # settled already: nothing more
+    assert compute.factor == pytest.approx(compute_factor) and read.factor == pytest.approx(read_factor)
+    assert compute.samples + read.samples == 1 + (compute_factor < 1.0 or read_factor < 1.0)
+
+
+def test_an_unreported_head_leaves_the_tail_a_read_observation() -> None:
+    """An owner that never reports its head (no scheduler): the tail's time, as it landed."""
+    read, compute = ReadTimeCorrection(min_bytes=0), ReadTimeCorrection(min_bytes=0)
+    timing = split_timing(read, compute)
+    timing.settle_unreported()  # not landed (a failed read): nothing to learn
+    assert read.samples == 0
+    timing.landed(14.0)
+    timing.settle_unreported()
+    assert read.factor == pytest.approx(1.4) and compute.samples == 0
+    small = ReadTimeCorrection()  # 64 MiB and up only: the tail of 1 GiB counts, not 1 KiB
+    SplitTiming(read=small, compute=compute, head_est_s=1.0, tail_est_s=1.0, tail_bytes=1024, started=0.0).landed(2.0)
+    assert small.samples == 0
+
+
+async def test_a_slow_head_beside_the_reads_shortens_the_head() -> None:
+    """The head's correction weighs in the plan: a head computed at a quarter of its estimated
+    speed beside the reads makes the next split compute less of the prefix and read more."""
+    async with balanced_tier() as (cache, tier):
+        res = await tier.prefetch(TOKENS, cache.tree.match_prefix(TOKENS), allow_tail=True)
+        assert res.tail is not None
+        first_head = res.tail.begin_tokens
+        assert await res.tail.fetch
+        res.tail.head_computed()
+        res.tail.release()
+        assert tier.compute_beside_reads.samples == 1  # reported: the head's time was observed
+        cache.flush_device()
+        cache.flush_host()
+        tier.read_beside_compute.factor = 1.0  # (the memory backend reads far faster than the model)
+        tier.compute_beside_reads.factor = 4.0
+        res = await tier.prefetch(TOKENS, cache.tree.match_prefix(TOKENS), allow_tail=True)
+        assert res.tail is not None and 0 < res.tail.begin_tokens < first_head
+        assert await res.tail.fetch
+        res.tail.release()
         cache.tree.check_integrity()

@@ -67,6 +67,7 @@ async def serve_split(
         await tier.drain()
         cache.tree.check_integrity()
         counts = dict(tier.counts)
+        counts["heads_observed"] = tier.compute_beside_reads.samples  # the scheduler reports heads
         # Everything on host belongs to the tree again: flushing it frees every slot.
         cache.flush_device()
         cache.flush_host()
@@ -94,6 +95,7 @@ async def test_split_restore_equals_cold_bit_for_bit(model: HybridModel, spec: H
     assert torch.equal(r2.first_logits, ref.first_logits)
     assert r2.output_ids == ref.output_ids
     assert counts["host_slots_leaked"] == 0
+    assert counts["heads_observed"] == 1
 
 
 async def test_corrupt_tail_is_computed_not_served(model: HybridModel, spec: HybridSpec, tmp_path: Path) -> None:
@@ -103,3 +105,4 @@ async def test_corrupt_tail_is_computed_not_served(model: HybridModel, spec: Hyb
     ref = await cold(model, spec, p2)
     assert torch.equal(r2.first_logits, ref.first_logits)
     assert counts["host_slots_leaked"] == 0
+    assert counts["heads_observed"] == 0  # a failed read teaches the model nothing
