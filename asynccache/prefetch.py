@@ -53,8 +53,9 @@ class TailRestore:
     them to the device and then calls :meth:`release` — also on every path that drops the
     restore. Releasing before the fetch finished defers the free until it has (a read may still
     be landing in the slots); the fetch itself is never cancelled. The caller reports when it
-    has computed the head (:meth:`head_computed`): the tier then learns which side of the split
-    was the slower one (``timing``, see :class:`~asynccache.restore_cost.SplitTiming`).
+    starts computing the head (:meth:`head_started`) and when it has computed it
+    (:meth:`head_computed`): the tier then learns which side of the split was the slower one
+    (``timing``, see :class:`~asynccache.restore_cost.SplitTiming`).
     """
 
     begin_tokens: int
@@ -65,6 +66,11 @@ class TailRestore:
     free: Callable[[], None]
     released: bool = False
     timing: SplitTiming | None = None
+
+    def head_started(self) -> None:
+        """The engine starts computing the head (the request is admitted; the first call counts)."""
+        if self.timing is not None:
+            self.timing.head_started(time.perf_counter())
 
     def head_computed(self) -> None:
         """The engine has computed the head ``[.., begin_tokens)`` (the first call counts)."""

@@ -123,8 +123,10 @@ class ReadTimeCorrection:
 class SplitTiming:
     """When a split restore's two sides finished, and which correction each time goes to.
 
-    The tail's read is observed when the event loop takes its last reply (:meth:`landed`), the
-    head's computation when the engine reports it done (:meth:`head_done`). A forward pass can
+    The tail's read runs from the plan (``started``) until the event loop takes its last reply
+    (:meth:`landed`); the head's computation from when the engine starts on it
+    (:meth:`head_started`: a request may wait for admission after its lookup; ``started`` if
+    never reported) until the engine reports it done (:meth:`head_done`). A forward pass can
     hold the loop for most of its GPU time, so a tail that landed while the head computed is
     seen only when the head is done: its time then bounds the read from above and says how long
     the head took, not the read. So, once both are known:
@@ -134,13 +136,15 @@ class SplitTiming:
     - the head was done first (the engine waited for the tail): the tail's time corrects
       ``read``; the head's corrects ``compute`` only where it lowers it.
 
-    An owner that never reports the head (:meth:`settle_unreported`, when the restore is
+    An owner that never reports the head's end (:meth:`settle_unreported`, when the restore is
     released) gets the tail's time as a read observation, as without the head's report.
     Estimates are the cost model's, uncorrected; a tail of fewer than ``read.min_bytes`` is not
-    observed (its time is mostly latency)."""
+    observed (its time is mostly latency). Times are ``time.perf_counter()`` seconds; the first
+    report of each counts."""
 
     __slots__ = (
-        "_compute", "_read", "head_est_s", "head_s", "settled", "started", "tail_bytes", "tail_est_s", "tail_s"
+        "_compute", "_read", "head_done_at", "head_est_s", "head_started_at", "landed_at", "settled",
+        "started", "tail_bytes", "tail_est_s",
     )
 
     def __init__(
@@ -156,35 +160,43 @@ class SplitTiming:
         self._read, self._compute = read, compute
         self.head_est_s, self.tail_est_s, self.tail_bytes = head_est_s, tail_est_s, tail_bytes
         self.started = started
-        self.head_s: float | None = None
-        self.tail_s: float | None = None
+        self.head_started_at: float | None = None
+        self.head_done_at: float | None = None
+        self.landed_at: float | None = None
         self.settled = False
 
     def landed(self, now: float) -> None:
         """The tail's read is in (intact)."""
-        if self.tail_s is None:
-            self.tail_s = now - self.started
+        if self.landed_at is None:
+            self.landed_at = now
             self._settle()
+
+    def head_started(self, now: float) -> None:
+        """The engine starts computing the head."""
+        if self.head_started_at is None and self.head_done_at is None:
+            self.head_started_at = now
 
     def head_done(self, now: float) -> None:
         """The engine computed the head."""
-        if self.head_s is None:
-            self.head_s = now - self.started
+        if self.head_done_at is None:
+            self.head_done_at = now
             self._settle()
 
     def settle_unreported(self) -> None:
         """No head report came (the restore is released): the tail's time, if it landed, is a
         read observation."""
-        if not self.settled and self.tail_s is not None:
+        if not self.settled and self.landed_at is not None:
             self.settled = True
-            self._observe(self._read, self.tail_s / self.tail_est_s, bound=False, read=True)
+            self._observe(self._read, (self.landed_at - self.started) / self.tail_est_s, bound=False, read=True)
 
     def _settle(self) -> None:
-        if self.settled or self.head_s is None or self.tail_s is None:
+        if self.settled or self.head_done_at is None or self.landed_at is None:
             return
         self.settled = True
-        head_ratio, tail_ratio = self.head_s / self.head_est_s, self.tail_s / self.tail_est_s
-        tail_first = self.tail_s <= self.head_s
+        head_from = self.started if self.head_started_at is None else self.head_started_at
+        head_ratio = (self.head_done_at - head_from) / self.head_est_s
+        tail_ratio = (self.landed_at - self.started) / self.tail_est_s
+        tail_first = self.landed_at <= self.head_done_at
         self._observe(self._compute, head_ratio, bound=not tail_first)
         self._observe(self._read, tail_ratio, bound=tail_first, read=True)
 

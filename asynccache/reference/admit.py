@@ -254,6 +254,8 @@ class AdmitMixin:
         req.num_cached = req.num_computed = num_cached
         req.cached_by_tier = by_tier
         req.tail = tail
+        if tail is not None:
+            tail.head_started()
         req.phase = Phase.PREFILL
         return True
 

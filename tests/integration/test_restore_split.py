@@ -386,6 +386,17 @@ def test_a_split_s_time_corrects_the_side_that_took_it(
     assert compute.samples + read.samples == 1 + (compute_factor < 1.0 or read_factor < 1.0)
 
 
+def test_a_head_is_timed_from_when_the_engine_starts_it() -> None:
+    """A request that waited for admission after its lookup: the wait is not the head's."""
+    read, compute = ReadTimeCorrection(min_bytes=0), ReadTimeCorrection(min_bytes=0)
+    timing = split_timing(read, compute)
+    timing.landed(16.0)
+    timing.head_started(10.0)
+    timing.head_started(12.0)  # the first report counts
+    timing.head_done(17.0)  # 7 s of computing against 10 estimated; the tail landed first
+    assert compute.factor == pytest.approx(0.7) and read.samples == 0
+
+
 def test_an_unreported_head_leaves_the_tail_a_read_observation() -> None:
     """An owner that never reports its head (no scheduler): the tail's time, as it landed."""
     read, compute = ReadTimeCorrection(min_bytes=0), ReadTimeCorrection(min_bytes=0)
