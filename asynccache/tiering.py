@@ -267,13 +267,6 @@ class StorageTier:
             self.counts["prefetch_no_room"] += 1
             return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
         host_kv, host_slot = alloc.kv_indices, alloc.state_slots
-
-        def free() -> None:
-            host_kv_pool.free(host_kv)
-            host_state_pool.free(host_slot)
-            if timing is not None:
-                timing.settle_unreported()
-
         timing = None
         if self.cost is not None:
             spec = self.tree.spec
@@ -286,6 +279,13 @@ class StorageTier:
                 tail_bytes=tail_bytes,
                 started=time.perf_counter(),
             )
+
+        def free() -> None:
+            host_kv_pool.free(host_kv)
+            host_state_pool.free(host_slot)
+            if timing is not None:
+                timing.settle_unreported()
+
         read = self._read_tail(keys[begin:n], host_kv, host_slot, timing)
         try:
             fetch = self._tg.create_task(read, name="asynccache-tail")
