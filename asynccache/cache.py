@@ -43,9 +43,11 @@ def effective_storage_options(
     (split restores of a 32k-token prefix 19–38 % faster in the same run on H200 machines:
     docs/benchmarks.md, Long-prefix TTFT). So a ``file://`` tier that leaves ``read_processes``
     unset reads in ``max_concurrency`` children (at most one per usable core) when the cache is
-    on CUDA with real host pools (Linux, plain objects read through the page cache: no
-    ``compression``, no ``direct_io``). ``read_processes=0`` keeps the threads; on CPU the
-    threads stay the default.
+    on CUDA with real host pools (Linux, plain objects: no ``compression``). They read
+    through the page cache unless ``direct_io`` says otherwise: past it, restores of objects
+    the cache had dropped ran 4–19 % faster, but those of objects still cached (written a
+    round before) 40–70 % slower (runs BB and BC of docs/benchmarks.md).
+    ``read_processes=0`` keeps the threads; on CPU the threads stay the default.
     """
     options = dict(config.storage_options)
     if (
@@ -57,7 +59,6 @@ def effective_storage_options(
         and config.has_host_tier
         and sys.platform.startswith("linux")
         and options.get("compression", "none") == "none"
-        and options.get("direct_io", False) is False
     ):
         from storage_backends.base import usable_cores
         from storage_backends.local_disk import LocalDiskBackend

@@ -32,7 +32,7 @@ by default: an option for capacity, or for disks slower than the cores decode.
 With the option ``read_processes=N`` reads run in N child processes instead, straight into host
 pools that live in shared memory (``storage_backends.reader_processes``): a child has an
 interpreter of its own, so a forward pass beside the read does not hold up its Python steps.
-Pools not in shared memory, writes and deletes stay on the threads. ``HybridCache`` sets this
+They read directly too where ``direct_io`` says so. Pools not in shared memory, writes and deletes stay on the threads. ``HybridCache`` sets this
 option itself on a CUDA device (``asynccache.cache.effective_storage_options``).
 
 A payload larger than ``READ_RANGE_BYTES`` (a Mamba state of tens of MB) is read as ranges on
@@ -201,9 +201,8 @@ class LocalDiskBackend(DiskJobsMixin):
         self._written_sizes: dict[str, int] = {}
         self._dirs: set[str] = set()
         read_processes = check_int("read_processes", read_processes, minimum=0)
-        if read_processes and (compression != "none" or direct_io is not False):
-            raise ConfigError("read_processes reads plain objects through the page cache: it cannot be combined "
-                              "with compression or direct_io")
+        if read_processes and compression != "none":
+            raise ConfigError("read_processes reads plain objects: it cannot be combined with compression")
         #: child processes that read into shared-memory pools (``read_processes``; see
         #: ``storage_backends.reader_processes``), or ``None``: the worker threads read
         self._readers = (
@@ -304,7 +303,8 @@ class LocalDiskBackend(DiskJobsMixin):
         assert self._readers is not None and item.pool.shared_memory is not None
         mem_id = self._readers.memory_id(item.pool.shared_memory)
         views = payload_range(item.buffers(), offset, offset + length)
-        return ReadUnit(item.name, item.geometry, item.key, offset, self._readers.pieces(mem_id, views))
+        pieces = self._readers.pieces(mem_id, views)
+        return ReadUnit(item.name, item.geometry, item.key, offset, pieces, direct=bool(self.direct_io))
 
     async def _write_many(self, items: Sequence[BatchItem]) -> list[Outcome]:
         return await self._in_jobs(self._write_file, items, background=True)
@@ -338,7 +338,8 @@ def open_local_disk(uri: str, **options: Any) -> LocalDiskBackend:
     ``None``: ``O_DIRECT`` where the filesystem allows it), ``compression`` (``"none"``, the
     default, or ``"zstd"``: objects stored as compressed frames, see
     ``storage_backends.compression``; read through the page cache), ``read_processes`` (0, the
-    backend's default: worker threads read; ``N``: N child processes read plain objects into
+    backend's default: worker threads read; ``N``: N child processes read plain objects —
+    directly where ``direct_io`` says so — into
     host pools allocated in shared memory — ``HostKVPool(..., shared=True)``, which
     ``HybridCache`` does when this option is set, and which it sets to ``max_concurrency`` on a
     CUDA device unless told otherwise — see ``storage_backends.reader_processes``)."""

@@ -105,13 +105,15 @@ def read_object_range(
 @dataclass(frozen=True, slots=True)
 class ReadUnit:
     """One range of one object and where it lands: ``pieces`` are ``(memory id, offset,
-    bytes)`` in payload order, in shared memories the children have mapped."""
+    bytes)`` in payload order, in shared memories the children have mapped; ``direct``: read
+    with ``O_DIRECT`` where the pieces allow it (the backend's ``direct_io``)."""
 
     path: str
     geometry: ObjectGeometry
     key: str
     offset: int
     pieces: tuple[tuple[int, int, int], ...]
+    direct: bool = False
 
 
 # ---- the reader process ---------------------------------------------------------------------
@@ -159,7 +161,7 @@ def _read_unit(
         views = [maps[mem_id][off : off + n] for mem_id, off, n in unit.pieces]
         got = read_object_range(
             unit.path, codec, unit.geometry, unit.key, unit.offset, views,
-            piece_bytes=piece_bytes, stop=None, deadline=time.monotonic() + timeout_s,
+            piece_bytes=piece_bytes, stop=None, deadline=time.monotonic() + timeout_s, direct=unit.direct,
         )
     except ObjectFormatError as e:
         return ("format", str(e))

@@ -212,3 +212,57 @@ def test_the_probe_names_why_direct_reads_are_refused(tmp_path: Path, monkeypatc
     with pytest.raises(OSError, match="Input/output"):
         file_io.probe_direct(str(tmp_path))  # other errors are not a refusal
     assert list(tmp_path.iterdir()) == []
+
+
+async def test_reader_processes_read_directly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``direct_io`` the reader processes get units marked direct and land the bytes
+    exactly; a flipped bit read that way is a miss."""
+    needs_direct(tmp_path)
+    backend = LocalDiskBackend(tmp_path.as_uri(), namespace=NAMESPACE, direct_io=True, fsync=False, read_processes=2)
+    kv, mamba = make_pools(num_items=8, seed=15, shared=True)
+    await backend.register_host_pool_v2(PoolName.KV, kv)
+    await backend.register_host_pool_v2(PoolName.MAMBA, mamba)
+    assert backend._readers is not None
+    sent: list[bool] = []
+    real_read = backend._readers.read
+
+    async def spied(units, **options):  # type: ignore[no-untyped-def]
+        sent.extend(unit.direct for unit in units)
+        return await real_read(units, **options)
+
+    monkeypatch.setattr(backend._readers, "read", spied)
+    keys = make_keys(4, seed="direct-procs")
+    assert await backend.batch_set_v2([kv_transfer(keys, [0, 1, 2, 3]), mamba_transfer(keys[-1:], [0])]) == [
+        [True] * 4, [True]]
+    assert await backend.batch_get_v2([kv_transfer(keys, [4, 5, 6, 7]), mamba_transfer(keys[-1:], [4])]) == [
+        [True] * 4, [True]]
+    assert sent and all(sent) and backend.direct_io is True
+    assert [slot(kv, i) for i in (4, 5, 6, 7)] == [slot(kv, i) for i in (0, 1, 2, 3)] and slot(mamba, 4) == slot(mamba, 0)
+    name = backend.object_name(PoolName.KV, keys[1])
+    data = bytearray(Path(name).read_bytes())
+    data[5000] ^= 0x10
+    Path(name).write_bytes(bytes(data))
+    assert await backend.batch_get_v2([kv_transfer(keys[:2], [6, 7])]) == [[True, False]]
+    assert backend.statistics().num_corrupt == 1
+    await backend.aclose()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_reader_process_reads_a_unit_as_it_is_marked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool
+) -> None:
+    """The child's side: ``ReadUnit.direct`` decides how the object is opened."""
+    codec = ObjectCodec(NAMESPACE, header_align=DIRECT_ALIGN)
+    geometry = ObjectGeometry(pool_name="kv", dtype="uint8", num_layers=1, item_bytes=2 * DIRECT_ALIGN)
+    key = make_keys(1, seed=f"unit-{direct}")[0]
+    payload = np.arange(2 * DIRECT_ALIGN, dtype=np.uint32).astype(np.uint8)
+    path = tmp_path / "object"
+    path.write_bytes(bytes(codec.encode(geometry, key, [payload])))
+    opened: list[bool] = []
+    real_open = object_reads.open_read
+    monkeypatch.setattr(object_reads, "open_read", lambda p, d: opened.append(d) or real_open(p, d))
+    memory = aligned_empty(4 * DIRECT_ALIGN)
+    unit = object_reads.ReadUnit(str(path), geometry, key, 0, ((0, DIRECT_ALIGN, 2 * DIRECT_ALIGN),), direct=direct)
+    reply = object_reads._read_unit(codec, {0: memory}, unit, DIRECT_ALIGN, 10.0)
+    assert reply[0] == "ok" and opened == [direct]
+    assert bytes(memory[DIRECT_ALIGN : 3 * DIRECT_ALIGN]) == bytes(payload)

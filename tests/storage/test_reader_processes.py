@@ -164,8 +164,6 @@ async def test_a_cancelled_read_returns_only_after_the_child_is_done(tmp_path: P
     [
         ({"read_processes": -1}, "read_processes must be an int >= 0"),
         ({"read_processes": 2, "compression": "zstd"}, "cannot be combined"),
-        ({"read_processes": 2, "direct_io": True}, "cannot be combined"),
-        ({"read_processes": 2, "direct_io": None}, "cannot be combined"),
     ],
 )
 def test_bad_options_are_refused(tmp_path: Path, options: dict[str, object], message: str) -> None:
@@ -196,8 +194,8 @@ async def test_the_cache_puts_its_host_pools_in_shared_memory_for_reader_process
         ("file:///tmp/x", "cuda", {"read_processes": 2}, True, 2),
         ("file:///tmp/x", "cpu", {}, True, None),  # threads on CPU
         ("file:///tmp/x", "cuda", {"compression": "zstd"}, True, None),  # cannot be combined
-        ("file:///tmp/x", "cuda", {"direct_io": True}, True, None),
-        ("file:///tmp/x", "cuda", {"direct_io": None}, True, None),
+        ("file:///tmp/x", "cuda", {"direct_io": True}, True, 8),  # the children read directly
+        ("file:///tmp/x", "cuda", {"direct_io": False}, True, 8),  # through the page cache
         ("file:///tmp/x", "cuda", {}, False, None),  # no host pools for children to fill
         ("memory://", "cuda", {}, True, None),
         ("s3://bucket/p", "cuda", {}, True, None),
