@@ -17,6 +17,7 @@ bytes, same checks).
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import tempfile
 import threading
@@ -39,6 +40,7 @@ __all__ = [
     "pwritev_all",
     "read_tail",
     "stat_sizes",
+    "stop_direct",
     "subdirs",
     "unlink_all",
 ]
@@ -135,6 +137,11 @@ def read_tail(fd: int, tail: np.ndarray, file_offset: int) -> None:
 def open_read(path: str, direct: bool) -> int:
     """A read-only descriptor of ``path``, for direct reads if ``direct``."""
     return os.open(path, os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if direct else 0))
+
+
+def stop_direct(fd: int) -> None:
+    """Read ``fd`` (opened by :func:`open_read` for direct reads) through the page cache."""
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
 
 
 def probe_direct(directory: str) -> str | None:

@@ -26,6 +26,7 @@ from storage_backends.file_io import (
     open_read,
     preadv_all,
     read_tail,
+    stop_direct,
 )
 from storage_backends.object_format import (
     CHECKSUM_BLOCK_BYTES,
@@ -34,6 +35,7 @@ from storage_backends.object_format import (
     PayloadChecksum,
     check_stop,
 )
+from storage_backends.page_residency import in_page_cache
 
 __all__ = ["RangeResult", "ReadUnit", "read_object_range", "reply_outcome", "serve_reader"]
 
@@ -58,13 +60,12 @@ def read_object_range(
     """Payload bytes ``[offset, offset + Σ views)`` of the plain object at ``path`` into
     ``views``, ``piece_bytes`` per ``preadv``, each piece checksummed as it lands. The first
     range also reads the header in its first ``preadv`` and checks it. ``direct``: read with
-    ``O_DIRECT`` where the views allow it (see ``storage_backends.file_io``). Raises
+    ``O_DIRECT`` where the views allow it (see ``storage_backends.file_io``) and the range is
+    not all in the page cache already (``storage_backends.page_residency``). Raises
     :class:`ObjectFormatError` for an object of the wrong size or header."""
     hlen = codec.header_bytes(geometry, key)
     tail: np.ndarray | None = None
     split = direct_views(views, hlen + offset) if direct else None
-    if split is not None:
-        views, tail = split
     try:
         fd = open_read(path, split is not None)
     except (FileNotFoundError, NotADirectoryError):
@@ -74,6 +75,12 @@ def read_object_range(
         expected = hlen + geometry.payload_bytes
         if st.st_size != expected:
             raise ObjectFormatError(f"object of {st.st_size} bytes, expected {expected} (truncated or foreign)")
+        if split is not None:
+            start = 0 if offset == 0 else hlen + offset  # the first range reads the header too
+            if in_page_cache(fd, start, hlen + offset + sum(v.nbytes for v in views) - start):
+                stop_direct(fd)  # read at memory speed what a direct read would fetch again
+            else:
+                views, tail = split
         want: int | None = None
         check = PayloadChecksum(first_block=offset // CHECKSUM_BLOCK_BYTES)
         position = hlen + offset

@@ -21,7 +21,13 @@ Primitives:
 - :func:`kill_child`, :func:`stop_process` — kill a child; close its socket and wait for it to
   exit, killing it after a grace.
 
-No thread of this process waits for a reply. A child that has not replied to a request (a
+No thread of this process waits for a reply: the loop watches a child's socket from its first
+request until its end, idle or not (a child that dies between reads is found dead at once; no
+reader is removed and added again on one descriptor between requests). The socket's end is not
+the only sign of a child's death: uvloop drops a descriptor whose poll reports an error without
+calling its reader — as for a child killed with requests it had not read (a reset connection)
+— so while a child has requests, the loop also looks every ``ALIVE_CHECK_S`` whether it has
+exited. Without that look such requests waited for their kill timer, a minute or more. A child that has not replied to a request (a
 chunk, a mapping) within ``timeout_s`` for each unit queued ahead of it and for each of its own
 (the requests of a start have the start's deadline for their own part, see
 ``storage_backends.reader_processes``) — stopped, or stuck in a system call — is killed. Its requests fail with :class:`ReaderLost`
@@ -48,7 +54,7 @@ from storage_backends.workers import drain_future
 
 log = logging.getLogger("asynccache.storage")
 
-__all__ = ["ReaderChannels", "ReaderChild", "ReaderLost", "kill_child", "spawn_child", "stop_process"]
+__all__ = ["ALIVE_CHECK_S", "ReaderChannels", "ReaderChild", "ReaderLost", "kill_child", "spawn_child", "stop_process"]
 
 #: Where ``asynccache`` and ``storage_backends`` are. A child imports from them without running
 #: their ``__init__`` (which import torch): it starts in a fraction of a second and small. It
@@ -69,6 +75,10 @@ serve_reader(Connection(int(sys.argv[2])))
 """
 
 
+#: How often the loop looks whether a child with requests has exited (see the module docstring).
+ALIVE_CHECK_S = 0.25
+
+
 class ReaderLost(BackendError):
     """A unit no reader process read: its child died, could not start, or the readers were
     closed. Nothing writes into its slot any more, so another reader may take it."""
@@ -87,7 +97,10 @@ class ReaderChild:
     mapped: set[int] = field(default_factory=set)
     #: answered its start and mapped the memories: reads may use it
     up: bool = False
+    #: its socket is watched by the loop (from its first request until it is dead)
     watched: bool = False
+    #: the next look at whether it has exited, while it has requests (see ``ALIVE_CHECK_S``)
+    alive_check: asyncio.TimerHandle | None = None
     #: takes no more requests: it exited, or was killed and is being reaped (``reaping``)
     dead: bool = False
     reaping: asyncio.Task[None] | None = None
@@ -158,10 +171,23 @@ class ReaderChannels:
         child.pending.append((fut, units))
         kill = loop.call_later(kill_after_s, _kill_unanswered, child, kill_after_s)
         fut.add_done_callback(lambda _: kill.cancel())
-        if not child.watched:
+        if not child.watched:  # from the first request to the child's end (see the module docstring)
             loop.add_reader(child.conn.fileno(), self._on_readable, child, loop)
             child.watched = True
+        if child.alive_check is None:
+            child.alive_check = loop.call_later(ALIVE_CHECK_S, self._check_alive, child, loop)
         return fut
+
+    def _check_alive(self, child: ReaderChild, loop: asyncio.AbstractEventLoop) -> None:
+        """While ``child`` has requests, look every ``ALIVE_CHECK_S`` whether it has exited: its
+        requests fail then, whether or not its socket's end was reported."""
+        child.alive_check = None
+        if child.dead or not child.pending:
+            return
+        if child.process.poll() is not None:  # exited: its memory is unmapped, it writes no slot
+            self._lost(child, loop, "reader process exited")
+            return
+        child.alive_check = loop.call_later(ALIVE_CHECK_S, self._check_alive, child, loop)
 
     def _on_readable(self, child: ReaderChild, loop: asyncio.AbstractEventLoop) -> None:
         try:
@@ -172,19 +198,17 @@ class ReaderChannels:
         except OSError as e:
             self._abandon(child, loop, f"reader process lost: {e}")
             return
+        if not child.pending:  # a child speaks only when asked
+            self._abandon(child, loop, "reader process sent a reply nothing asked for")
+            return
         fut, _ = child.pending.popleft()
         if not fut.done():
             fut.set_result(reply)
-        if not child.pending:
-            loop.remove_reader(child.conn.fileno())
-            child.watched = False
 
     def _lost(self, child: ReaderChild, loop: asyncio.AbstractEventLoop, why: str) -> None:
         """The child is gone: every request it had fails (it writes into no slot any more)."""
         child.dead = True
-        if child.watched:
-            loop.remove_reader(child.conn.fileno())
-            child.watched = False
+        _unwatch(child, loop)
         while child.pending:
             fut, _ = child.pending.popleft()
             if not fut.done():
@@ -196,9 +220,7 @@ class ReaderChannels:
         if child.reaping is not None:
             return
         child.dead = True
-        if child.watched:
-            loop.remove_reader(child.conn.fileno())
-            child.watched = False
+        _unwatch(child, loop)
         kill_child(child)
 
         async def reap() -> None:
@@ -216,6 +238,15 @@ class ReaderChannels:
         except asyncio.CancelledError:
             await drain_future(fut)
             raise
+
+
+def _unwatch(child: ReaderChild, loop: asyncio.AbstractEventLoop) -> None:
+    if child.alive_check is not None:
+        child.alive_check.cancel()
+        child.alive_check = None
+    if child.watched:
+        loop.remove_reader(child.conn.fileno())
+        child.watched = False
 
 
 def kill_child(child: ReaderChild) -> None:

@@ -4,6 +4,7 @@ option's way through the cache's config."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -30,12 +31,33 @@ from storage_backends.file_io import (
 )
 from storage_backends.local_disk import LocalDiskBackend
 from storage_backends.object_format import ObjectCodec, ObjectGeometry
+from storage_backends.page_residency import in_page_cache
 
 
 def needs_direct(path: Path) -> None:
     reason = probe_direct(str(path))
     if reason is not None:
         pytest.skip(f"no direct reads here: {reason}")
+
+
+@pytest.fixture
+def uncached(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every range reads as if the page cache held none of it (the objects a test just wrote
+    are all there), so that direct reads go direct."""
+    monkeypatch.setattr(object_reads, "in_page_cache", lambda fd, offset, length: False)
+
+
+def drop_from_page_cache(paths: list[str]) -> None:
+    """Write the files back and drop their pages; skips where the kernel keeps them."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if in_page_cache(fd, 0, os.fstat(fd).st_size):
+                pytest.skip("the kernel keeps this filesystem's pages (tmpfs?)")
+        finally:
+            os.close(fd)
 
 
 def test_direct_views_split_aligned_bodies_and_a_tail() -> None:
@@ -78,7 +100,7 @@ def test_local_disk_objects_have_4k_headers(tmp_path: Path) -> None:
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 @pytest.mark.parametrize("range_bytes", [4096, 4 << 20])
 async def test_direct_and_buffered_reads_are_exact(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct_io: bool, layout: str, range_bytes: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, uncached: None, direct_io: bool, layout: str, range_bytes: int
 ) -> None:
     if direct_io:
         needs_direct(tmp_path)
@@ -112,7 +134,7 @@ async def test_direct_and_buffered_reads_are_exact(
     await backend.aclose()
 
 
-async def test_a_flipped_bit_read_directly_is_a_miss(tmp_path: Path) -> None:
+async def test_a_flipped_bit_read_directly_is_a_miss(tmp_path: Path, uncached: None) -> None:
     needs_direct(tmp_path)
     backend = LocalDiskBackend(tmp_path.as_uri(), namespace=NAMESPACE, direct_io=True, fsync=False)
     kv, mamba = make_pools(num_items=8, seed=12)
@@ -242,7 +264,11 @@ async def test_reader_processes_read_directly(tmp_path: Path, monkeypatch: pytes
     data = bytearray(Path(name).read_bytes())
     data[5000] ^= 0x10
     Path(name).write_bytes(bytes(data))
-    assert await backend.batch_get_v2([kv_transfer(keys[:2], [6, 7])]) == [[True, False]]
+    names = [backend.object_name(PoolName.KV, k) for k in keys] + [backend.object_name(PoolName.MAMBA, keys[-1])]
+    drop_from_page_cache(names)  # read from the drive, past the page cache
+    assert slot(kv, 6) != slot(kv, 0)
+    assert await backend.batch_get_v2([kv_transfer(keys[:1], [6]), kv_transfer(keys[1:2], [7])]) == [[True], [False]]
+    assert slot(kv, 6) == slot(kv, 0)
     assert backend.statistics().num_corrupt == 1
     await backend.aclose()
 
@@ -266,3 +292,56 @@ def test_a_reader_process_reads_a_unit_as_it_is_marked(
     reply = object_reads._read_unit(codec, {0: memory}, unit, DIRECT_ALIGN, 10.0)
     assert reply[0] == "ok" and opened == [direct]
     assert bytes(memory[DIRECT_ALIGN : 3 * DIRECT_ALIGN]) == bytes(payload)
+
+
+def test_the_page_cache_is_asked_without_reading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``in_page_cache`` through ``cachestat`` and through ``mincore`` give the same answers:
+    a file just written is all there; dropped, none of it; a range read back, that range."""
+    from storage_backends import page_residency
+
+    path = tmp_path / "object"
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        answers = []
+        for has_cachestat in (None, False):
+            monkeypatch.setattr(page_residency, "_has_cachestat", has_cachestat)
+            answers.append(in_page_cache(fd, 0, 4 << 20))
+        assert answers == [True, True]
+        drop_from_page_cache([str(path)])
+        os.pread(fd, 64 << 10, 1 << 20)  # 64 KiB in the middle (and what the kernel reads ahead)
+        for has_cachestat in (None, False):
+            monkeypatch.setattr(page_residency, "_has_cachestat", has_cachestat)
+            got = (in_page_cache(fd, 1 << 20, 64 << 10), in_page_cache(fd, 0, 4096), in_page_cache(fd, 0, 4 << 20))
+            assert got == (True, False, False)
+            assert not in_page_cache(fd, 0, 0)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_a_direct_read_takes_what_the_page_cache_holds_from_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cached: bool
+) -> None:
+    """A range all in the page cache is read through it (``stop_direct``); one that is not,
+    past it. The bytes land exactly either way."""
+    needs_direct(tmp_path)
+    codec = ObjectCodec(NAMESPACE, header_align=DIRECT_ALIGN)
+    geometry = ObjectGeometry(pool_name="kv", dtype="uint8", num_layers=1, item_bytes=64 * DIRECT_ALIGN)
+    key = make_keys(1, seed=f"cached-{cached}")[0]
+    payload = np.random.default_rng(1).integers(0, 256, geometry.payload_bytes, dtype=np.uint8)
+    path = tmp_path / "object"
+    path.write_bytes(bytes(codec.encode(geometry, key, [payload])))
+    if not cached:
+        drop_from_page_cache([str(path)])
+    stopped: list[int] = []
+    real_stop = object_reads.stop_direct
+    monkeypatch.setattr(object_reads, "stop_direct", lambda fd: stopped.append(fd) or real_stop(fd))
+    for offset in (0, 32 * DIRECT_ALIGN):  # the header's range, and one after it
+        dest = aligned_empty(geometry.payload_bytes - offset)
+        got = object_reads.read_object_range(
+            str(path), codec, geometry, key, offset, [dest], piece_bytes=16 * DIRECT_ALIGN, stop=None,
+            deadline=float("inf"), direct=True,
+        )
+        assert got is not False and bytes(dest) == bytes(payload[offset:])
+    assert len(stopped) == (2 if cached else 0)

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -133,6 +134,34 @@ async def test_a_child_killed_mid_read_costs_no_hit_and_no_wrong_byte(tmp_path: 
     await backend.aclose()
 
 
+async def test_a_child_killed_with_a_reply_untaken_and_a_request_unread_fails_the_request_at_once(
+    tmp_path: Path,
+) -> None:
+    """The child answers one request, then is killed with the next unread: its connection is
+    reset behind the reply. uvloop calls the socket's reader once (which takes the reply) and
+    then drops the descriptor, so the socket's end is never seen; the request must still fail
+    within moments, not wait for its kill timer (30 s here) and then for ever."""
+    backend, kv, _ = await open_procs(tmp_path, timeout_s=30.0)
+    keys = await stored(backend, 2, "reset")
+    await reads_back(backend, kv, keys)  # the children are up
+    readers = backend._readers
+    child = readers._children[0]
+    answered = readers._send(child, ("ping",))
+    time.sleep(0.5)  # noqa: ASYNC251 — the loop must not run: the reply waits in our socket
+    os.kill(child.process.pid, signal.SIGSTOP)
+    unread = readers._send(child, ("ping",))  # lands in the stopped child's socket, unread
+    child.process.kill()
+    child.process.wait()
+    with contextlib.suppress(reader_child.ReaderLost):  # (found dead before its reply was taken)
+        assert await answered == ("ok",)
+    with pytest.raises(reader_child.ReaderLost):
+        async with asyncio.timeout(5):
+            await unread
+    assert child.dead
+    await reads_back(backend, kv, keys)  # the other child, the threads or a new child read
+    await backend.aclose()
+
+
 async def test_a_cancelled_read_returns_only_after_the_child_is_done(tmp_path: Path) -> None:
     """The child blocks opening a FIFO in place of the object; the cancelled caller must wait
     until the child has answered (it may be writing into the slot until then)."""
@@ -214,8 +243,10 @@ def test_reader_processes_are_the_default_for_a_local_disk_on_cuda(
     )
     got = effective_storage_options(cfg, device)
     assert got.get("read_processes") == expected
+    chosen = expected is not None and "read_processes" not in options
+    # processes the cache chose read directly where the filesystem allows, unless told otherwise
     assert {k: v for k, v in got.items() if k != "read_processes"} == {
-        k: v for k, v in options.items() if k != "read_processes"}
+        **({"direct_io": None} if chosen else {}), **{k: v for k, v in options.items() if k != "read_processes"}}
     # accounting pools (trace replay) have no memory for children to map
     assert "read_processes" not in effective_storage_options(cfg, device, materialize=False) or "read_processes" in options
 
@@ -661,11 +692,13 @@ async def test_a_start_outlived_by_its_caller_is_stopped_with_the_backend(tmp_pa
     child is not lost — closing the backend stops it."""
     backend, kv, _ = await open_procs(tmp_path, read_processes=1)
     keys = await stored(backend, 2, "spawn")
+    await reads_back(backend, kv, keys)
     (child,) = backend._readers._children
     child.process.kill()
     child.process.wait()
-    await reads_back(backend, kv, keys)  # the threads read: the child is found dead
-    assert child.dead
+    async with asyncio.timeout(5):  # idle, it is found dead by its socket's end
+        while not child.dead:
+            await asyncio.sleep(0.01)
     entered, gate, spawned = threading.Event(), threading.Event(), []
     spawn = reader_processes.ReaderProcesses._spawn
 
