@@ -308,9 +308,9 @@ class HybridCacheController(StorageTierMixin):
         return len(ops)
 
     async def wait_idle(self) -> bool:
-        """Wait until no copy, no storage lookup and no archive to storage is in flight; True
-        if anything was (memory may have been freed, and nodes a lookup or an archive held
-        locked may be evictable again)."""
+        """Wait until no copy, no storage lookup, no split restore's tail read and no archive to
+        storage is in flight; True if anything was (memory may have been freed, and nodes a
+        lookup or an archive held locked may be evictable again)."""
         busy, tier = False, self.tiering
         while self._loaders or self._prefetcher.tasks or self._load_completion.depth or self._write_completion.depth or (
             tier is not None and tier.busy

@@ -287,8 +287,8 @@ class StorageTier:
                 timing.settle_unreported()
 
         read = self._read_tail(keys[begin:n], host_kv, host_slot, timing)
-        try:
-            fetch = self._tg.create_task(read, name="asynccache-tail")
+        try:  # waited for by drain(): a tail read in flight keeps the tier busy
+            fetch = self.spawn(read, name="asynccache-tail")
         except RuntimeError as e:  # shutting down (a background task failed)
             read.close()
             free()

@@ -32,8 +32,9 @@ by default: an option for capacity, or for disks slower than the cores decode.
 With the option ``read_processes=N`` reads run in N child processes instead, straight into host
 pools that live in shared memory (``storage_backends.reader_processes``): a child has an
 interpreter of its own, so a forward pass beside the read does not hold up its Python steps.
-They read directly too where ``direct_io`` says so. Pools not in shared memory, writes and deletes stay on the threads. ``HybridCache`` sets this
-option itself on a CUDA device (``asynccache.cache.effective_storage_options``).
+They read directly too where ``direct_io`` says so. Pools not in shared memory, writes and
+deletes stay on the threads. ``HybridCache`` sets this option itself on a CUDA device, and
+``direct_io=None`` with it (``asynccache.cache.effective_storage_options``).
 
 A payload larger than ``READ_RANGE_BYTES`` (a Mamba state of tens of MB) is read as ranges on
 several jobs at once, first in the batch, and its checksum is the sum of the ranges' (the

@@ -24,15 +24,16 @@ Primitives:
 No thread of this process waits for a reply: the loop watches a child's socket from its first
 request until its end, idle or not (a child that dies between reads is found dead at once; no
 reader is removed and added again on one descriptor between requests). The socket's end is not
-the only sign of a child's death: uvloop drops a descriptor whose poll reports an error without
-calling its reader — as for a child killed with requests it had not read (a reset connection)
-— so while a child has requests, the loop also looks every ``ALIVE_CHECK_S`` whether it has
-exited. Without that look such requests waited for their kill timer, a minute or more. A child that has not replied to a request (a
-chunk, a mapping) within ``timeout_s`` for each unit queued ahead of it and for each of its own
-(the requests of a start have the start's deadline for their own part, see
-``storage_backends.reader_processes``) — stopped, or stuck in a system call — is killed. Its requests fail with :class:`ReaderLost`
-only once it has exited: the kernel closes a dying process's files only after unmapping its
-memory, so by then it writes into no slot.
+the only sign of a child's death: uvloop calls the reader of a descriptor whose poll reports an
+error once, then drops it — as for a child killed with requests it had not read (a reset
+connection, behind a reply that one call takes) — so while a child has requests, the loop also
+looks every ``ALIVE_CHECK_S`` whether it has exited. Without that look such requests waited for
+their kill timer, and then for ever. A child that has not replied to a request (a chunk, a
+mapping) within ``timeout_s`` for each unit queued ahead of it and for each of its own (the
+requests of a start have the start's deadline for their own part, see
+``storage_backends.reader_processes``) — stopped, or stuck in a system call — is killed. Its
+requests fail with :class:`ReaderLost` only once it has exited: the kernel closes a dying
+process's files only after unmapping its memory, so by then it writes into no slot.
 """
 
 from __future__ import annotations

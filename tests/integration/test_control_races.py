@@ -78,6 +78,7 @@ async def test_a_cancelled_waiter_releases_the_split_restore_it_would_have_taken
         read_page_s = SPEC.kv_page_bytes / 1e6
         tier.cost = RestoreCost(read_bytes_per_s=1e6, prefill_tokens_per_s=PAGE / (3.0 * read_page_s))
         slow_backend(cache, "batch_exists_v2", 0.05)
+        slow_backend(cache, "batch_get_v2", 0.3)  # the tail lands well after the lookup
         before = free_counts(cache)
 
         async def request() -> None:
@@ -93,8 +94,7 @@ async def test_a_cancelled_waiter_releases_the_split_restore_it_would_have_taken
         with pytest.raises(asyncio.CancelledError):
             await waiter
         await asyncio.sleep(0.1)
-        await cache.controller.wait_idle()
-        await tier.drain()
+        await cache.controller.wait_idle()  # the tail's read in flight included
         assert tier.counts["prefetch_tail"] == 1  # a split was planned, and nobody took it
         assert free_counts(cache) == before
         cache.tree.check_integrity()
