@@ -48,7 +48,7 @@ def effective_storage_options(
     set — but a range the page cache holds whole through it. In the same runs on H200
     machines (docs/benchmarks.md, runs BB–BD) restores of a 32k-token prefix the page cache
     had dropped ran 3–4 % faster split and 9–19 % faster whole; multi-turn hits on objects
-    written a round before took 2–7 % longer (without the page-cache check, 40–70 %).
+    written a round before took 2–8 % longer (without the page-cache check, 39–71 %).
     ``read_processes=0`` keeps the threads; on CPU the threads stay the default.
     """
     options = dict(config.storage_options)
