@@ -66,10 +66,11 @@ def in_page_cache(fd: int, offset: int, length: int) -> bool:
     if _LIBC is None or length <= 0:
         return False
     start = offset - offset % mmap.PAGESIZE
-    num_pages = -(-(offset + length - start) // mmap.PAGESIZE)
+    size = offset + length - start
+    num_pages = -(-size // mmap.PAGESIZE)
     if _has_cachestat is not False:
         stat = _CacheStat()
-        rng = _Range(start, offset + length - start)
+        rng = _Range(start, size)
         got = _LIBC.syscall(_SYS_CACHESTAT, ctypes.c_uint(fd), ctypes.byref(rng), ctypes.byref(stat), ctypes.c_uint(0))
         if got == 0:
             _has_cachestat = True
@@ -77,7 +78,7 @@ def in_page_cache(fd: int, offset: int, length: int) -> bool:
         if ctypes.get_errno() not in (errno.ENOSYS, errno.EPERM):  # EPERM: a seccomp filter
             return False
         _has_cachestat = False
-    return _mincore(fd, start, offset + length - start, num_pages)
+    return _mincore(fd, start, size, num_pages)
 
 
 def _mincore(fd: int, start: int, size: int, num_pages: int) -> bool:

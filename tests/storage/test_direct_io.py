@@ -19,6 +19,7 @@ from storage_harness import (
     slot,
 )
 
+from asynccache.bench import raw_paths
 from asynccache.errors import ConfigError
 from asynccache.pools.memory import HOST_ALIGN, allocate_bytes
 from asynccache.storage import PoolName
@@ -49,11 +50,10 @@ def uncached(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def drop_from_page_cache(paths: list[str]) -> None:
     """Write the files back and drop their pages; skips where the kernel keeps them."""
+    raw_paths.drop_from_page_cache(paths)
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             if in_page_cache(fd, 0, os.fstat(fd).st_size):
                 pytest.skip("the kernel keeps this filesystem's pages (tmpfs?)")
         finally:
