@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from asynccache.reference.requests import Phase, Request, RequestResult, SchedulerConfig
@@ -42,7 +43,7 @@ class FinishMixin:
     # ---- completion --------------------------------------------------------------------
     def _finish(self, req: Request) -> None:
         tree, page = self.cache.tree, self.spec.page_size
-        tokens = req.prompt + req.output[:-1]
+        tokens = np.concatenate((req.prompt, np.asarray(req.output[:-1], dtype=np.int64)))
         full = len(tokens) // page
         assert req.kv_pages is not None and req.own_pages is not None
         inserted = {p: s for p, s in req.snapshots.items() if p <= full * page}

@@ -67,6 +67,11 @@ async def test_bad_input_is_refused_before_it_is_queued() -> None:
         ((5, 2), {}, "sequence of token ids"),
         ((torch.tensor([1, SPEC.vocab_size]), 2), {}, "must lie in"),
         (([-1, 2], 2), {}, "must lie in"),
+        (([1, 2**70], 2), {}, "must lie in"),
+        ((np.array([1, 2**63], dtype=np.uint64), 2), {}, "must lie in"),
+        ((np.array([[1, 2]]), 2), {}, "1-D"),
+        ((np.array([1, True], dtype=object), 2), {}, "must be integers, got True"),
+        ((np.array([], dtype=np.int64), 2), {}, "at least one prompt token"),
     ]
     async with HybridCache(SPEC, config()) as cache, Scheduler(MODEL, cache) as sched:
         good = sched.submit(prompt(12, 7, 3), 3)
@@ -78,8 +83,21 @@ async def test_bad_input_is_refused_before_it_is_queued() -> None:
         # Integers of other types are the same prompt.
         tokens = prompt(8, 3, 2)
         want = (await sched.generate(tokens, 2, salt="a")).output_ids
-        for same in (np.array(tokens), torch.tensor(tokens, dtype=torch.int32), [np.int64(t) for t in tokens]):
+        for same in (
+            np.array(tokens),
+            np.array(tokens, dtype=np.uint16),
+            np.array(tokens, dtype=object),
+            torch.tensor(tokens, dtype=torch.int32),
+            [np.int64(t) for t in tokens],
+        ):
             assert (await sched.generate(same, 2, salt="b")).output_ids == want  # type: ignore[arg-type]
+        # The request keeps its own copy: a caller changing its prompt after submit changes
+        # nothing the request computes or caches.
+        for mine in (list(tokens), np.array(tokens), torch.tensor(tokens)):
+            fut = sched.submit(mine, 2, salt="c")
+            mine[:] = [0] * len(tokens) if isinstance(mine, list) else 0
+            assert (await fut).output_ids == want
+            assert cache.tree.match_prefix(tokens, salt="c").num_tokens > 0
 
 
 class GatedModel:
