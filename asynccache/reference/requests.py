@@ -22,12 +22,16 @@ import torch
 from asynccache.checks import as_int, check_int
 from asynccache.errors import ConfigError
 
-__all__ = ["Phase", "Request", "RequestResult", "SchedulerConfig", "prompt_token_ids"]
+__all__ = ["Phase", "Prompt", "Request", "RequestResult", "SchedulerConfig", "prompt_token_ids"]
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
+#: What a request's prompt may be given as: token ids as Python or NumPy integers, an integer
+#: array, or a 1-D integer tensor.
+Prompt = Iterable[int] | np.ndarray | torch.Tensor
 
-def prompt_token_ids(prompt: Iterable[int] | np.ndarray | torch.Tensor, vocab_size: int) -> np.ndarray:
+
+def prompt_token_ids(prompt: Prompt, vocab_size: int) -> np.ndarray:
     """``prompt`` as the request's own 1-D int64 array, else a :class:`ConfigError`: at least
     one token, each an integer (Python or NumPy, an array or a 1-D tensor of an integer dtype;
     not a bool, not a float, which would be truncated) in ``[0, vocab_size)`` (``vocab_size``

@@ -41,7 +41,6 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import Sequence
 from typing import Self
 
 import torch
@@ -55,6 +54,7 @@ from asynccache.reference.finish import FinishMixin
 from asynccache.reference.model import ForwardBatch, HybridModel, SequenceInput
 from asynccache.reference.requests import (
     Phase,
+    Prompt,
     Request,
     RequestResult,
     SchedulerConfig,
@@ -139,7 +139,7 @@ class Scheduler(AdmitMixin, FinishMixin):
             raise SchedulerError(f"the scheduler's loop stopped: {self._failure!r}") from self._failure
 
     # ---- public API --------------------------------------------------------------------
-    def submit(self, prompt: Sequence[int], max_new_tokens: int, *, salt: str = "") -> asyncio.Future[RequestResult]:
+    def submit(self, prompt: Prompt, max_new_tokens: int, *, salt: str = "") -> asyncio.Future[RequestResult]:
         """Queue a request; the future resolves to its :class:`RequestResult`.
 
         Cancelling the future cancels the request and frees everything it holds. Bad input is a
@@ -172,7 +172,7 @@ class Scheduler(AdmitMixin, FinishMixin):
         self._wakeup.set()
         return fut
 
-    async def generate(self, prompt: Sequence[int], max_new_tokens: int, *, salt: str = "") -> RequestResult:
+    async def generate(self, prompt: Prompt, max_new_tokens: int, *, salt: str = "") -> RequestResult:
         return await self.submit(prompt, max_new_tokens, salt=salt)
 
     def _on_future_done(self, fut: asyncio.Future[RequestResult], req: Request) -> None:
