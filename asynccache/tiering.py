@@ -38,7 +38,8 @@
   computation (:class:`ReadTimeCorrection`), and the head's computation by its time beside the
   reads (``compute_beside_reads``): the two share the host, so a split overlaps less than
   perfectly, and the model learns by how much and on which side — a tail is observed when it
-  landed, a head when the engine reports it computed (``TailRestore.head_computed``), and each
+  landed (as the backend stamped it where it read, :mod:`asynccache.read_landing`, else when
+  the loop resumed the read), a head when the engine reports it computed (``TailRestore.head_computed``), and each
   side's time corrects its own estimate (:class:`~asynccache.restore_cost.SplitTiming`). While
   whole restores are chosen over a possible split, the split's corrections fade back (the
   tail's toward the whole-restore one, the head's toward 1), so a split is tried again. (``counts["prefetch_split"]`` counts every choice other than a whole restore:
@@ -60,6 +61,7 @@ from asynccache.completion import drop_done
 from asynccache.errors import ClosedError
 from asynccache.host_archive import HostWriteArchiver
 from asynccache.prefetch import PrefetchResult, TailRestore, held_node
+from asynccache.read_landing import ReadLanding
 from asynccache.restore_cost import (
     ReadTimeCorrection,
     RestoreCost,
@@ -308,13 +310,15 @@ class StorageTier:
     async def _read_tail(
         self, keys: list[str], host_kv: torch.Tensor, host_slot: torch.Tensor, timing: SplitTiming | None
     ) -> bool:
+        landing = ReadLanding()
         try:
-            results = await self.backend.batch_get_v2(
-                [
-                    PoolTransfer(pool_name=PoolName.KV, keys=tuple(keys), host_indices=host_kv),
-                    PoolTransfer(pool_name=PoolName.MAMBA, keys=(keys[-1],), host_indices=host_slot),
-                ]
-            )
+            with landing.observing():
+                results = await self.backend.batch_get_v2(
+                    [
+                        PoolTransfer(pool_name=PoolName.KV, keys=tuple(keys), host_indices=host_kv),
+                        PoolTransfer(pool_name=PoolName.MAMBA, keys=(keys[-1],), host_indices=host_slot),
+                    ]
+                )
         except Exception as e:  # noqa: BLE001 — a storage failure is a miss, logged and counted
             self.counts["prefetch_failed"] += 1
             log.warning("tail restore from storage failed: %s", e)
@@ -324,7 +328,7 @@ class StorageTier:
             return False
         self.counts["tail_pages"] += len(keys)
         if timing is not None:
-            timing.landed(time.perf_counter())
+            timing.landed(landing.at_or(time.perf_counter()))
         return True
 
     def _observe(self, correction: ReadTimeCorrection, num_pages: int, elapsed_s: float) -> None:
@@ -371,12 +375,14 @@ class StorageTier:
                 PoolTransfer(pool_name=PoolName.KV, keys=tuple(keys[first:n]), host_indices=host_kv),
                 PoolTransfer(pool_name=PoolName.MAMBA, keys=(keys[n - 1],), host_indices=host_slot),
             ]
+            landing = ReadLanding()
             t0 = time.perf_counter()
-            results = await self.backend.batch_get_v2(transfers)
+            with landing.observing():
+                results = await self.backend.batch_get_v2(transfers)
             if not all(all(r) for r in results):
                 self.counts["prefetch_incomplete"] += 1
                 return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
-            self._observe(self.read_alone, n - first, time.perf_counter() - t0)
+            self._observe(self.read_alone, n - first, landing.at_or(time.perf_counter()) - t0)
             self.tree.insert_host(
                 tokens[: n * page], host_kv, host_states={n * page: int(host_slot[0])}, start_page=first, salt=salt
             )

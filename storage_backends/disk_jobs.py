@@ -73,7 +73,12 @@ class DiskJobsMixin(ObjectBackend):
 
     # ---- worker jobs (event loop) ---------------------------------------------------------
     async def _in_jobs(
-        self, fn: Callable[[threading.Event, float, Any], Any], work: Sequence[Any], *, background: bool = False
+        self,
+        fn: Callable[[threading.Event, float, Any], Any],
+        work: Sequence[Any],
+        *,
+        background: bool = False,
+        landed: Callable[[float], None] | None = None,
     ) -> list[Any]:
         """Run ``fn(stop, deadline, unit)`` for every unit of ``work`` on at most
         ``max_concurrency`` worker jobs, each taking the next unit when it finishes one: one
@@ -82,10 +87,13 @@ class DiskJobsMixin(ObjectBackend):
         ``timeout_s`` from its start, checked between pieces. A unit's result is what ``fn``
         returned or the :class:`BackendError` / :class:`OSError` it raised. ``background``
         jobs (writes) give their thread up between units while a read or a probe waits for one.
-        Once the backend is closing, no unit starts (those fail)."""
+        Once the backend is closing, no unit starts (those fail). ``landed(t)`` gets the latest
+        time (``time.perf_counter()``, stamped on the worker thread) at which a unit finished,
+        once all have: when the bytes were in, however late the loop took the jobs' ends."""
         outcomes: list[Any] = [BackendError("not started: the call was cancelled or the backend closed")] * len(work)
         lock = threading.Lock()
         pending = iter(range(len(work)))
+        finished: list[float] = []  # each unit's end, on its thread (list.append is atomic)
 
         def job(stop: JobControl) -> object:
             while not (stop.is_set() or self._closed):
@@ -102,6 +110,7 @@ class DiskJobsMixin(ObjectBackend):
                     return
                 except (BackendError, OSError) as e:
                     outcomes[i] = e
+                finished.append(time.perf_counter())
 
         async def one_job() -> None:
             with contextlib.suppress(BackendError):  # closed meanwhile: its units stay failed
@@ -111,6 +120,8 @@ class DiskJobsMixin(ObjectBackend):
             async with asyncio.TaskGroup() as tg:
                 for _ in range(min(self.max_concurrency, len(work))):
                     tg.create_task(one_job())
+        if landed is not None and finished:
+            landed(max(finished))
         return outcomes
 
     # ---- blocking parts (worker threads) --------------------------------------------------

@@ -36,6 +36,10 @@ They read directly too where ``direct_io`` says so. Pools not in shared memory, 
 deletes stay on the threads. ``HybridCache`` sets this option itself on a CUDA device, and
 ``direct_io=None`` with it (``asynccache.cache.effective_storage_options``).
 
+A read reports when its bytes were in (:func:`asynccache.read_landing.note_landed`), stamped on
+the job's thread or in the child, so a caller whose event loop a forward pass held meanwhile
+times the read, not the wait for the loop.
+
 A payload larger than ``READ_RANGE_BYTES`` (a Mamba state of tens of MB) is read as ranges on
 several jobs at once, first in the batch, and its checksum is the sum of the ranges' (the
 checksum is linear): one thread reading it alone at the end of a batch would leave the disk's
@@ -78,6 +82,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
 from asynccache.errors import BackendError, ConfigError
+from asynccache.read_landing import note_landed
 from asynccache.storage import PoolName, redact_reason, redact_uri
 from storage_backends.base import BatchItem, Outcome, check_int, usable_cores
 from storage_backends.compression import check_compression
@@ -276,17 +281,20 @@ class LocalDiskBackend(DiskJobsMixin):
             return self._read_range(stop, deadline, items[unit[0]], unit[1], unit[2])
 
         if not self._processes_read(items):
-            return item_outcomes(len(items), units, await self._in_jobs(read_range, units))
+            return item_outcomes(len(items), units, await self._in_jobs(read_range, units, landed=note_landed))
         assert self._readers is not None
         try:
             results: list[Any] = await self._readers.read(
-                [self._read_unit(items[i], off, n) for i, off, n in units], stopping=lambda: self._closed
+                [self._read_unit(items[i], off, n) for i, off, n in units],
+                stopping=lambda: self._closed,
+                landed=note_landed,
             )
         except BackendError as e:  # closed meanwhile: every unit failed (misses)
             results = [e] * len(units)
         lost = [k for k, r in enumerate(results) if isinstance(r, ReaderLost)]
         if lost and not self._closed:  # a child died or never started: the threads read those
-            for k, r in zip(lost, await self._in_jobs(read_range, [units[k] for k in lost]), strict=True):
+            rest = await self._in_jobs(read_range, [units[k] for k in lost], landed=note_landed)
+            for k, r in zip(lost, rest, strict=True):
                 results[k] = r
         return item_outcomes(len(items), units, results)
 

@@ -127,7 +127,9 @@ class ReadUnit:
 def serve_reader(conn: Connection) -> None:
     """Serve one parent: an ``("init", namespace, header_align, piece_bytes, timeout_s)``
     message, then ``ping`` / ``map`` / ``unmap`` / ``read`` requests until ``exit`` or the
-    parent's end closes."""
+    parent's end closes. A ``read`` is answered with each unit's reply and the time the last
+    was done, a ``ping`` with ``"ok"`` and the time it was answered (``time.perf_counter()``:
+    the parent compares the clocks at the child's start)."""
     try:
         _, namespace, header_align, piece_bytes, timeout_s = conn.recv()
     except (EOFError, OSError):
@@ -151,12 +153,13 @@ def serve_reader(conn: Connection) -> None:
             except OSError as e:
                 conn.send(("error", f"cannot map {path}: {e}"))
         elif msg[0] == "read":
-            conn.send([_read_unit(codec, maps, unit, piece_bytes, timeout_s) for unit in msg[1]])
+            replies = [_read_unit(codec, maps, unit, piece_bytes, timeout_s) for unit in msg[1]]
+            conn.send((replies, time.perf_counter()))
         elif msg[0] == "unmap":
             maps.pop(msg[1], None)  # the mapping goes with its last view
             conn.send(("ok",))
         elif msg[0] == "ping":
-            conn.send(("ok",))
+            conn.send(("ok", time.perf_counter()))
         else:  # "exit"
             return
 

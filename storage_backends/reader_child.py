@@ -98,6 +98,9 @@ class ReaderChild:
     mapped: set[int] = field(default_factory=set)
     #: answered its start and mapped the memories: reads may use it
     up: bool = False
+    #: its ``time.perf_counter()`` is this process's (checked at its start): its replies' stamps
+    #: say when its reads were done
+    clock_shared: bool = False
     #: its socket is watched by the loop (from its first request until it is dead)
     watched: bool = False
     #: the next look at whether it has exited, while it has requests (see ``ALIVE_CHECK_S``)

@@ -14,6 +14,8 @@ Primitives:
   ``pieces``), their starts in the background (``start``, ``available``), a batch's units spread
   over them (``read``), and their close (``aclose``).
 - :func:`deal_by_bytes` — a batch's units cut into chunks of nearly equal bytes.
+- :func:`clock_shared` — whether a child's clock is this process's (asked at its start): only
+  then do its replies' stamps report when a read landed (``read(landed=)``).
 - :class:`ReaderLost` — a unit no child read (from :mod:`storage_backends.reader_child`, where a
   child is started, sent its requests and stopped).
 
@@ -82,6 +84,7 @@ __all__ = [
     "START_TIMEOUT_S",
     "ReaderLost",
     "ReaderProcesses",
+    "clock_shared",
     "deal_by_bytes",
 ]
 
@@ -122,6 +125,14 @@ def deal_by_bytes(sizes: Sequence[int], num_chunks: int) -> list[list[int]]:
         chunks[k].append(i)
         heapq.heappush(heap, (nbytes + sizes[i], k))
     return [sorted(chunk) for chunk in chunks if chunk]
+
+
+def clock_shared(asked: float, reply: tuple[Any, ...], answered: float) -> bool:
+    """Whether a child's ``ping`` reply, stamped with its ``time.perf_counter()``, fell between
+    this process's clock when the ping was sent (``asked``) and when the reply was taken
+    (``answered``): then the two clocks are one (``CLOCK_MONOTONIC`` on Linux), and the child's
+    stamps can be compared with this process's times."""
+    return len(reply) == 2 and isinstance(reply[1], float) and asked <= reply[1] <= answered
 
 
 class ReaderProcesses(ReaderChannels):
@@ -201,10 +212,17 @@ class ReaderProcesses(ReaderChannels):
 
     # ---- reading ----
     async def read(
-        self, units: Sequence[ReadUnit], *, stopping: Callable[[], bool] = lambda: False
+        self,
+        units: Sequence[ReadUnit],
+        *,
+        stopping: Callable[[], bool] = lambda: False,
+        landed: Callable[[float], None] | None = None,
     ) -> list[RangeResult | BaseException]:
         """Each unit's result; once ``stopping()`` says so (its backend is closing), no more
-        chunks are sent and the units not sent stay :class:`ReaderLost`."""
+        chunks are sent and the units not sent stay :class:`ReaderLost`. ``landed(t)`` gets,
+        for each chunk a child answered, the time the child was done with it, stamped in the
+        child (only from children whose clock is this process's): when the bytes were in,
+        however late the loop took the reply."""
         if self._closed:
             raise BackendError("the backend was closed")
         results: list[RangeResult | BaseException] = [ReaderLost("not read")] * len(units)
@@ -252,9 +270,11 @@ class ReaderProcesses(ReaderChannels):
                 while inflight:
                     indices, fut = inflight[0]
                     try:
-                        replies = await asyncio.shield(fut)
+                        replies, done_at = await asyncio.shield(fut)
                         for i, reply in zip(indices, replies, strict=True):
                             results[i] = reply_outcome(reply)
+                        if landed is not None and child.clock_shared:
+                            landed(done_at)
                     except BackendError as e:
                         for i in indices:
                             results[i] = e
@@ -342,7 +362,9 @@ class ReaderProcesses(ReaderChannels):
             if self._closed:
                 return
             start_s = self._start_deadline_s()  # the whole start: its answer, then its mappings
-            await self._request(child, ("ping",), own_s=start_s)
+            asked = time.perf_counter()
+            reply = await self._request(child, ("ping",), own_s=start_s)
+            child.clock_shared = clock_shared(asked, reply, time.perf_counter())
             if self._closed:
                 return
             await self._map(child, own_s=start_s)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,6 +16,7 @@ from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
 from asynccache.errors import ConfigError
 from asynccache.policy import EveryPageAdmission
+from asynccache.read_landing import note_landed
 from asynccache.restore_cost import SplitTiming, plan_restore
 from asynccache.spec import HybridSpec
 from asynccache.tiering import ReadTimeCorrection, RestoreCost, StorageTier
@@ -311,6 +313,40 @@ async def test_observed_slow_tail_reads_turn_a_split_into_a_whole_restore() -> N
         res = await tier.prefetch(TOKENS, cache.tree.match_prefix(TOKENS), allow_tail=True)
         assert res.tail is None and res.num_pages_fetched == NUM_PAGES
         assert tier.read_alone.samples == 1
+        cache.tree.check_integrity()
+
+
+async def test_reads_are_timed_when_the_backend_says_they_landed(monkeypatch) -> None:
+    """A backend that reports when its bytes landed (stamped where it read) times the tail and
+    the whole restore by that, not by when the loop resumed the read: a forward pass holding
+    the loop meanwhile is not blamed on the read."""
+    async with balanced_tier() as (cache, tier):
+        tier.read_alone.min_bytes = tier.read_beside_compute.min_bytes = 0  # the tiny spec's reads count
+        real, reported = tier.backend.batch_get_v2, []
+
+        async def late_loop(transfers: Any) -> Any:
+            got = await real(transfers)
+            reported.append(time.perf_counter())
+            note_landed(reported[-1])
+            await asyncio.sleep(0.3)  # the loop takes the replies late
+            return got
+
+        monkeypatch.setattr(tier.backend, "batch_get_v2", late_loop)
+        res = await tier.prefetch(TOKENS, cache.tree.match_prefix(TOKENS), allow_tail=True)
+        assert res.tail is not None and res.tail.timing is not None
+        assert await res.tail.fetch
+        assert res.tail.timing.landed_at == reported[-1]
+        res.tail.release()
+        cache.flush_device()
+        cache.flush_host()
+        tier.read_beside_compute.factor = 1e6  # a whole restore now
+        started = time.perf_counter()
+        res = await tier.prefetch(TOKENS, cache.tree.match_prefix(TOKENS), allow_tail=True)
+        assert res.tail is None and res.num_pages_fetched == NUM_PAGES
+        (ratio,) = tier.read_alone.ratios
+        spec = cache.spec
+        whole_est_s = (NUM_PAGES * spec.kv_page_bytes + spec.state_bytes) / tier.cost.read_bytes_per_s
+        assert ratio * whole_est_s <= reported[-1] - started < 0.3
         cache.tree.check_integrity()
 
 

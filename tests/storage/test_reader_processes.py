@@ -33,6 +33,7 @@ from storage_harness import (
 from asynccache.cache import HybridCache, effective_storage_options
 from asynccache.config import HybridCacheConfig
 from asynccache.errors import ConfigError
+from asynccache.read_landing import ReadLanding
 from asynccache.storage import PoolName
 from storage_backends import reader_child, reader_processes
 from storage_backends.local_disk import LocalDiskBackend
@@ -153,7 +154,7 @@ async def test_a_child_killed_with_a_reply_untaken_and_a_request_unread_fails_th
     child.process.kill()
     child.process.wait()
     with contextlib.suppress(reader_child.ReaderLost):  # (found dead before its reply was taken)
-        assert await answered == ("ok",)
+        assert (await answered)[0] == "ok"
     with pytest.raises(reader_child.ReaderLost):
         async with asyncio.timeout(5):
             await unread
@@ -479,6 +480,53 @@ async def test_a_batch_goes_out_at_once_so_the_children_read_while_the_loop_is_b
     await backend.aclose()
 
 
+@pytest.mark.parametrize("processes", [2, 0], ids=["processes", "threads"])
+async def test_a_read_reports_when_its_bytes_landed_not_when_the_loop_took_them(
+    tmp_path: Path, monkeypatch, processes: int
+) -> None:
+    """A forward pass holds the loop while the reads land: the read reports the time its last
+    bytes were in, stamped in the child (or on the worker thread), not when the loop took the
+    replies — a split restore's tail is timed by its read."""
+    if processes:
+        slow_children(monkeypatch, 0.1)
+    backend, kv, _ = await open_procs(tmp_path, read_processes=processes)
+    if not processes:
+        real = backend._read_range
+
+        def slow(*args: object) -> object:
+            time.sleep(0.1)
+            return real(*args)
+
+        monkeypatch.setattr(backend, "_read_range", slow)
+    keys = await stored(backend, 8, "landing")
+    if processes:
+        await backend._readers.start()
+        assert all(c is not None and c.clock_shared for c in backend._readers._children)
+    landing = ReadLanding()
+
+    async def read() -> list[list[bool]]:
+        with landing.observing():
+            return await backend.batch_get_v2([kv_transfer(keys, range(8, 16))])
+
+    started = time.perf_counter()
+    reading = asyncio.create_task(read())
+    for _ in range(20):  # the read's dispatch: a few loop turns, far below one unit's 0.1 s
+        await asyncio.sleep(0)
+    time.sleep(1.5)  # noqa: ASYNC251 — the loop is held (a forward pass); the reads land meanwhile
+    held_until = time.perf_counter()
+    assert await reading == [[True] * 8]
+    assert [slot(kv, 8 + i) for i in range(8)] == [slot(kv, i) for i in range(8)]
+    assert landing.at is not None and started + 0.1 < landing.at < held_until
+    await backend.aclose()
+
+
+def test_a_childs_stamps_count_only_when_its_clock_is_ours() -> None:
+    assert reader_processes.clock_shared(1.0, ("ok", 1.5), 2.0)
+    assert not reader_processes.clock_shared(1.0, ("ok", 2.5), 2.0)  # another clock
+    assert not reader_processes.clock_shared(1.0, ("ok", 0.5), 2.0)
+    assert not reader_processes.clock_shared(1.0, ("ok",), 2.0)  # a child that sends no stamp
+
+
 async def test_a_mapping_behind_a_busy_childs_reads_does_not_get_it_killed(tmp_path: Path, monkeypatch) -> None:
     """A pool registered while a child reads a batch: its mapping waits behind the child's
     units, each of which has ``timeout_s``; the child is not killed for that."""
@@ -741,7 +789,7 @@ async def test_ctrl_c_leaves_the_children_to_the_parent(tmp_path: Path) -> None:
     for child in children:
         os.kill(child.process.pid, signal.SIGINT)
     for child in children:  # answered after the signal: it survived it
-        assert await readers._request(child, ("ping",)) == ("ok",)
+        assert (await readers._request(child, ("ping",)))[0] == "ok"
     kv.buffer[8:16].fill_(0)
     await reads_back(backend, kv, keys)
     assert all(c.process.poll() is None and not c.dead for c in children)
