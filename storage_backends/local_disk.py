@@ -15,11 +15,13 @@ is computed in the same thread, piece by piece (``read_piece_bytes``), while the
 cache. With the option ``direct_io`` reads bypass the page cache (``O_DIRECT``; probed on first
 use): objects have 4 KiB headers, so a payload starts on a block boundary, and a range whose slot
 views are 4 KiB-aligned is read by DMA straight into the slot (see ``storage_backends.file_io``);
-other ranges read through the page cache. Direct reads are off by default: on an H200 machine's
-local disk they restored a 32k-token prefix beside a forward pass (a split restore) no faster
-than page-cache reads, and 7 % faster with nothing beside them; on a VM disk they read small
-objects at a third of the speed (docs/benchmarks.md, Long-prefix TTFT). They do keep restores
-out of the page cache.
+other ranges read through the page cache, and so does a range the page cache holds whole
+(``storage_backends.page_residency``). ``direct_io=None`` reads directly where the filesystem
+allows and through the page cache where it does not. Direct reads are off by default here: on a
+VM disk they read small objects at a third of the speed. ``HybridCache`` turns them on
+(``None``) where it chooses the reader processes, on CUDA: on an H200 machine's local disk they
+restored a 32k-token prefix the page cache had dropped 9 % faster whole and 3 % faster split
+(docs/benchmarks.md, Long-prefix TTFT, run BD). They also keep restores out of the page cache.
 
 With the option ``compression="zstd"`` objects are stored as frames of ``READ_RANGE_BYTES``
 whose sign-and-exponent bytes are compressed (``storage_backends.compression``): the reference
