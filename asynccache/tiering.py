@@ -39,8 +39,9 @@
   reads (``compute_beside_reads``): the two share the host, so a split overlaps less than
   perfectly, and the model learns by how much and on which side — a tail is observed when it
   landed (as the backend stamped it where it read, :mod:`asynccache.read_landing`, else when
-  the loop resumed the read), a head when the engine reports it computed (``TailRestore.head_computed``), and each
-  side's time corrects its own estimate (:class:`~asynccache.restore_cost.SplitTiming`). While
+  the loop resumed the read), a head when the engine reports it computed
+  (``TailRestore.head_computed``), and each side's time corrects its own estimate
+  (:class:`~asynccache.restore_cost.SplitTiming`). While
   whole restores are chosen over a possible split, the split's corrections fade back (the
   tail's toward the whole-restore one, the head's toward 1), so a split is tried again. (``counts["prefetch_split"]`` counts every choice other than a whole restore:
   recomputing or a tail restore.)
