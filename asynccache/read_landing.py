@@ -13,6 +13,9 @@ were in, on the reader's side.
   report, ``None`` without one) or ``landing.at_or(now)``. ``observing`` sets it as the
   current landing (a context variable), which the tasks a backend starts inside the call
   inherit.
+- :func:`timed_read` — ``results, landed_at = await timed_read(backend.batch_get_v2(...))``: a
+  read awaited under a landing of its own, with the time it landed (the caller's clock when it
+  resumed, without a report).
 - :func:`note_landed` — a backend's report: some of the current read's bytes were in at ``t``
   (a ``time.perf_counter()`` value on this host; a reader process's stamps count only where its
   clock is this process's, see ``storage_backends.reader_processes``). Outside ``observing`` it
@@ -26,9 +29,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+import time
+from collections.abc import Coroutine, Iterator
+from typing import Any, TypeVar
 
-__all__ = ["ReadLanding", "note_landed"]
+__all__ = ["ReadLanding", "note_landed", "timed_read"]
+
+T = TypeVar("T")
 
 _CURRENT: contextvars.ContextVar[ReadLanding | None] = contextvars.ContextVar("asynccache_read_landing", default=None)
 
@@ -67,3 +74,12 @@ def note_landed(t: float) -> None:
     landing = _CURRENT.get()
     if landing is not None:
         landing.landed(t)
+
+
+async def timed_read(read: Coroutine[Any, Any, T]) -> tuple[T, float]:
+    """Await ``read`` (a coroutine not yet started) under a landing of its own: its result and
+    when it landed (:meth:`ReadLanding.at_or` the caller's clock when it resumed)."""
+    landing = ReadLanding()
+    with landing.observing():
+        result = await read
+    return result, landing.at_or(time.perf_counter())

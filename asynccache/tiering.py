@@ -62,7 +62,7 @@ from asynccache.completion import drop_done
 from asynccache.errors import ClosedError
 from asynccache.host_archive import HostWriteArchiver
 from asynccache.prefetch import PrefetchResult, TailRestore, held_node
-from asynccache.read_landing import ReadLanding
+from asynccache.read_landing import timed_read
 from asynccache.restore_cost import (
     ReadTimeCorrection,
     RestoreCost,
@@ -311,15 +311,15 @@ class StorageTier:
     async def _read_tail(
         self, keys: list[str], host_kv: torch.Tensor, host_slot: torch.Tensor, timing: SplitTiming | None
     ) -> bool:
-        landing = ReadLanding()
         try:
-            with landing.observing():
-                results = await self.backend.batch_get_v2(
+            results, landed_at = await timed_read(
+                self.backend.batch_get_v2(
                     [
                         PoolTransfer(pool_name=PoolName.KV, keys=tuple(keys), host_indices=host_kv),
                         PoolTransfer(pool_name=PoolName.MAMBA, keys=(keys[-1],), host_indices=host_slot),
                     ]
                 )
+            )
         except Exception as e:  # noqa: BLE001 — a storage failure is a miss, logged and counted
             self.counts["prefetch_failed"] += 1
             log.warning("tail restore from storage failed: %s", e)
@@ -329,7 +329,7 @@ class StorageTier:
             return False
         self.counts["tail_pages"] += len(keys)
         if timing is not None:
-            timing.landed(landing.at_or(time.perf_counter()))
+            timing.landed(landed_at)
         return True
 
     def _observe(self, correction: ReadTimeCorrection, num_pages: int, elapsed_s: float) -> None:
@@ -376,14 +376,12 @@ class StorageTier:
                 PoolTransfer(pool_name=PoolName.KV, keys=tuple(keys[first:n]), host_indices=host_kv),
                 PoolTransfer(pool_name=PoolName.MAMBA, keys=(keys[n - 1],), host_indices=host_slot),
             ]
-            landing = ReadLanding()
             t0 = time.perf_counter()
-            with landing.observing():
-                results = await self.backend.batch_get_v2(transfers)
+            results, landed_at = await timed_read(self.backend.batch_get_v2(transfers))
             if not all(all(r) for r in results):
                 self.counts["prefetch_incomplete"] += 1
                 return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
-            self._observe(self.read_alone, n - first, landing.at_or(time.perf_counter()) - t0)
+            self._observe(self.read_alone, n - first, landed_at - t0)
             self.tree.insert_host(
                 tokens[: n * page], host_kv, host_states={n * page: int(host_slot[0])}, start_page=first, salt=salt
             )
