@@ -110,7 +110,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     spec = HybridSpec.preset(args.preset, page_size=args.page_size)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    model = HybridModel(spec, device=args.device, dtype=dtype, seed=0)
+    buckets = {"auto": None, "on": True, "off": False}[args.bucket_passes]
+    model = HybridModel(spec, device=args.device, dtype=dtype, seed=0, bucket_passes=buckets)
     rng = np.random.default_rng(0)
     vocab = spec.vocab_size
 
@@ -133,7 +134,7 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         copy_method=args.copy_method,
     )
     out: dict[str, Any] = {"device": args.device, "preset": args.preset, "prefix_tokens": args.prefix_tokens,
-                           "new_tokens": args.new_tokens}
+                           "new_tokens": args.new_tokens, "bucket_passes": model.bucket_passes}
     times: dict[str, list[float]] = {
         k: [] for k in ("cold", "cold_short", "device", "host", "disk_all", "disk_split")
     }

@@ -31,6 +31,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--copy-method", default="auto", help=COPY_METHOD_HELP)
     p.add_argument(
+        "--bucket-passes",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the model's recurrent segments padded to bucket lengths, so new lengths replay CUDA graphs "
+        "(auto: on CUDA; asynccache.reference.padding)",
+    )
+    p.add_argument(
         "--storage-dir", default=None, help="local directory for the disk tier, made if missing (default: temp)"
     )
     add_option_argument(

@@ -8,7 +8,8 @@ Primitives:
   rows whose logits are wanted.
 - :class:`AttnSpan` — one segment's rows and the pages holding its keys ``[0, end)``.
 - :class:`DecodeGroup` — single-token segments attended together (padded page table + mask).
-- :class:`GdnGroup` — segments of equal length, run through the recurrent layers as one batch.
+- :class:`GdnGroup` — segments of equal length, run through the recurrent layers as one batch
+  (possibly padded to a bucket length: ``asynccache.reference.padding``).
 - :func:`build_pass_context`.
 
 Packed rows follow the pass's segment order; segments of equal length are adjacent (the planner
@@ -27,6 +28,7 @@ from itertools import groupby
 import torch
 
 from asynccache.reference.batch import Segment
+from asynccache.reference.padding import RowPadding
 from asynccache.reference.rope import rope_cos_sin
 
 __all__ = ["AttnSpan", "DecodeGroup", "GdnGroup", "PassContext", "build_pass_context"]
@@ -66,6 +68,11 @@ class GdnGroup:
     all_fresh: bool
     snapshot_index: torch.Tensor | None  # int64 [k] device: group members that emit a snapshot
     snapshot_slots: torch.Tensor | None  # int64 [k] device: where
+    # Set when the segments are padded to ``length`` (asynccache.reference.padding): bool
+    # ``[length]`` device, True at the padded positions; and int64 ``[conv_kernel - 1]``
+    # device, the positions of the last real conv inputs in the conv's input window.
+    pads: torch.Tensor | None = None
+    conv_tail: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -82,10 +89,17 @@ class PassContext:
     gdn_groups: tuple[GdnGroup, ...]
     logit_rows: torch.Tensor  # int64 [k] device: last row of every segment that ends its sequence
     logit_seq_indices: tuple[int, ...]
+    # The recurrent layers' rows when ``gdn_groups`` are padded (asynccache.reference.padding).
+    padding: RowPadding | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.numel())
+
+    @property
+    def recurrent_tokens(self) -> int:
+        """The rows the recurrent layers compute: ``num_tokens`` plus any padding."""
+        return self.num_tokens if self.padding is None else self.padding.num_rows
 
 
 def build_pass_context(

@@ -54,7 +54,7 @@ CHUNK_SIZE = 64
 
 
 def causal_conv1d(
-    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None, *, tail: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv + SiLU over ``x`` ``[B, T, D]``, continuing from ``conv_state``.
 
@@ -62,7 +62,9 @@ def causal_conv1d(
     ``[B, D, K - 1]``, oldest input first, or ``None`` for zeros (the start of a sequence).
     Returns ``(y, new_state)``: ``y`` fp32 ``[B, T, D]`` after SiLU, ``new_state`` the last
     ``K - 1`` inputs ``[B, D, K - 1]`` in ``x``'s dtype. Each output is a fixed-order sum of
-    ``K`` products, computed in fp32.
+    ``K`` products, computed in fp32. ``tail`` (int64 ``[K - 1]``, positions in the window
+    ``conv_state ++ x``): the inputs kept as the new state instead of the last ``K - 1``, for
+    ``x`` padded past its real tokens.
     """
     b, t, d = x.shape
     k = weight.shape[-1]
@@ -76,7 +78,7 @@ def causal_conv1d(
     y = xs[:, 0:t] * w[:, 0]
     for j in range(1, k):
         y.addcmul_(xs[:, j : j + t], w[:, j])
-    new_state = xs[:, t:].transpose(1, 2)
+    new_state = (xs[:, t:] if tail is None else xs.index_select(1, tail)).transpose(1, 2)
     return F.silu(y, inplace=True), new_state
 
 

@@ -16,19 +16,26 @@ Primitives:
   tokens).
 - :class:`GraphedPass` — one pass bound to its shape's graphs: ``run(layer, h, …)``.
 
-A pass shape is the number of tokens and, per recurrent group, its length, size, row range,
-which members start a sequence and how many emit a snapshot: everything the layer's Python
-branches on. Graphs are kept per state pool (a graph writes the addresses it was captured
-with) and dropped when the pool is garbage-collected. The group's index tensors (working
-slots, fresh mask, snapshot members and slots) are copied into the shape's static buffers once
-per pass; the hidden state is copied into the static input before each replay. Graphs are captured on a side stream with thread-local capture
-mode (the controller's threads keep issuing copies meanwhile) and replayed on the caller's
-stream, so a replay is ordered after ``counter.wait(layer)`` exactly as the eager layer is.
+A pass shape is the number of rows the recurrent layers compute and, per recurrent group, its
+length, size, row range, which members start a sequence, how many emit a snapshot and whether it
+is padded: everything the layer's Python branches on. Segments padded to bucket lengths
+(``asynccache.reference.padding``, the model's default on CUDA) make shapes repeat across
+prompts of new lengths; the hidden rows are scattered into the padded layout before a replay and
+gathered back after it. Graphs are kept per state pool (a graph writes the addresses it was
+captured with) and dropped when the pool is garbage-collected. The group's index tensors
+(working slots, fresh mask, snapshot members and slots) are copied into the shape's static
+buffers once per pass; the hidden state is copied into the static input before each replay.
+Graphs are captured on a side stream with thread-local capture mode (the controller's threads
+keep issuing copies meanwhile) and replayed on the caller's stream, so a replay is ordered after
+``counter.wait(layer)`` exactly as the eager layer is.
 
 A shape is computed eagerly the first ``eager_runs`` times it is seen (a one-off shape never
-pays a capture) and replayed from then on. A replay launches the kernels the eager run launches
-with the same shapes, so it computes the same bits (checked by
-``tests/gpu/test_layer_graphs_gpu.py``); a capture that fails leaves the shape eager for good.
+pays a capture) and replayed from then on. Capturing passes of one sequence padded to a bucket
+length at their first sighting instead was tried and not kept (docs/benchmarks.md, run BQ): it
+saves one eager pass per bucket over a process's life, but a first sighting then costs up to
+1.8 × an eager pass. A replay launches the kernels the eager run launches with the same shapes, so
+it computes the same bits (checked by ``tests/gpu/test_layer_graphs_gpu.py``); a capture that
+fails leaves the shape eager for good.
 """
 
 from __future__ import annotations
@@ -43,12 +50,13 @@ import torch
 from asynccache.pools import DeviceKVPool, DeviceMambaPool
 from asynccache.reference.context import GdnGroup, PassContext
 from asynccache.reference.layers import DecoderLayer
+from asynccache.reference.padding import BUCKET_MAX_TOKENS, run_recurrent_layer
 
 __all__ = ["MAX_SEEN_SHAPES", "GraphedPass", "LayerGraphs"]
 
 log = logging.getLogger("asynccache.reference")
 
-_Shape = tuple[int, tuple[tuple[int, int, int, int, bool, bool, int], ...]]
+_Shape = tuple[int, tuple[tuple[int, int, int, int, bool, bool, int, bool], ...]]
 _Key = tuple[int, _Shape]  # (id of the state pool, pass shape)
 
 #: Shapes seen but not captured yet that are remembered (the oldest forgotten past this): a
@@ -67,17 +75,18 @@ def pass_shape(ctx: PassContext) -> _Shape:
             g.all_fresh,
             g.fresh is not None,
             0 if g.snapshot_index is None else int(g.snapshot_index.numel()),
+            g.pads is not None,
         )
         for g in ctx.gdn_groups
     )
-    return ctx.num_tokens, groups
+    return ctx.recurrent_tokens, groups
 
 
 class _ShapeGraphs:
     """Static buffers and per-layer graphs of one pass shape (all sharing one memory pool)."""
 
     def __init__(self, ctx: PassContext, hidden: torch.Tensor) -> None:
-        self.h_in = torch.empty_like(hidden)
+        self.h_in = hidden.new_empty(ctx.recurrent_tokens, hidden.shape[-1])
         self.groups = tuple(_static_group(g) for g in ctx.gdn_groups)
         self.ctx = dataclasses.replace(ctx, gdn_groups=self.groups)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -97,6 +106,10 @@ class _ShapeGraphs:
                 assert static.snapshot_slots is not None
                 static.snapshot_index.copy_(g.snapshot_index, non_blocking=True)
                 static.snapshot_slots.copy_(g.snapshot_slots, non_blocking=True)
+            if static.pads is not None:
+                assert g.pads is not None and g.conv_tail is not None and static.conv_tail is not None
+                static.pads.copy_(g.pads, non_blocking=True)
+                static.conv_tail.copy_(g.conv_tail, non_blocking=True)
 
 
 def _static_group(g: GdnGroup) -> GdnGroup:
@@ -109,6 +122,8 @@ def _static_group(g: GdnGroup) -> GdnGroup:
         fresh=clone(g.fresh),
         snapshot_index=clone(g.snapshot_index),
         snapshot_slots=clone(g.snapshot_slots),
+        pads=clone(g.pads),
+        conv_tail=clone(g.conv_tail),
     )
 
 
@@ -123,7 +138,7 @@ class LayerGraphs:
     """
 
     def __init__(
-        self, *, max_tokens: int = 2048, eager_runs: int = 1, max_shapes: int = 32, max_total_tokens: int = 8192
+        self, *, max_tokens: int = BUCKET_MAX_TOKENS, eager_runs: int = 1, max_shapes: int = 32, max_total_tokens: int = 8192
     ) -> None:
         if max_tokens < 1 or eager_runs < 0 or max_shapes < 1 or max_total_tokens < 1:
             raise ValueError("max_tokens, max_shapes and max_total_tokens must be >= 1 and eager_runs >= 0")
@@ -142,7 +157,7 @@ class LayerGraphs:
         """The graphs for ``ctx``'s pass over ``state_pool`` (its indices bound), or ``None``:
         compute it eagerly. A graph holds the addresses of the pool it was captured with, so
         graphs are kept per pool and dropped with it."""
-        if hidden.device.type != "cuda" or ctx.num_tokens > self.max_tokens or not ctx.gdn_groups:
+        if hidden.device.type != "cuda" or ctx.recurrent_tokens > self.max_tokens or not ctx.gdn_groups:
             return None
         pool_id = id(state_pool)
         if pool_id not in self._pools:
@@ -210,11 +225,15 @@ class GraphedPass:
         if graph is None and not e.failed:
             graph = self._capture(layer, kv_pool, state_pool)
         if graph is None:
-            return layer(h, ctx, kv_pool, state_pool)
-        e.h_in.copy_(h)
+            return run_recurrent_layer(layer, h, ctx, kv_pool, state_pool)
+        if ctx.padding is None:
+            e.h_in.copy_(h)
+        else:
+            ctx.padding.pad_into(h, e.h_in)
         graph.replay()
         self._owner.num_replays += 1
-        return e.outputs[layer.layer_id]
+        out = e.outputs[layer.layer_id]
+        return out if ctx.padding is None else ctx.padding.unpad(out)
 
     def _capture(
         self, layer: DecoderLayer, kv_pool: DeviceKVPool, state_pool: DeviceMambaPool

@@ -15,7 +15,8 @@ Primitives:
   short causal conv over q/k/v with SiLU, L2-normed q/k, β = σ(b),
   g = −exp(A_log)·softplus(a + dt_bias), the gated delta rule (chunked for prefill, recurrent for
   single tokens), a z-gated RMSNorm and the output projection. Reads the working state slot, writes
-  it back and writes snapshots.
+  it back and writes snapshots. Segments padded to a bucket length
+  (``asynccache.reference.padding``) have their padded positions' gates masked to β = 0, g = 0.
 - :class:`MLP` — SwiGLU.
 - :class:`DecoderLayer` — pre-norm residual block: norm → mixer → residual → norm → MLP → residual.
 
@@ -174,7 +175,7 @@ class GatedDeltaNet(nn.Module):
                 if grp.fresh is not None:  # some segments start a sequence: their state is zero
                     conv0 = conv0.masked_fill(grp.fresh[:, None, None], 0)
                     ssm0 = ssm0.masked_fill(grp.fresh[:, None, None, None], 0)
-            y, conv_new = causal_conv1d(conv_in, weight, conv0)
+            y, conv_new = causal_conv1d(conv_in, weight, conv0, tail=grp.conv_tail)
             q, k, v = y.split([self.key_size, self.key_size, self.value_size], dim=-1)
             q = l2norm(q.view(b, m, hk, dk), scale=dk**-0.5)
             k = l2norm(k.view(b, m, hk, dk))  # GQA: value head j reads key head j // (hv / hk)
@@ -182,6 +183,9 @@ class GatedDeltaNet(nn.Module):
             b_gate, a_gate = ba[rows].view(b, m, 2 * hv).split(hv, dim=-1)
             beta = b_gate.sigmoid()
             g = neg_a * F.softplus(a_gate + dt_bias)
+            if grp.pads is not None:  # padded positions leave the state alone: β = 0, g = 0
+                beta = beta.masked_fill(grp.pads[:, None], 0.0)
+                g = g.masked_fill(grp.pads[:, None], 0.0)
             rule = recurrent_gated_delta_rule if m == 1 else chunk_gated_delta_rule
             o, ssm_new = rule(q, k, v, g, beta, ssm0)
             out[rows] = self._gated_norm(o, z.reshape(b, m, hv, dv)).reshape(b * m, self.value_size)

@@ -11,6 +11,9 @@ Primitives:
 
 On CUDA, passes of up to 2,048 tokens (decode steps, prefill chunks) replay their recurrent
 layers from CUDA graphs (``asynccache.reference.graphs``): the same kernels, one launch per layer.
+So that prompts of new lengths replay them too, the recurrent layers compute each pass's segments
+padded to bucket lengths (``asynccache.reference.padding``; ``bucket_passes``, on by default on
+CUDA).
 
 Structure: embedding → per layer [RMSNorm → attention | gated DeltaNet → residual → RMSNorm →
 SwiGLU MLP → residual] → RMSNorm → LM head. Attention layers write the new tokens' K/V into the
@@ -52,6 +55,7 @@ from asynccache.reference.batch import ForwardBatch, SequenceInput, plan_passes
 from asynccache.reference.context import build_pass_context
 from asynccache.reference.graphs import LayerGraphs
 from asynccache.reference.layers import DecoderLayer, RMSNorm
+from asynccache.reference.padding import pad_recurrent_rows, run_recurrent_layer
 from asynccache.reference.weights import (
     init_random_,
     load_tensors_,
@@ -103,6 +107,9 @@ class HybridModel(nn.Module):
     of the seeded random init (see :meth:`from_safetensors`). ``pack_sequences``: compute the sequences of a batch together
     (``None``: on CUDA only). ``cuda_graphs``: replay the recurrent layers of passes of up
     to 2,048 tokens from CUDA graphs (``None``: on CUDA; see ``asynccache.reference.graphs``).
+    ``bucket_passes``: the recurrent layers compute segments padded to bucket lengths, so that
+    passes of new lengths share graphs (``None``: on CUDA; see ``asynccache.reference.padding``).
+    Either way the same segmentation gives the same bits; the two settings round differently.
     """
 
     def __init__(
@@ -115,6 +122,7 @@ class HybridModel(nn.Module):
         weights: dict[str, torch.Tensor] | None = None,
         pack_sequences: bool | None = None,
         cuda_graphs: bool | None = None,
+        bucket_passes: bool | None = None,
     ) -> None:
         super().__init__()
         _check_spec(spec, dtype)
@@ -137,6 +145,8 @@ class HybridModel(nn.Module):
             raise ConfigError("cuda_graphs needs a CUDA device")
         #: CUDA graphs of the recurrent layers for passes of up to 2,048 tokens (None: always eager).
         self.layer_graphs: LayerGraphs | None = LayerGraphs() if use_graphs else None
+        #: Recurrent layers compute segments padded to bucket lengths (asynccache.reference.padding).
+        self.bucket_passes = self.device.type == "cuda" if bucket_passes is None else bucket_passes
 
     # ---- weights -----------------------------------------------------------------------
     @classmethod
@@ -149,6 +159,7 @@ class HybridModel(nn.Module):
         dtype: torch.dtype = torch.float32,
         pack_sequences: bool | None = None,
         cuda_graphs: bool | None = None,
+        bucket_passes: bool | None = None,
     ) -> HybridModel:
         """Load weights written by :meth:`save_safetensors` (or any file with the same names and shapes)."""
         return cls(
@@ -158,6 +169,7 @@ class HybridModel(nn.Module):
             weights=read_safetensors(path, device=device),
             pack_sequences=pack_sequences,
             cuda_graphs=cuda_graphs,
+            bucket_passes=bucket_passes,
         )
 
     def save_safetensors(self, path: str | PathLike[str]) -> None:
@@ -197,6 +209,8 @@ class HybridModel(nn.Module):
         logits = torch.empty(len(batch.sequences), spec.vocab_size, dtype=torch.float32, device=self.device)
         for pass_index, segments in enumerate(passes):
             ctx = build_pass_context(segments, page_size=spec.page_size, head_dim=spec.head_dim, device=self.device)
+            if self.bucket_passes and spec.linear is not None:
+                ctx = pad_recurrent_rows(ctx, conv_kernel=spec.linear.conv_kernel)
             h = F.embedding(ctx.token_ids, self.model.embed_tokens.weight)
             graphed = None if self.layer_graphs is None else self.layer_graphs.bind(ctx, h, state_pool)
             window = _LaunchWindow.for_pass(self.device, ctx.token_ids.numel())
@@ -205,6 +219,8 @@ class HybridModel(nn.Module):
                     await counter.wait(layer.layer_id)
                 if graphed is not None and layer.linear_attn is not None:
                     h = graphed.run(layer, h, ctx, kv_pool, state_pool)
+                elif layer.linear_attn is not None:
+                    h = run_recurrent_layer(layer, h, ctx, kv_pool, state_pool)
                 else:
                     h = layer(h, ctx, kv_pool, state_pool)
                 if window is not None:

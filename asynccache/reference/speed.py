@@ -22,6 +22,14 @@ with their CUDA graphs (``asynccache.reference.graphs``; the default ``auto`` us
 in the same run::
 
     python -m asynccache.reference.speed --seq-len 8192 --batch 1 --chunk-size 1024 --cuda-graphs both
+
+``--length-step K`` makes every iteration (warm-up included) a prompt of a length not run before,
+``seq_len + i·K`` tokens, as a server sees them (tokens/s then counts each iteration's own
+tokens); ``--bucket-passes off`` computes the recurrent layers at each segment's own length, and
+``both`` measures without and then with padding to bucket lengths
+(``asynccache.reference.padding``, the default on CUDA)::
+
+    python -m asynccache.reference.speed --seq-len 1216 --batch 1 --length-step 7 --iters 5 --bucket-passes both
 """
 
 from __future__ import annotations
@@ -60,13 +68,24 @@ class PrefillResult:
     enqueue_s: tuple[float, ...]  # host time until the last forward returned
     chunk_size: int | None = None  # tokens a prompt per forward (None: the whole prompt)
     cuda_graphs: bool = False  # recurrent layers replayed from CUDA graphs
+    bucket_passes: bool = False  # recurrent segments padded to bucket lengths
+    length_step: int = 0  # iteration i (warm-up included) prefills seq_len + i·length_step tokens
+    warmup: int = 0
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """The prompt length of each timed iteration."""
+        first = self.warmup
+        return tuple(self.seq_len + (first + i) * self.length_step for i in range(len(self.seconds)))
 
     @property
     def tokens_per_s(self) -> float:
-        return self.batch * self.seq_len / statistics.median(self.seconds)
+        if not self.length_step:
+            return self.batch * self.seq_len / statistics.median(self.seconds)
+        return statistics.median(self.batch * n / s for n, s in zip(self.lengths, self.seconds, strict=True))
 
     def as_dict(self) -> dict[str, object]:
-        return {**asdict(self), "tokens_per_s": round(self.tokens_per_s, 1)}
+        return {**asdict(self), "lengths": self.lengths, "tokens_per_s": round(self.tokens_per_s, 1)}
 
 
 def make_prefill_batch(spec: HybridSpec, seq_len: int, batch: int, *, seed: int = 0) -> ForwardBatch:
@@ -126,24 +145,34 @@ def prefill_tokens_per_s(
     seed: int = 0,
     model: HybridModel | None = None,
     chunk_size: int | None = None,
+    length_step: int = 0,
 ) -> PrefillResult:
     """Time ``iters`` cold prefills of ``batch × seq_len`` tokens after ``warmup`` untimed ones
-    (``chunk_size``: each prompt in forwards of that many tokens, see :func:`chunk_batches`)."""
+    (``chunk_size``: each prompt in forwards of that many tokens, see :func:`chunk_batches`;
+    ``length_step``: iteration i, warm-up included, prefills prompts of ``seq_len + i·length_step``
+    tokens)."""
     spec = model.spec if model is not None else HybridSpec.preset(preset)
     dev = torch.device(device)
     if model is None:
         model = HybridModel(spec, device=dev, dtype=dtype, seed=seed)
     if chunk_size is not None and chunk_size < 1:
         raise ConfigError(f"chunk_size must be >= 1, got {chunk_size}")
-    pages_per_seq = -(-seq_len // spec.page_size)
+    if length_step < 0:
+        raise ConfigError(f"length_step must be >= 0, got {length_step}")
+    lengths = [seq_len + i * length_step for i in range(warmup + iters)]
+    pages_per_seq = -(-lengths[-1] // spec.page_size)
     kv_pool = DeviceKVPool(spec, batch * pages_per_seq, device=dev)
     state_pool = DeviceMambaPool(spec, batch, device=dev)
-    fwd_batch = make_prefill_batch(spec, seq_len, batch, seed=seed)
-    forwards = [fwd_batch] if chunk_size is None else chunk_batches(fwd_batch, chunk_size)
+    runs = []
+    for n in dict.fromkeys(lengths):  # each length's batch built once
+        fwd_batch = make_prefill_batch(spec, n, batch, seed=seed)
+        runs.append([fwd_batch] if chunk_size is None else chunk_batches(fwd_batch, chunk_size))
+    if len(runs) == 1:
+        runs *= len(lengths)
 
     async def measure() -> tuple[list[float], list[float]]:
         seconds, enqueue = [], []
-        for i in range(warmup + iters):
+        for i, forwards in enumerate(runs):
             _sync(dev)
             t0 = time.perf_counter()
             for fwd in forwards:
@@ -168,6 +197,9 @@ def prefill_tokens_per_s(
         enqueue_s=tuple(enqueue),
         chunk_size=chunk_size,
         cuda_graphs=model.layer_graphs is not None,
+        bucket_passes=model.bucket_passes,
+        length_step=length_step,
+        warmup=warmup,
     )
 
 
@@ -221,6 +253,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="prefill each prompt in forwards of this many tokens (default: one forward)")  # fmt: skip
     parser.add_argument("--cuda-graphs", choices=("auto", "off", "both"), default="auto",
                         help="recurrent layers from CUDA graphs: auto (on CUDA), off (eager), both (eager, then graphs)")  # fmt: skip
+    parser.add_argument("--bucket-passes", choices=("auto", "off", "both"), default="auto",
+                        help="recurrent segments padded to bucket lengths: auto (on CUDA), off, both (off, then on)")  # fmt: skip
+    parser.add_argument("--length-step", type=nonnegative_int, default=0,
+                        help="iteration i (warm-up included) prefills seq-len + i x this many tokens: "
+                        "a length not run before each time (default 0: one length)")  # fmt: skip
     parser.add_argument("--warmup", type=nonnegative_int, default=1)
     parser.add_argument("--iters", type=positive_int, default=3)
     parser.add_argument("--tf32", action="store_true", help="also measure with TF32 fp32 matmuls (recurrent core)")
@@ -244,13 +281,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     _sync(device)
     print(f"# built {args.preset}: {model.num_parameters / 1e9:.3f} B parameters in {time.perf_counter() - t0:.1f} s", flush=True)
 
-    graphs = model.layer_graphs
+    graphs, buckets = model.layer_graphs, model.bucket_passes
     graph_modes = {"auto": [graphs is not None], "off": [False], "both": [False, True]}[args.cuda_graphs]
+    bucket_modes = {"auto": [buckets], "off": [False], "both": [False, True]}[args.bucket_passes]
     variants = [False, True] if args.tf32 else [False]
     results = []
-    for tf32, with_graphs in itertools.product(variants, graph_modes):
+    for tf32, with_graphs, bucketed in itertools.product(variants, graph_modes, bucket_modes):
         _set_tf32(tf32)
         model.layer_graphs = graphs if with_graphs else None
+        model.bucket_passes = bucketed
         for batch in args.batch:
             res = prefill_tokens_per_s(
                 args.preset,
@@ -261,6 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 iters=args.iters,
                 model=model,
                 chunk_size=args.chunk_size,
+                length_step=args.length_step,
             )
             row = {**res.as_dict(), "tf32": tf32}
             results.append(row)
@@ -269,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 with open(args.json, "a") as f:
                     f.write(json.dumps(row) + "\n")
     _set_tf32(False)
-    model.layer_graphs = graphs
+    model.layer_graphs, model.bucket_passes = graphs, buckets
     if args.profile:
         print(_profile(model, args.seq_len, args.batch[0]), flush=True)
     return 0

@@ -91,7 +91,7 @@ def test_prefill_chunks_replay_bit_identical_to_eager() -> None:
 
 
 def test_kept_shapes_are_bounded_by_their_tokens() -> None:
-    model = HybridModel(MID, device="cuda", dtype=torch.bfloat16)
+    model = HybridModel(MID, device="cuda", dtype=torch.bfloat16, bucket_passes=False)  # shapes of these lengths
     graphs = model.layer_graphs
     assert graphs is not None
     graphs.eager_runs = 0
@@ -121,3 +121,33 @@ def test_graphs_go_with_their_pool() -> None:
 
     gc.collect()
     assert not graphs._shapes and not graphs._pools
+
+
+def test_new_lengths_replay_the_graphs_of_their_bucket() -> None:
+    """Prompts of new lengths in one bucket (asynccache.reference.padding): one shape captured
+    at the second, replayed from then on, the same bits as eager padded passes. Then packed
+    passes of two continuing sequences and a decode row, of new lengths each time."""
+    runs = []
+    for graphs in (False, True):
+        model = HybridModel(MID, device="cuda", dtype=torch.bfloat16, cuda_graphs=graphs)
+        assert model.bucket_passes
+        kv, st = pools(MID, num_pages=48, num_slots=8)
+        out = []
+        for i, n in enumerate((1090, 1111, 1200, 1280, 1153)):  # all padded to 1,280
+            out.append(forward(model, kv, st, seq(tokens(n, MID.vocab_size, 40 + i), 0, list(range(32)), 0)))
+        shapes = None if model.layer_graphs is None else model.layer_graphs.num_shapes
+        ends = [1153, 0, 0]
+        for i, (a, b) in enumerate(((100, 70), (90, 80), (120, 65), (110, 75))):  # groups of 128, 128 and 1 rows
+            out.append(forward(model, kv, st, seq(tokens(a, MID.vocab_size, 50 + i), ends[0], list(range(32)), 0),
+                               seq(tokens(b, MID.vocab_size, 60 + i), ends[1], list(range(32, 40)), 1),
+                               seq(tokens(1, MID.vocab_size, 70 + i), ends[2], list(range(40, 42)), 2)))
+            ends = [ends[0] + a, ends[1] + b, ends[2] + 1]
+        torch.cuda.synchronize()
+        runs.append((out, st.buffer.clone(), kv.buffer.clone(), model.layer_graphs, shapes))  # type: ignore[union-attr]
+    (want, st_want, kv_want, _, _), (got, st_got, kv_got, graphs, shapes) = runs
+    assert graphs is not None and shapes == 1  # five prompt lengths, one bucket
+    assert graphs.num_captures == 2 * len(MID.mamba_layer_ids)  # that bucket and the packed shape
+    assert graphs.num_replays == (4 + 2) * len(MID.mamba_layer_ids)
+    for i, (x, y) in enumerate(zip(want, got, strict=True)):
+        assert torch.equal(x, y), f"pass {i} differs"
+    assert torch.equal(st_want, st_got) and torch.equal(kv_want, kv_got)

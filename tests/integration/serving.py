@@ -22,10 +22,10 @@ def tiny_spec() -> HybridSpec:
     return HybridSpec.preset("tiny", page_size=PAGE)
 
 
-def tiny_model(spec: HybridSpec, device: str, *, seed: int) -> HybridModel:
+def tiny_model(spec: HybridSpec, device: str, *, seed: int, bucket_passes: bool | None = None) -> HybridModel:
     """fp32 on CPU, bf16 on CUDA."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    return HybridModel(spec, device=device, dtype=dtype, seed=seed)
+    return HybridModel(spec, device=device, dtype=dtype, seed=seed, bucket_passes=bucket_passes)
 
 
 def device_of(model: HybridModel) -> str:

@@ -30,9 +30,11 @@ def spec() -> HybridSpec:
     return tiny_spec()
 
 
-@pytest.fixture(scope="module")
-def model(spec: HybridSpec, model_device: str) -> HybridModel:
-    return tiny_model(spec, model_device, seed=3)
+@pytest.fixture(scope="module", params=[False, True], ids=["own-lengths", "bucketed"])
+def model(spec: HybridSpec, model_device: str, request: pytest.FixtureRequest) -> HybridModel:
+    """Recurrent segments computed at their own lengths and padded to bucket lengths
+    (asynccache.reference.padding, the default on CUDA)."""
+    return tiny_model(spec, model_device, seed=3, bucket_passes=request.param)
 
 
 def snapshot_positions(spec: HybridSpec, prompt_len: int, computed_len: int, cached: int) -> list[int]:

@@ -51,6 +51,7 @@ def test_every_tier_serves_the_whole_prefix(tmp_path: Path, capsys: pytest.Captu
     else:
         assert res["raw_disk_direct_read_gbps"] is None
     assert res["storage_direct_io"] is False and res["storage_options"] == {}
+    assert res["bucket_passes"] is False  # the model's default on the CPU
     assert res["disk_optimum_best_ms"] <= min(res["disk_optimum_ms"], res["disk_optimum_parallel_ms"])
     assert res["disk_split_over_optimum_best"] == pytest.approx(res["ttft_ms"]["disk_split"] / res["disk_optimum_best_ms"])
     # The prefill-time fit goes through both cold prefills (72 and 18 tokens), and the optimum
@@ -123,6 +124,14 @@ def test_every_tier_serves_the_whole_prefix(tmp_path: Path, capsys: pytest.Captu
     again = capsys.readouterr().out
     assert again.splitlines()[: len(printed.splitlines())] == printed.splitlines()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_bucketed_model_serves_every_tier_too(tmp_path: Path) -> None:
+    out = tmp_path / "prefix.json"
+    assert prefix.run(bench_args(json_path=str(out), pairs=1, bucket_passes="on")) == 0
+    res = json.loads(out.read_text())
+    assert res["bucket_passes"] is True
+    assert res["cached_tokens"]["device"] == res["cached_tokens"]["host"] == res["cached_tokens"]["disk_all"] == 64
 
 
 def test_storage_options_reach_the_backend(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -18,9 +18,10 @@ class _Pool:
 
 def _ctx(num_tokens: int) -> SimpleNamespace:
     group = SimpleNamespace(
-        length=num_tokens, num_seqs=1, row_begin=0, row_end=num_tokens, all_fresh=False, fresh=None, snapshot_index=None
+        length=num_tokens, num_seqs=1, row_begin=0, row_end=num_tokens, all_fresh=False, fresh=None, snapshot_index=None,
+        pads=None,
     )
-    return SimpleNamespace(num_tokens=num_tokens, gdn_groups=(group,))
+    return SimpleNamespace(num_tokens=num_tokens, recurrent_tokens=num_tokens, gdn_groups=(group,))
 
 
 def test_shapes_seen_once_are_remembered_up_to_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,7 +21,19 @@ SPEC = HybridSpec.preset("tiny")
 P = SPEC.page_size
 
 
+#: Every test runs with the recurrent layers' segments at their own lengths and padded to
+#: bucket lengths (asynccache.reference.padding; the default on CUDA).
+_BUCKET_PASSES = {"on": False}
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["own-lengths", "bucketed"])
+def bucket_passes(request: pytest.FixtureRequest) -> bool:
+    _BUCKET_PASSES["on"] = request.param
+    return bool(request.param)
+
+
 def make_model(seed: int = 0, **kwargs: object) -> HybridModel:
+    kwargs.setdefault("bucket_passes", _BUCKET_PASSES["on"])
     return HybridModel(SPEC, seed=seed, **kwargs)  # type: ignore[arg-type]
 
 
