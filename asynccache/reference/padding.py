@@ -33,6 +33,7 @@ Primitives:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -101,24 +102,31 @@ def pad_recurrent_rows(ctx: PassContext, *, conv_kernel: int, max_tokens: int = 
     if num_rows > max_tokens:
         return ctx
     device = ctx.token_ids.device
+    moved = num_rows != ctx.num_tokens  # some row is padded: rows move
     real_rows: list[torch.Tensor] = []
     padded: list[GdnGroup] = []
     row = 0
     for g, n in zip(groups, lengths, strict=True):
-        starts = row + n * torch.arange(g.num_seqs, dtype=torch.int64)
-        real_rows.append((starts[:, None] + torch.arange(g.length, dtype=torch.int64)).flatten())
+        if moved:
+            starts = row + n * torch.arange(g.num_seqs, dtype=torch.int64)
+            real_rows.append((starts[:, None] + torch.arange(g.length, dtype=torch.int64)).flatten())
         marks = {}
         if g.length > 1:
-            marks = {
-                "pads": (torch.arange(n) >= g.length).to(device),
-                "conv_tail": (g.length + torch.arange(conv_kernel - 1, dtype=torch.int64)).to(device),
-            }
+            pads, conv_tail = _marks(n, g.length, conv_kernel, device)
+            marks = {"pads": pads, "conv_tail": conv_tail}
         padded.append(dataclasses.replace(g, length=n, row_begin=row, row_end=row + n * g.num_seqs, **marks))
         row += n * g.num_seqs
-    padding = None
-    if num_rows != ctx.num_tokens:
-        padding = RowPadding(num_rows=num_rows, real_rows=torch.cat(real_rows).to(device))
+    padding = RowPadding(num_rows=num_rows, real_rows=torch.cat(real_rows).to(device)) if moved else None
     return dataclasses.replace(ctx, gdn_groups=tuple(padded), padding=padding)
+
+
+@functools.lru_cache(maxsize=256)
+def _marks(n: int, length: int, conv_kernel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A group's ``pads`` and ``conv_tail`` (read-only; shared by every pass of that shape, so
+    a pass does not copy them to the device again)."""
+    pads = (torch.arange(n) >= length).to(device)
+    conv_tail = (length + torch.arange(conv_kernel - 1, dtype=torch.int64)).to(device)
+    return pads, conv_tail
 
 
 def run_recurrent_layer(

@@ -75,8 +75,7 @@ class PrefillResult:
     @property
     def lengths(self) -> tuple[int, ...]:
         """The prompt length of each timed iteration."""
-        first = self.warmup
-        return tuple(self.seq_len + (first + i) * self.length_step for i in range(len(self.seconds)))
+        return tuple(self.seq_len + (self.warmup + i) * self.length_step for i in range(len(self.seconds)))
 
     @property
     def tokens_per_s(self) -> float:
@@ -163,12 +162,13 @@ def prefill_tokens_per_s(
     pages_per_seq = -(-lengths[-1] // spec.page_size)
     kv_pool = DeviceKVPool(spec, batch * pages_per_seq, device=dev)
     state_pool = DeviceMambaPool(spec, batch, device=dev)
-    runs = []
-    for n in dict.fromkeys(lengths):  # each length's batch built once
+
+    def forwards_of(n: int) -> list[ForwardBatch]:
         fwd_batch = make_prefill_batch(spec, n, batch, seed=seed)
-        runs.append([fwd_batch] if chunk_size is None else chunk_batches(fwd_batch, chunk_size))
-    if len(runs) == 1:
-        runs *= len(lengths)
+        return [fwd_batch] if chunk_size is None else chunk_batches(fwd_batch, chunk_size)
+
+    built = {n: forwards_of(n) for n in set(lengths)}  # each length's batch built once
+    runs = [built[n] for n in lengths]
 
     async def measure() -> tuple[list[float], list[float]]:
         seconds, enqueue = [], []
