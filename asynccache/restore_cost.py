@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from asynccache.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -26,12 +28,14 @@ class RestoreCost:
     """What restoring from storage costs against recomputing: the storage tier's read bandwidth
     and the engine's prefill time (both measured by the caller, e.g. in a warm-up).
 
-    Prefill time is linear in the tokens plus attention's share, which grows with the context:
-    the token at position ``p`` costs ``1 / prefill_tokens_per_s + p · prefill_s_per_context_token``
-    seconds, so computing positions ``[begin, end)`` costs :meth:`compute_s`. With
-    ``prefill_s_per_context_token = 0`` (the default) the rate is flat. A prefix's head (computed
-    from position 0) is then cheaper per token than its tail: :meth:`fit` takes both terms from
-    cold prefills of two lengths.
+    Prefill time is a forward pass's fixed cost plus a cost per token, which attention makes grow
+    with the context: the token at position ``p`` costs ``1 / prefill_tokens_per_s + p ·
+    prefill_s_per_context_token`` seconds, and a pass ``prefill_s_per_pass`` more (its launches
+    and host work, which do not shrink with its tokens), so computing positions ``[begin, end)``
+    in one pass costs :meth:`compute_s`. With both extra terms 0 (the defaults) the rate is flat.
+    A prefix's head (computed from position 0) is then cheaper per token than its tail, and a
+    short head costs more per token than a long one: :meth:`fit` takes the terms from cold
+    prefills of two lengths (the context term) or three and more (both).
 
     The tier corrects the read estimate by what it observes (:class:`ReadTimeCorrection`):
     separately for reads alone (restore everything) and for reads beside the engine computing a
@@ -40,6 +44,7 @@ class RestoreCost:
     read_bytes_per_s: float
     prefill_tokens_per_s: float
     prefill_s_per_context_token: float = 0.0
+    prefill_s_per_pass: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.read_bytes_per_s > 0 and self.prefill_tokens_per_s > 0):
@@ -47,41 +52,72 @@ class RestoreCost:
                 f"RestoreCost needs positive rates, got read_bytes_per_s={self.read_bytes_per_s}, "
                 f"prefill_tokens_per_s={self.prefill_tokens_per_s}"
             )
-        if not self.prefill_s_per_context_token >= 0:
-            raise ConfigError(
-                f"prefill_s_per_context_token must be >= 0, got {self.prefill_s_per_context_token}"
-            )
+        for name in ("prefill_s_per_context_token", "prefill_s_per_pass"):
+            value = getattr(self, name)
+            if not (value >= 0 and value < float("inf")):
+                raise ConfigError(f"{name} must be a finite number >= 0, got {value}")
 
     def compute_s(self, begin: int, end: int) -> float:
-        """Seconds to prefill positions ``[begin, end)`` after a cached prefix of ``begin`` tokens."""
+        """Seconds to prefill positions ``[begin, end)`` in one pass after a cached prefix of
+        ``begin`` tokens (0 for no position)."""
         n = end - begin
-        return n / self.prefill_tokens_per_s + self.prefill_s_per_context_token * (end * end - begin * begin) / 2
+        if n <= 0:
+            return 0.0
+        return (
+            self.prefill_s_per_pass
+            + n / self.prefill_tokens_per_s
+            + self.prefill_s_per_context_token * (end * end - begin * begin) / 2
+        )
 
     @classmethod
     def fit(cls, *, read_bytes_per_s: float, prefills: Sequence[tuple[int, float]]) -> RestoreCost:
-        """From cold prefills ``(tokens, seconds)`` (each from position 0): with one length, a
-        flat rate; with two or more, least squares of ``seconds = n / rate + c · n² / 2`` over
-        ``rate > 0, c >= 0`` (``c`` dropped when the data would make it negative)."""
+        """From cold prefills ``(tokens, seconds)`` (each from position 0, one pass): with one
+        length, a flat rate; with more, least squares of ``seconds = f + n / rate + c · n² / 2``
+        with ``f`` (the pass's fixed cost) only from three lengths up, every term ``>= 0`` (``rate
+        > 0``): of the fits whose terms have those signs, the one with the least squared error,
+        the fewer terms on a tie (a term the data would make negative is left out)."""
         points = [(float(n), float(t)) for n, t in prefills]
         if not points or any(n <= 0 or t <= 0 for n, t in points):
             raise ConfigError(f"prefills need positive (tokens, seconds) pairs, got {list(prefills)}")
-        flat = cls(
+        best = cls(
             read_bytes_per_s=read_bytes_per_s,
             prefill_tokens_per_s=sum(n * n for n, _ in points) / sum(n * t for n, t in points),
         )
-        if len({n for n, _ in points}) < 2:
-            return flat
-        # Normal equations of t ≈ u·n + c·(n²/2).
-        a11 = sum(n * n for n, _ in points)
-        a12 = sum(n**3 / 2 for n, _ in points)
-        a22 = sum(n**4 / 4 for n, _ in points)
-        b1 = sum(n * t for n, t in points)
-        b2 = sum(n * n / 2 * t for n, t in points)
-        det = a11 * a22 - a12 * a12
-        u, c = (b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det
-        if c < 0 or u <= 0:
-            return flat
-        return cls(read_bytes_per_s=read_bytes_per_s, prefill_tokens_per_s=1 / u, prefill_s_per_context_token=c)
+        distinct = len({n for n, _ in points})
+        if distinct < 2:
+            return best
+
+        def error(cost: RestoreCost) -> float:
+            return sum((cost.compute_s(0, int(n)) - t) ** 2 for n, t in points)
+
+        least = error(best)
+        for terms in [("u", "c")] + ([("f", "u"), ("f", "u", "c")] if distinct >= 3 else []):
+            sol = _least_squares(points, terms)
+            if sol is None or not sol["u"] > 0 or sol.get("f", 0.0) < 0 or sol.get("c", 0.0) < 0:
+                continue
+            cost = cls(
+                read_bytes_per_s=read_bytes_per_s,
+                prefill_tokens_per_s=1 / sol["u"],
+                prefill_s_per_context_token=sol.get("c", 0.0),
+                prefill_s_per_pass=sol.get("f", 0.0),
+            )
+            e = error(cost)
+            if e < least * (1 - 1e-9):
+                best, least = cost, e
+        return best
+
+
+def _least_squares(points: Sequence[tuple[float, float]], terms: Sequence[str]) -> dict[str, float] | None:
+    """Least squares of ``t ≈ Σ term · x`` over ``points`` ``(n, t)``, with ``x`` = 1 for ``f``,
+    ``n`` for ``u`` and ``n² / 2`` for ``c`` (columns scaled to 1 first); ``None`` when the
+    points cannot tell the terms apart."""
+    basis = {"f": lambda n: 1.0, "u": lambda n: n, "c": lambda n: n * n / 2}
+    a = np.array([[basis[k](n) for k in terms] for n, _ in points])
+    scale = np.abs(a).max(axis=0)
+    sol, _, rank, _ = np.linalg.lstsq(a / scale, np.array([t for _, t in points]), rcond=None)
+    if rank < len(terms):
+        return None
+    return {k: float(v) for k, v in zip(terms, sol / scale, strict=True)}
 
 
 class ReadTimeCorrection:

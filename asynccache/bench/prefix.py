@@ -5,7 +5,8 @@ reference scheduler. Measured in one run, median of ``--repeats`` (``--pairs`` f
 host):
 
 - ``cold``: nothing cached (a fresh prefix each repeat, once the previous one's write-back has
-  settled); ``cold_short``: the same at a quarter of the length (for the prefill-time fit);
+  settled); ``cold_short`` and ``cold_shorter``: the same at a quarter and a sixteenth of the
+  length (for the prefill-time fit);
 - ``device``: the prefix (KV + state) is on the device;
 - ``host``: demoted to pinned host memory, loaded back layer by layer. Device and host repeats
   alternate, ``--pairs`` times (each pair a few tens of milliseconds, so more of them than of
@@ -37,14 +38,18 @@ each restore's TTFT over the optimum with the read just before it
 (``disk_split_over_optimum_paired``), meet a disk whose speed drifts through the run where the
 restores meet it. ``cold_compute(L − a)`` is taken two ways: at the cold
 prefill's average rate (``disk_optimum_*``), and as the compute of positions ``[a, L)`` after a
-prefix of ``a`` (``disk_optimum_fit_*``) from a fit of cold prefills of ``L`` and ``L / 4``
-tokens (``RestoreCost.fit``: a flat per-token cost plus attention's, which grows with the
-position). The cost model computes its heads with the same fit. With compressed objects
+prefix of ``a`` (``disk_optimum_fit_*``) from a fit of cold prefills of ``L``, ``L / 4`` and
+``L / 16`` tokens (``RestoreCost.fit``: a pass's fixed cost, a flat per-token cost, and
+attention's, which grows with the position). The cost model computes its heads with the same fit. With compressed objects
 (``--storage-option compression=zstd``) the cost model reads at the raw speed divided by the
 fraction of the payload the objects take, and the bench also reports the optimum with the bytes
 they take (``disk_optimum_fit_stored_parallel_ms``). ``--json PATH`` writes every
 figure, ``--plot PATH`` draws the TTFT of each tier and the device/host pairs, and
 ``--from-json PATH`` re-reports (and re-plots) an earlier ``--json`` file without measuring.
+Before measuring, the scheduler captures the CUDA graphs of a prompt's first pass at every
+bucket length, as a server does at start (``--warm-up-graphs``, on by default;
+``warmed_graphs`` in the JSON): a split restore's head is such a pass, of a length the run has
+not computed before.
 
 Primitives: ``add_arguments`` / ``check_arguments`` (the command line:
 :mod:`asynccache.bench.prefix_options`, re-exported here) and ``run`` (measure or re-read, then
@@ -82,6 +87,7 @@ from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
 from asynccache.errors import ConfigError
 from asynccache.reference.model import HybridModel
+from asynccache.reference.padding import BUCKET_MAX_TOKENS
 from asynccache.reference.scheduler import Scheduler, SchedulerConfig
 from asynccache.spec import HybridSpec
 from asynccache.tiering import RestoreCost
@@ -119,7 +125,7 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         return rng.integers(1, vocab, size=n).tolist()
 
     L = args.prefix_tokens + args.new_tokens
-    short = max(1, L // 4)
+    cold_lengths = {"cold": L, "cold_short": max(1, L // 4), "cold_shorter": max(1, L // 16)}
     # A salt of this run's own: a --storage-dir that an earlier run filled holds nothing it can hit.
     salt = uuid.uuid4().hex
     pages = -(-L // spec.page_size) + 2
@@ -136,18 +142,22 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"device": args.device, "preset": args.preset, "prefix_tokens": args.prefix_tokens,
                            "new_tokens": args.new_tokens, "bucket_passes": model.bucket_passes}
     times: dict[str, list[float]] = {
-        k: [] for k in ("cold", "cold_short", "device", "host", "disk_all", "disk_split")
+        k: [] for k in (*cold_lengths, "device", "host", "disk_all", "disk_split")
     }
     cached: dict[str, list[int]] = {k: [] for k in times}
+    warm_up = BUCKET_MAX_TOKENS if args.warm_up_graphs == "on" else 0
     async with HybridCache(spec, cfg, device=args.device) as cache, Scheduler(
-        model, cache, SchedulerConfig(max_running=1, chunk_size=L, max_batch_tokens=L)
+        model, cache, SchedulerConfig(max_running=1, chunk_size=L, max_batch_tokens=L, warm_up_tokens=warm_up)
     ) as sched:
+        out["warmed_graphs"] = sched.warmed_graphs
         out["storage_options"] = dict(cache.storage_options)  # with the defaults the cache chose
         ctrl = cache.controller
         tier = ctrl.tiering
         assert tier is not None
 
-        tick = progress_bar(3 + 4 * args.repeats + 2 * args.pairs, "requests")
+        graphs = model.layer_graphs
+        throwaway = {k: 2 if graphs is not None and n <= graphs.max_tokens else 1 for k, n in cold_lengths.items()}
+        tick = progress_bar(sum(throwaway.values()) + 1 + 5 * args.repeats + 2 * args.pairs, "requests")
 
         async def serve(prompt: list[int], key: str) -> None:
             if args.device.startswith("cuda"):
@@ -161,28 +171,25 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             await ctrl.wait_idle()
             await tier.drain()
 
-        # Warm-up (compilation, allocator) on a throwaway prompt. Every cold repeat starts once
-        # the one before is settled: its write-through to the host and to storage would otherwise
-        # run beside the next prefill (~0.5 s of a 32k prefill's 1.4 s on an H200), and the cost
-        # model and the optimum would take that slowed prefill for the model's speed.
-        await serve(tokens(L), "cold")
-        await settle()
-        times["cold"].clear()
-        cached["cold"].clear()
-        for _ in range(args.repeats):
-            await serve(tokens(L), "cold")
-            await settle()
-        # A shorter cold prefill too: attention makes a token's cost grow with its position, and
-        # the two lengths give the cost model (and the optimum) both terms.
-        await serve(tokens(short), "cold_short")
-        await settle()
-        times["cold_short"].clear()
-        cached["cold_short"].clear()
-        for _ in range(args.repeats):
-            await serve(tokens(short), "cold_short")
-            await settle()
+        # Cold prefills of three lengths: attention makes a token's cost grow with its
+        # position and a pass has a fixed cost, and the lengths give the cost model (and the
+        # optimum) every term. Each length starts with throwaway prompts (compilation, the
+        # allocator, and for passes short enough for CUDA graphs, the eager run and the capture
+        # of their shape). Every cold repeat starts once the one before is settled: its
+        # write-through to the host and to storage would otherwise run beside the next prefill
+        # (~0.5 s of a 32k prefill's 1.4 s on an H200), and the cost model and the optimum
+        # would take that slowed prefill for the model's speed.
+        for key, n in cold_lengths.items():
+            for _ in range(throwaway[key]):
+                await serve(tokens(n), key)
+                await settle()
+            times[key].clear()
+            cached[key].clear()
+            for _ in range(args.repeats):
+                await serve(tokens(n), key)
+                await settle()
         prefill_tps = L / (statistics.median(times["cold"]) / 1e3)
-        prefills = [(L, statistics.median(times["cold"]) / 1e3), (short, statistics.median(times["cold_short"]) / 1e3)]
+        prefills = [(n, statistics.median(times[key]) / 1e3) for key, n in cold_lengths.items()]
         prefix = tokens(args.prefix_tokens)
         stored_before = object_files(root)
         await serve(prefix + tokens(args.new_tokens), "device")  # populates device, host, disk
@@ -255,7 +262,7 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     def optimum_s(read_bps: float, *, fit: bool = False, stored: bool = False) -> float:
         """Physical optimum for the disk tier: reading a tokens overlapped with computing the
         rest, at the cold prefill's average rate or (``fit``) as positions ``[a, L)`` continuing a
-        prefix of ``a`` from the two-length fit (they cost more per token than the average).
+        prefix of ``a`` from the fit (they cost more per token than the average).
         The bytes read are the payload's; ``stored``: the bytes the objects take on disk."""
         grid = range(0, args.prefix_tokens + 1, spec.page_size)
         scale = stored_share if stored else 1.0
@@ -287,6 +294,7 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                 "prefills_ms": [[n, t * 1e3] for n, t in prefills],
                 "tokens_per_s": split_cost.prefill_tokens_per_s,
                 "s_per_context_token": split_cost.prefill_s_per_context_token,
+                "s_per_pass": split_cost.prefill_s_per_pass,
             },
             "raw_disk_read_gbps": raw_bps / 1e9,
             "raw_disk_parallel_read_gbps": raw_par_bps / 1e9,

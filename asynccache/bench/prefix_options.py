@@ -38,6 +38,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(auto: on CUDA; asynccache.reference.padding)",
     )
     p.add_argument(
+        "--warm-up-graphs",
+        choices=("on", "off"),
+        default="on",
+        help="capture the CUDA graphs of a prompt's first pass at every bucket length before measuring, as a "
+        "server does at start, so a split restore's head replays them (on CUDA with --bucket-passes; "
+        "SchedulerConfig.warm_up_tokens)",
+    )
+    p.add_argument(
         "--storage-dir", default=None, help="local directory for the disk tier, made if missing (default: temp)"
     )
     add_option_argument(

@@ -41,6 +41,8 @@ def print_report(res: dict[str, Any]) -> None:
         f"{res['raw_disk_parallel_read_gbps']:.2f} GB/s on {res['raw_disk_parallel_threads']} threads"
         + _direct_note(res)
     )
+    if res.get("warmed_graphs"):
+        print(f"{res['warmed_graphs']} layer graphs of first passes captured before measuring (--warm-up-graphs)")
     print(f"{'served from':<28}{'TTFT (ms)':>11}{'cached':>9}")
     for key, name in _TIERS.items():
         print(f"{name:<28}{res['ttft_ms'][key]:>11.1f}{res['cached_tokens'][key]:>9}")
@@ -93,9 +95,9 @@ def print_report(res: dict[str, Any]) -> None:
         )
     if "prefill_fit" in res:
         fit = res["prefill_fit"]
-        (n_long, ms_long), (n_short, ms_short) = fit["prefills_ms"]
+        lengths = ", ".join(f"{n} tokens {ms:.1f} ms" for n, ms in fit["prefills_ms"])
         print(
-            f"cold prefill {n_long} tokens {ms_long:.1f} ms, {n_short} tokens {ms_short:.1f} ms: "
+            f"cold prefill {lengths}: {fit.get('s_per_pass', 0.0) * 1e3:.1f} ms a pass + "
             f"{fit['tokens_per_s']:.0f} tok/s + {fit['s_per_context_token'] * 1e9:.3f} ns per token of context "
             f"(the cost model's compute time); with it the remaining tokens' compute in the optimum: "
             f"{res['disk_optimum_fit_parallel_ms']:.1f} ms (parallel read), {res['disk_optimum_fit_best_ms']:.1f} ms "

@@ -33,7 +33,9 @@ A shape is computed eagerly the first ``eager_runs`` times it is seen (a one-off
 pays a capture) and replayed from then on. Capturing passes of one sequence padded to a bucket
 length at their first sighting instead was tried and not kept (docs/benchmarks.md, run BQ): it
 saves one eager pass per bucket over a process's life, but a first sighting then costs up to
-1.8 × an eager pass. A replay launches the kernels the eager run launches with the same shapes, so
+1.8 × an eager pass. A server that wants a prompt's first pass replayed from the start captures
+those shapes before it serves (``HybridModel.warm_up``; the reference scheduler's
+``SchedulerConfig.warm_up_tokens``). A replay launches the kernels the eager run launches with the same shapes, so
 it computes the same bits (checked by ``tests/gpu/test_layer_graphs_gpu.py``); a capture that
 fails leaves the shape eager for good.
 """
@@ -132,13 +134,14 @@ class LayerGraphs:
 
     ``eager_runs``: times a shape is computed eagerly before it is captured. ``max_shapes``:
     shapes whose graphs are kept (each holds its layers' intermediate memory, which grows with
-    its tokens: ~0.45 MB a token for the hybrid-3b preset in bf16); ``max_total_tokens``: the
+    its tokens: ~0.45–0.5 MB a token for the hybrid-3b preset in bf16); ``max_total_tokens``: the
     most tokens the kept shapes may add up to (the least recently used go first; a shape is
-    always kept while it is the only one).
+    always kept while it is the only one): by default room for a warm-up's 16 bucket lengths up
+    to 2,048 tokens (12,288 added up) and the shapes that serving adds.
     """
 
     def __init__(
-        self, *, max_tokens: int = BUCKET_MAX_TOKENS, eager_runs: int = 1, max_shapes: int = 32, max_total_tokens: int = 8192
+        self, *, max_tokens: int = BUCKET_MAX_TOKENS, eager_runs: int = 1, max_shapes: int = 32, max_total_tokens: int = 16384
     ) -> None:
         if max_tokens < 1 or eager_runs < 0 or max_shapes < 1 or max_total_tokens < 1:
             raise ValueError("max_tokens, max_shapes and max_total_tokens must be >= 1 and eager_runs >= 0")

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Iterable
 from os import PathLike
 
 import torch
@@ -229,6 +230,45 @@ class HybridModel(nn.Module):
                 last = self.model.norm(h[ctx.logit_rows])
                 logits[list(ctx.logit_seq_indices)] = self.lm_head(last).float()
         return logits
+
+    async def warm_up(
+        self,
+        kv_pool: DeviceKVPool,
+        state_pool: DeviceMambaPool,
+        *,
+        lengths: Iterable[int],
+        kv_page_indices: torch.Tensor,
+        state_slot: int,
+    ) -> int:
+        """Capture the recurrent layers' CUDA graphs of a prompt's first pass at each of
+        ``lengths`` tokens before serving, as a server captures its graphs at start: one
+        sequence from position 0 with no snapshot (the pass a split restore's head makes),
+        computed as often as the graphs take to capture its shape. With ``bucket_passes``, a
+        bucket length's graphs serve every first pass padded to it. Overwrites the KV pages
+        ``kv_page_indices`` and the slot ``state_slot``; returns the layer graphs captured (0
+        without graphs: on CPU there is nothing to warm)."""
+        graphs = self.layer_graphs
+        wanted = sorted(set(lengths))
+        if graphs is None or not wanted:
+            return 0
+        page = self.spec.page_size
+        if wanted[0] < 1 or wanted[-1] > graphs.max_tokens:
+            raise ConfigError(f"warm-up lengths must be in [1, {graphs.max_tokens}], got {wanted[0]}…{wanted[-1]}")
+        if wanted[-1] > kv_page_indices.numel() * page:
+            raise ConfigError(
+                f"a warm-up pass of {wanted[-1]} tokens needs {-(-wanted[-1] // page)} KV pages, got {kv_page_indices.numel()}"
+            )
+        before = graphs.num_captures
+        for n in wanted:
+            seq = SequenceInput(
+                token_ids=torch.zeros(n, dtype=torch.int64),
+                start=0,
+                kv_page_indices=kv_page_indices[: -(-n // page)],
+                state_slot=state_slot,
+            )
+            for _ in range(graphs.eager_runs + 1):
+                await self.forward(ForwardBatch(sequences=(seq,)), kv_pool, state_pool)
+        return graphs.num_captures - before
 
     def _check_pools(self, kv_pool: DeviceKVPool, state_pool: DeviceMambaPool) -> None:
         ks, ss, spec = kv_pool.spec, state_pool.spec, self.spec

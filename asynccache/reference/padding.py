@@ -25,6 +25,7 @@ is a model option (``HybridModel(bucket_passes=…)``), on by default on CUDA.
 Primitives:
 
 - :func:`bucket_length` — the padded length of a group of ``m``-token segments.
+- :func:`bucket_lengths` — every padded length up to a bound (what a warm-up captures).
 - :class:`RowPadding` — moving hidden rows between the pass's layout and the padded one.
 - :func:`pad_recurrent_rows` — a pass context whose recurrent groups are padded.
 - :func:`run_recurrent_layer` — one recurrent layer over the padded rows, eagerly.
@@ -45,7 +46,14 @@ if TYPE_CHECKING:
     from asynccache.reference.context import GdnGroup, PassContext
     from asynccache.reference.layers import DecoderLayer
 
-__all__ = ["BUCKET_MAX_TOKENS", "RowPadding", "bucket_length", "pad_recurrent_rows", "run_recurrent_layer"]
+__all__ = [
+    "BUCKET_MAX_TOKENS",
+    "RowPadding",
+    "bucket_length",
+    "bucket_lengths",
+    "pad_recurrent_rows",
+    "run_recurrent_layer",
+]
 
 #: Passes whose padded rows would exceed this are not padded: longer passes never replay graphs
 #: (``LayerGraphs.max_tokens`` defaults to it), so padding them would only add work.
@@ -62,6 +70,16 @@ def bucket_length(m: int) -> int:
         return m
     step = max(CHUNK_SIZE, 1 << max(0, (m - 1).bit_length() - 3))
     return -(-m // step) * step
+
+
+def bucket_lengths(max_tokens: int = BUCKET_MAX_TOKENS) -> tuple[int, ...]:
+    """Every padded length of segments of more than one token, up to ``max_tokens``, ascending."""
+    out: list[int] = []
+    m = 2
+    while (n := bucket_length(m)) <= max_tokens:
+        out.append(n)
+        m = n + 1
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)

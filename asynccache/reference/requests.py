@@ -90,10 +90,18 @@ class SchedulerConfig:
     #: could bring, in arrival order). Their reads then go on while the requests ahead of them
     #: run. 0: a request's lookup starts only once the device could take it.
     lookahead_host_fraction: float = 0.25
+    #: Before serving, capture the model's CUDA graphs of a prompt's first pass at every bucket
+    #: length up to this many tokens (``HybridModel.warm_up``; 0: none, and nothing to do on a
+    #: model without graphs or bucket passes), so that a split restore's head of a length not
+    #: seen before replays them instead of computing eagerly (docs/followups.md, item 17).
+    warm_up_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_running", "chunk_size", "max_batch_tokens"):
             object.__setattr__(self, name, check_int(f"SchedulerConfig.{name}", getattr(self, name), minimum=1))
+        object.__setattr__(
+            self, "warm_up_tokens", check_int("SchedulerConfig.warm_up_tokens", self.warm_up_tokens, minimum=0)
+        )
         wait = self.lookup_wait_s
         if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0.0 <= wait < float("inf"):
             raise ConfigError(f"SchedulerConfig.lookup_wait_s must be a finite number >= 0, got {wait!r}")

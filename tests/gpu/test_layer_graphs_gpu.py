@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from test_model_gpu import MID, forward, pools, seq, tokens
 
 from asynccache.pools import DeviceKVPool, DeviceMambaPool
 from asynccache.reference import HybridModel
+from asynccache.reference.padding import bucket_lengths
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -151,3 +154,33 @@ def test_new_lengths_replay_the_graphs_of_their_bucket() -> None:
     for i, (x, y) in enumerate(zip(want, got, strict=True)):
         assert torch.equal(x, y), f"pass {i} differs"
     assert torch.equal(st_want, st_got) and torch.equal(kv_want, kv_got)
+
+
+def test_a_warm_up_lets_first_passes_of_new_lengths_replay() -> None:
+    """``HybridModel.warm_up`` at the bucket lengths: a prompt's first pass of a length never
+    computed before (a split restore's head) replays at once, with the bits of an eager padded
+    pass; the warm-up's pages and slot are the only ones it wrote."""
+    lengths = bucket_lengths(512)
+    runs = []
+    for graphs in (False, True):
+        model = HybridModel(MID, device="cuda", dtype=torch.bfloat16, cuda_graphs=graphs)
+        kv, st = pools(MID, num_pages=48, num_slots=8)
+        before_kv, before_st = kv.buffer.clone(), st.buffer.clone()  # type: ignore[union-attr]
+        warmed = asyncio.run(model.warm_up(kv, st, lengths=lengths, kv_page_indices=torch.arange(40, 48), state_slot=7))
+        torch.cuda.synchronize()
+        assert kv.buffer.shape[1] == 48 and st.buffer.shape[1] == 8  # type: ignore[union-attr]  # [layer, item, bytes]
+        assert torch.equal(kv.buffer[:, :40], before_kv[:, :40])  # type: ignore[index]
+        assert torch.equal(st.buffer[:, :7], before_st[:, :7])  # type: ignore[index]
+        assert torch.equal(kv.buffer[:, 40:], before_kv[:, 40:]) is (not graphs)  # type: ignore[index]  # computed with graphs only
+        captures = 0 if model.layer_graphs is None else model.layer_graphs.num_captures
+        assert warmed == captures
+        out = [forward(model, kv, st, seq(tokens(n, MID.vocab_size, 80 + n), 0, list(range(8)), i % 4))
+               for i, n in enumerate((300, 77, 450, 130))]  # buckets 320, 128, 512, 192: first sightings
+        torch.cuda.synchronize()
+        runs.append((out, model.layer_graphs, captures))
+    (want, _, _), (got, graphs, captures) = runs
+    assert graphs is not None and captures == len(lengths) * len(MID.mamba_layer_ids)
+    assert graphs.num_captures == captures  # nothing captured after the warm-up
+    assert graphs.num_replays == (len(lengths) + 4) * len(MID.mamba_layer_ids)  # each length's second pass, then all four
+    for i, (x, y) in enumerate(zip(want, got, strict=True)):
+        assert torch.equal(x, y), f"pass {i} differs"

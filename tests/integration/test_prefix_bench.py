@@ -31,11 +31,11 @@ def test_every_tier_serves_the_whole_prefix(tmp_path: Path, capsys: pytest.Captu
     assert prefix.run(bench_args(json_path=str(out), storage_dir=str(tmp_path / "disk"))) == 0
     res = json.loads(out.read_text())
     assert res["cached_tokens"] == {
-        "cold": 0, "cold_short": 0, "device": 64, "host": 64, "disk_all": 64, "disk_split": 64
+        "cold": 0, "cold_short": 0, "cold_shorter": 0, "device": 64, "host": 64, "disk_all": 64, "disk_split": 64
     }
     reps = res["ttft_ms_repeats"]
     assert {k: len(v) for k, v in reps.items()} == {
-        "cold": 1, "cold_short": 1, "device": 3, "host": 3, "disk_all": 1, "disk_split": 1
+        "cold": 1, "cold_short": 1, "cold_shorter": 1, "device": 3, "host": 3, "disk_all": 1, "disk_split": 1
     }
     assert all(t > 0 for v in reps.values() for t in v)
     pairs = list(zip(reps["device"], reps["host"], strict=True))
@@ -52,16 +52,18 @@ def test_every_tier_serves_the_whole_prefix(tmp_path: Path, capsys: pytest.Captu
         assert res["raw_disk_direct_read_gbps"] is None
     assert res["storage_direct_io"] is False and res["storage_options"] == {}
     assert res["bucket_passes"] is False  # the model's default on the CPU
+    assert res["warmed_graphs"] == 0  # no graphs to capture on the CPU
     assert res["disk_optimum_best_ms"] <= min(res["disk_optimum_ms"], res["disk_optimum_parallel_ms"])
     assert res["disk_split_over_optimum_best"] == pytest.approx(res["ttft_ms"]["disk_split"] / res["disk_optimum_best_ms"])
-    # The prefill-time fit goes through both cold prefills (72 and 18 tokens), and the optimum
-    # with the fit's compute is the same minimum as the bench's, recomputed here.
+    # The prefill-time fit goes through the three cold prefills (72, 18 and 4 tokens), and the
+    # optimum with the fit's compute is the same minimum as the bench's, recomputed here.
     fit = res["prefill_fit"]
-    assert [n for n, _ in fit["prefills_ms"]] == [72, 18]
-    assert [t for _, t in fit["prefills_ms"]] == [res["ttft_ms"]["cold"], res["ttft_ms"]["cold_short"]]
+    assert [n for n, _ in fit["prefills_ms"]] == [72, 18, 4]
+    assert [t for _, t in fit["prefills_ms"]] == [res["ttft_ms"][k] for k in ("cold", "cold_short", "cold_shorter")]
     cost = RestoreCost.fit(read_bytes_per_s=1.0, prefills=[(n, t / 1e3) for n, t in fit["prefills_ms"]])
     assert fit["tokens_per_s"] == pytest.approx(cost.prefill_tokens_per_s)
     assert fit["s_per_context_token"] == pytest.approx(cost.prefill_s_per_context_token)
+    assert fit["s_per_pass"] == pytest.approx(cost.prefill_s_per_pass)
     spec = HybridSpec.preset("small", page_size=8)
     bps = res["raw_disk_parallel_read_gbps"] * 1e9
     want = min(
@@ -115,9 +117,9 @@ def test_every_tier_serves_the_whole_prefix(tmp_path: Path, capsys: pytest.Captu
     assert "cut as the backend reads them" in printed
     assert "host/device" in printed and "each tail read beside a head" in printed
     assert "remaining tokens' compute from the fit" in printed
-    # Progress: warm-up, 1 cold, a short warm-up and 1 short cold, the populating request, 3
-    # device/host pairs, 1 of each disk case.
-    assert captured.err.endswith("13/13 requests\n")
+    # Progress: for each of the three cold lengths a warm-up and 1 cold, the populating request,
+    # 3 device/host pairs, 1 of each disk case.
+    assert captured.err.endswith("15/15 requests\n")
     # A previous run re-reported and plotted without measuring: the same report, and a PNG.
     png = tmp_path / "prefix.png"
     assert prefix.run(bench_args(from_json=str(out), plot=str(png), json_path=None)) == 0

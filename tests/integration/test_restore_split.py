@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import time
 from collections.abc import AsyncIterator
@@ -265,6 +266,51 @@ def test_restore_cost_fit_from_cold_prefills() -> None:
     assert odd.prefill_tokens_per_s == pytest.approx((8192**2 + 32768**2) / (8192 * 0.5 + 32768 * 1.0))
 
 
+def test_a_pass_costs_its_fixed_time_once() -> None:
+    cost = RestoreCost(read_bytes_per_s=1e9, prefill_tokens_per_s=1000.0, prefill_s_per_pass=0.01)
+    assert cost.compute_s(0, 100) == pytest.approx(0.11) and cost.compute_s(5, 5) == 0.0
+    # Two passes where one would do: the fixed time twice.
+    assert cost.compute_s(0, 100) + cost.compute_s(100, 300) == pytest.approx(cost.compute_s(0, 300) + 0.01)
+
+
+def test_restore_cost_fit_takes_a_pass_cost_from_three_lengths() -> None:
+    def cold(n: int, f: float = 0.016, rate: float = 26_000.0, c: float = 0.0) -> float:
+        return f + n / rate + c * n * n / 2
+
+    flat_and_fixed = RestoreCost.fit(read_bytes_per_s=1e9, prefills=[(n, cold(n)) for n in (516, 2064, 8256)])
+    assert flat_and_fixed.prefill_s_per_pass == pytest.approx(0.016, rel=1e-6)
+    assert flat_and_fixed.prefill_tokens_per_s == pytest.approx(26_000.0, rel=1e-6)
+    assert flat_and_fixed.prefill_s_per_context_token == pytest.approx(0.0, abs=1e-15)
+    every = RestoreCost.fit(read_bytes_per_s=1e9, prefills=[(n, cold(n, c=3e-9)) for n in (2052, 8208, 16384, 32832)])
+    assert every.prefill_s_per_pass == pytest.approx(0.016, rel=1e-6)
+    assert every.prefill_s_per_context_token == pytest.approx(3e-9, rel=1e-6)
+    # Two lengths cannot tell a pass's cost from attention's: the context term takes it, as before.
+    two = RestoreCost.fit(read_bytes_per_s=1e9, prefills=[(n, cold(n)) for n in (2064, 8256)])
+    assert two.prefill_s_per_pass == 0.0
+    # Short prompts faster per token than long ones' trend says: no negative pass cost.
+    fast_short = RestoreCost.fit(read_bytes_per_s=1e9, prefills=[(500, 0.01), (2000, 0.08), (8000, 0.32)])
+    assert fast_short.prefill_s_per_pass == 0.0 and fast_short.prefill_s_per_context_token >= 0
+
+
+def test_a_pass_cost_keeps_a_short_head_from_splitting() -> None:
+    """A split computes its head in a pass of its own: with the fixed cost of that pass counted,
+    a prefix whose head would be short is restored whole instead."""
+    spec = HybridSpec.preset("tiny", page_size=PAGE)
+    base = balanced_cost(spec, 3.0)
+
+    def plan(cost: RestoreCost) -> tuple[int, int, bool]:
+        return plan_restore(
+            cost, spec, start_page=0, first_page=0, end_page=NUM_PAGES, num_tokens=NUM_PAGES * PAGE + 1,
+            allow_tail=True, read_factor=1.3,
+        )  # fmt: skip
+
+    begin, end, split = plan(base)
+    assert split and 0 < begin < end == NUM_PAGES
+    read_all = (NUM_PAGES * spec.kv_page_bytes + spec.state_bytes) / base.read_bytes_per_s * 1.3
+    fixed = dataclasses.replace(base, prefill_s_per_pass=read_all)  # a head costs at least a whole read
+    assert plan(fixed) == (0, NUM_PAGES, True)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -272,6 +318,8 @@ def test_restore_cost_fit_from_cold_prefills() -> None:
         {"read_bytes_per_s": 1.0, "prefill_tokens_per_s": -1.0},
         {"read_bytes_per_s": 1.0, "prefill_tokens_per_s": float("nan")},
         {"read_bytes_per_s": 1.0, "prefill_tokens_per_s": 1.0, "prefill_s_per_context_token": -1e-9},
+        {"read_bytes_per_s": 1.0, "prefill_tokens_per_s": 1.0, "prefill_s_per_pass": -0.001},
+        {"read_bytes_per_s": 1.0, "prefill_tokens_per_s": 1.0, "prefill_s_per_pass": float("inf")},
     ],
 )
 def test_restore_cost_refuses_rates_that_are_not_positive(kwargs: dict[str, float]) -> None:

@@ -15,6 +15,7 @@ from asynccache.reference.graphs import pass_shape
 from asynccache.reference.padding import (
     BUCKET_MAX_TOKENS,
     bucket_length,
+    bucket_lengths,
     pad_recurrent_rows,
 )
 
@@ -117,3 +118,12 @@ async def test_padded_state_is_the_state_after_the_real_tokens() -> None:
         await run(model, kv2, st2, seq(ids[i : i + 1], i, [0, 1, 2], 0))
     for key, value in state_of(st2, 0).items():
         torch.testing.assert_close(state_of(st, 0)[key], value, rtol=1e-4, atol=1e-4)
+
+
+def test_bucket_lengths() -> None:
+    """Every padded length up to a bound, ascending: what a warm-up computes."""
+    assert bucket_lengths() == tuple(sorted({bucket_length(m) for m in range(2, BUCKET_MAX_TOKENS + 1)}))
+    assert len(bucket_lengths()) == 16 and bucket_lengths()[-1] == BUCKET_MAX_TOKENS
+    assert bucket_lengths(63) == () and bucket_lengths(64) == (64,) and bucket_lengths(700) == (
+        64, 128, 192, 256, 320, 384, 448, 512, 640,
+    )  # fmt: skip
