@@ -21,7 +21,8 @@ tail's KV pages and state into its own pages and working slot layer by layer, li
 hit, beside its forward.
 A failed read falls back to computing the tail. So that such a head, of whatever length,
 replays CUDA graphs from its first sighting, ``SchedulerConfig.warm_up_tokens`` has the
-scheduler capture the first pass of every bucket length before it serves (``HybridModel.warm_up``).
+scheduler capture the first pass of every bucket length before it serves
+(:mod:`asynccache.reference.warm_up`).
 
 Conventions (see docs/architecture.md):
 
@@ -54,7 +55,6 @@ from asynccache.layer_counter import LayerTransferCounter
 from asynccache.reference.admit import AdmitMixin
 from asynccache.reference.finish import FinishMixin
 from asynccache.reference.model import ForwardBatch, HybridModel, SequenceInput
-from asynccache.reference.padding import bucket_lengths
 from asynccache.reference.requests import (
     Phase,
     Prompt,
@@ -63,6 +63,7 @@ from asynccache.reference.requests import (
     SchedulerConfig,
     prompt_token_ids,
 )
+from asynccache.reference.warm_up import warm_up_first_passes
 
 __all__ = ["RequestResult", "Scheduler", "SchedulerConfig"]
 
@@ -122,7 +123,9 @@ class Scheduler(AdmitMixin, FinishMixin):
     # ---- lifecycle ---------------------------------------------------------------------
     async def __aenter__(self) -> Self:
         if self.config.warm_up_tokens:
-            await self._warm_up(self.config.warm_up_tokens)
+            self.warmed_graphs = await warm_up_first_passes(
+                self.model, self.cache, self.config.warm_up_tokens, device_idle=self._device_idle
+            )
         self._tg = asyncio.TaskGroup()
         await self._tg.__aenter__()
         self._task = self._tg.create_task(self._loop(), name="asynccache-scheduler")
@@ -144,31 +147,6 @@ class Scheduler(AdmitMixin, FinishMixin):
             self._cancel_all(list(self._waiting) + list(self._running))
         if self._failure is not None and exc_type is None:
             raise SchedulerError(f"the scheduler's loop stopped: {self._failure!r}") from self._failure
-
-    async def _warm_up(self, max_tokens: int) -> None:
-        """``HybridModel.warm_up`` at every bucket length up to ``max_tokens`` (at most the
-        graphs' own bound), on device pages and a slot taken for it and given back after."""
-        graphs = self.model.layer_graphs
-        if graphs is None or not self.model.bucket_passes:
-            return
-        lengths = bucket_lengths(min(max_tokens, graphs.max_tokens))
-        if not lengths:
-            return
-        page = self.spec.page_size
-        alloc = self.cache.tree.alloc_device(-(-lengths[-1] // page), 1)
-        if alloc is None:
-            raise CapacityError(f"the device pools have no room for a warm-up pass of {lengths[-1]} tokens")
-        try:
-            self.warmed_graphs = await self.model.warm_up(
-                self.cache.device_kv,
-                self.cache.device_mamba,
-                lengths=lengths,
-                kv_page_indices=alloc.kv_indices,
-                state_slot=int(alloc.state_slots[0]),
-            )
-        finally:
-            await self._device_idle()  # the passes' kernels use the pages until they have run
-            self.cache.controller._free(alloc.kv_indices, alloc.state_slots, device=True)
 
     # ---- public API --------------------------------------------------------------------
     def submit(self, prompt: Prompt, max_new_tokens: int, *, salt: str = "") -> asyncio.Future[RequestResult]:
