@@ -156,7 +156,11 @@ async def _measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         assert tier is not None
 
         graphs = model.layer_graphs
-        throwaway = {k: 2 if graphs is not None and n <= graphs.max_tokens else 1 for k, n in cold_lengths.items()}
+        # one throwaway, and a pass short enough for graphs until its shape is captured
+        throwaway = {
+            k: graphs.eager_runs + 1 if graphs is not None and n <= graphs.max_tokens else 1
+            for k, n in cold_lengths.items()
+        }
         tick = progress_bar(sum(throwaway.values()) + 1 + 5 * args.repeats + 2 * args.pairs, "requests")
 
         async def serve(prompt: list[int], key: str) -> None:

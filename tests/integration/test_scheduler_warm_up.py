@@ -45,24 +45,23 @@ def record_forwards(model: HybridModel) -> list[list[tuple[int, int]]]:
     return calls
 
 
-async def serve(model: HybridModel, warm_up_tokens: int) -> tuple[Any, list[list[tuple[int, int]]], int, tuple[int, ...]]:
-    """One prompt served after entering a scheduler with that warm-up: the result, the forwards
-    the warm-up made, the layer graphs it reports and the pools' free counts just after it."""
+async def serve(model: HybridModel, warm_up_tokens: int) -> tuple[Any, list[list[tuple[int, int]]], int]:
+    """One prompt served after entering a scheduler with that warm-up (which gives back all it
+    took): the result, the forwards the warm-up made and the layer graphs it reports."""
     async with HybridCache(SPEC, serving_config(SPEC)) as cache:
         before = free_counts(cache)
         calls = record_forwards(model)
         async with Scheduler(model, cache, SchedulerConfig(warm_up_tokens=warm_up_tokens)) as sched:
             warm_calls = list(calls)
-            after = free_counts(cache)
-            assert after == before  # the warm-up's pages and slot are back
+            assert free_counts(cache) == before  # the warm-up's pages and slot are back
             assert cache.tree.root.children == {}  # and nothing of it entered the tree
             result = await sched.generate(PROMPT, 4)
-        return result, warm_calls, sched.warmed_graphs, after
+        return result, warm_calls, sched.warmed_graphs
 
 
 async def test_the_warm_up_computes_each_bucket_length_before_serving() -> None:
-    cold, no_calls, _, _ = await serve(graphed_model(), 0)
-    warm, calls, warmed, _ = await serve(graphed_model(), 256)
+    cold, no_calls, _ = await serve(graphed_model(), 0)
+    warm, calls, warmed = await serve(graphed_model(), 256)
     assert no_calls == []
     # Each bucket length from position 0, twice: computed eagerly once, then (on a GPU) captured.
     assert calls == [[(0, n)] for n in bucket_lengths(256) for _ in range(2)]
@@ -74,7 +73,7 @@ async def test_the_warm_up_computes_each_bucket_length_before_serving() -> None:
 
 
 async def test_the_warm_up_stops_at_the_graphs_bound() -> None:
-    _, calls, _, _ = await serve(graphed_model(max_tokens=200), 10**6)
+    _, calls, _ = await serve(graphed_model(max_tokens=200), 10**6)
     assert [c[0][1] for c in calls[::2]] == [64, 128, 192]
 
 
@@ -82,7 +81,7 @@ async def test_the_warm_up_stops_at_the_graphs_bound() -> None:
 async def test_nothing_is_warmed_without_graphs_or_buckets(graphs: bool, buckets: bool) -> None:
     """Without graphs nothing would be captured; without buckets a head's own length would not
     meet the bucket lengths' graphs."""
-    _, calls, warmed, _ = await serve(graphed_model(graphs=graphs, bucket_passes=buckets), 2048)
+    _, calls, warmed = await serve(graphed_model(graphs=graphs, bucket_passes=buckets), 2048)
     assert calls == [] and warmed == 0
 
 
