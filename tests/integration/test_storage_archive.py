@@ -1,16 +1,19 @@
 """Archives of completed host writes (``asynccache.host_archive``): a backup's host copy is held
 until its archive has read it, ``wait_idle`` waits for archives, and a storage that evicts gets
-the whole path every time, which refreshes what it still holds."""
+the whole path every time, which refreshes what it still holds; a backend that fails or refuses
+a write leaves no archive flag and holds nothing, and the next backup of the path stores it."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from serving import serving_config
+import pytest
+from serving import free_counts, serving_config
 
 from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
+from asynccache.errors import BackendError
 from asynccache.spec import HybridSpec
 from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer
 
@@ -111,3 +114,60 @@ async def test_storage_that_evicts_keeps_the_path_in_use_and_drops_what_is_not()
             await serve(tokens)  # room: the least recently used go
         assert await stored_pages(cache, turn) == len(turn) // PAGE
         assert await stored_pages(cache, other[0]) == 0
+
+
+def _refuse_states(real: Any) -> Any:
+    """``batch_set_v2`` that stores KV pages as ``real`` does and refuses every state."""
+
+    async def batch_set_v2(transfers: Any) -> list[list[bool]]:
+        kv = [t for t in transfers if t.pool_name is PoolName.KV]
+        out = iter(await real(kv) if kv else [])
+        return [[False] * len(t.keys) if t.pool_name is PoolName.MAMBA else next(out) for t in transfers]
+
+    return batch_set_v2
+
+
+def _raise(real: Any) -> Any:
+    async def batch_set_v2(transfers: Any) -> list[list[bool]]:
+        raise BackendError("disk gone")
+
+    return batch_set_v2
+
+
+@pytest.mark.parametrize("failure", [_raise, _refuse_states], ids=["raises", "refuses-the-state"])
+async def test_a_failed_archive_holds_nothing_and_the_next_backup_stores_the_path(failure: Any) -> None:
+    """An archive whose write fails (the backend raises) or is refused (the state is not
+    stored, the KV is) is counted, marks no node archived, gives back its hold on the host
+    copy, and leaves storage unable to restore the prefix (KV without its state is no hit).
+    The next backup of the path archives it again, and then storage restores it whole."""
+    tokens = list(range(1, 3 * PAGE + 1))
+    async with HybridCache(SPEC, config(storage_uri="memory://archive_failed")) as cache:
+        tier, tree = cache.controller.tiering, cache.tree
+        assert tier is not None
+        before = free_counts(cache)
+        real = tier.backend.batch_set_v2
+        result = insert(cache, tokens)
+        node = result.last_node
+        tier.backend.batch_set_v2 = failure(real)
+        try:
+            await backed_up(cache, result.backup_nodes)
+            await tier.drain()
+        finally:
+            tier.backend.batch_set_v2 = real
+        assert tier.counts["backup_failed"] == 1 and tier.counts["backup_ok"] == 0
+        assert not any(n.archived for n in tree.path_to(node))
+        assert await stored_pages(cache, tokens) == 0
+        cache.flush_host()  # no hold is left: the host copy goes, the device keeps the prefix
+        assert tree.stats().host_kv_pages == 0
+        assert tree.match_prefix(tokens).num_device_tokens == len(tokens)
+        tree.check_integrity()
+
+        await backed_up(cache, [node])
+        await tier.drain()
+        assert tier.counts["backup_ok"] == 1
+        assert all(n.archived for n in tree.path_to(node))
+        assert await stored_pages(cache, tokens) == len(tokens) // PAGE
+        cache.flush_device()
+        cache.flush_host()
+        tree.check_integrity()
+        assert free_counts(cache) == before
