@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from trace_builders import make_spec
+from trace_builders import make_config, make_spec, mixed_trace
 
 from asynccache.errors import ConfigError
 from asynccache.policy.adaptive import AdaptiveAdmission
 from asynccache.policy.branch import BranchAdmission, branch_position
-from asynccache.policy.cost_aware import _auc
+from asynccache.policy.cost_aware import CostAwareEviction, _auc
 from asynccache.trace.policies import PolicyCombo, parse_combo
+from asynccache.trace.replay import TraceReplay
 from asynccache.tree import (
     InsertResult,
     MatchResult,
@@ -106,6 +107,43 @@ def test_auc_ranks_regretted_victims() -> None:
     assert _auc(np.array([1.0]), np.array([1.0])) == 0.5
     assert _auc(np.array([]), np.array([1.0])) == 0.5
     assert _auc(np.array([1.0, 3.0]), np.array([2.0])) == 0.5
+
+
+def test_cost_aware_retunes_alpha_online_to_the_weight_that_best_ranks_regretted_victims() -> None:
+    """Replayed with a budget that evicts states a later prompt needs again, cost-aware
+    re-tunes α every ``tune_every`` requests from the victims it remembers: each time to a
+    weight of its grid under which the victims a later prompt needed (regretted) outrank the
+    others at least as often as under any other weight, then starts a new window; and α
+    moves as the windows differ."""
+    trace = mixed_trace(1, 600, shared=3)
+    replay = TraceReplay(trace, make_config("branch/cost-aware", device_pages=24, host_pages=60))
+    policy = replay.eviction
+    assert isinstance(policy, CostAwareEviction)
+    policy.tune_every = 20
+    windows: list[tuple[np.ndarray, np.ndarray, int]] = []
+    real_tune = policy._tune
+
+    def tune(now: float) -> None:
+        ghosts = list(policy._ghosts.resolved)
+        tuned_before = len(policy.alpha_history)
+        real_tune(now)
+        if len(policy.alpha_history) > tuned_before:
+            feats = np.asarray([g.features for g in ghosts])
+            regret = np.asarray([g.regret for g in ghosts])
+            windows.append((feats, regret, len(policy.alpha_history) - 1))
+            assert not policy._ghosts.resolved  # the next window starts empty
+
+    policy._tune = tune  # type: ignore[method-assign]
+    for i in range(len(trace)):
+        replay._request(i)
+    assert len(windows) >= 3
+    assert len({a for _, a in policy.alpha_history}) >= 2
+    for feats, regret, k in windows:
+        assert regret.any() and not regret.all()
+        scores = {a: feats[:, 0] + a * feats[:, 1] for a in policy.alpha_grid}
+        auc = {a: _auc(s[regret], s[~regret]) for a, s in scores.items()}
+        chosen = policy.alpha_history[k][1]
+        assert chosen in auc and auc[chosen] >= max(auc.values()) - 1e-9
 
 
 def test_policy_combos_parse_and_validate() -> None:
