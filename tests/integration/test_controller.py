@@ -435,6 +435,34 @@ async def test_allocation_failure_returns_none_and_takes_nothing() -> None:
         assert cache.controller.statistics().counts["write_no_room"] == 1
 
 
+async def test_a_load_without_device_room_returns_none_and_takes_nothing() -> None:
+    """The device holds 8 pages, 6 of them a prefix in use (locked): loading another 6-page
+    prefix from the host finds no room — ``None``, nothing allocated, locked or evicted — and
+    succeeds, with the saved bytes, once the prefix in use is released."""
+    async with make_cache(device_kv_pages=8) as cache:
+        fill_random(cache)
+        tree, ctrl = cache.tree, cache.controller
+        saved = await back_up_and_demote(cache, prompt(0))
+        cache.flush_device()
+        held = insert_request(cache, prompt(1)).last_node
+        tree.lock(held)
+        before = free_counts(cache)
+        m = tree.match_prefix(prompt(0))
+        assert ctrl.load(m) is None
+        assert ctrl.statistics().counts["load_no_room"] == 1
+        assert free_counts(cache) == before
+        assert tree.match_prefix(prompt(1)).num_device_tokens == 6 * PAGE
+        tree.check_integrity()
+        tree.unlock(held)
+        op = ctrl.load(tree.match_prefix(prompt(0)))
+        assert op is not None
+        counter = ctrl.start_loading()
+        await op
+        await counter.wait(cache.spec.cached_layer_ids[-1])
+        assert snapshot_bytes(cache, tree.match_prefix(prompt(0))) == saved
+        tree.check_integrity()
+
+
 async def test_injected_tree_failure_in_begin_load_frees_allocation() -> None:
     async with make_cache() as cache:
         fill_random(cache)
