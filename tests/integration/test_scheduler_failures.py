@@ -198,7 +198,8 @@ async def test_a_request_waiting_for_room_looks_storage_up_once() -> None:
 
 
 async def test_requests_a_scheduler_cannot_take_are_typed_errors() -> None:
-    """Bad input is a ConfigError (a ValueError), a scheduler not running a SchedulerError."""
+    """Bad input is a ConfigError (a ValueError); a scheduler not running (not entered, or
+    exited) a SchedulerError."""
     async with HybridCache(SPEC, config()) as cache:
         sched = Scheduler(MODEL, cache)
         with pytest.raises(SchedulerError, match="async with"):
@@ -208,3 +209,5 @@ async def test_requests_a_scheduler_cannot_take_are_typed_errors() -> None:
                 sched.submit([], 2)
             with pytest.raises(ConfigError, match="prompt token ids"):
                 sched.submit([SPEC.vocab_size], 2)
+        with pytest.raises(SchedulerError, match="closed"):
+            sched.submit(prompt(8, 1, 1), 2)
