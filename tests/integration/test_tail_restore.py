@@ -1,9 +1,12 @@
 """A prefix restored split through the scheduler: the head computed while the tail (KV pages and
 the state at its end) is read from storage. The continuation equals, bit for bit, a cold run
-with the same prefill segmentation; a corrupt tail is computed instead, never served."""
+with the same prefill segmentation; a corrupt tail is computed instead, never served; and under
+an admission policy that keeps a state at every page, the states the request leaves in the tree
+(the tail's end state among them) are the cold run's, bit for bit."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from unittest import mock
 
@@ -12,6 +15,7 @@ import torch
 from serving import PAGE, device_of, serving_config, tiny_model, tiny_spec
 
 from asynccache.cache import HybridCache
+from asynccache.policy import EveryPageAdmission
 from asynccache.reference.model import HybridModel
 from asynccache.reference.scheduler import RequestResult, Scheduler, SchedulerConfig
 from asynccache.restore_cost import SplitTiming
@@ -115,3 +119,53 @@ async def test_corrupt_tail_is_computed_not_served(model: HybridModel, spec: Hyb
     assert torch.equal(r2.first_logits, ref.first_logits)
     assert counts["host_slots_leaked"] == 0
     assert counts["heads_observed"] == 0  # a failed read teaches the model nothing
+
+
+def states_on_device(cache: HybridCache, prompt: list[int]) -> dict[int, bytes]:
+    """The tree's device state at each page boundary of ``prompt`` where it holds one, as the
+    bytes of every recurrent layer."""
+    pool, out = cache.device_mamba, {}
+    for p in range(PAGE, len(prompt), PAGE):
+        node = cache.tree.match_prefix(prompt[:p]).last_node
+        if node.end_tokens == p and node.device_state is not None:
+            slot = node.device_state
+            out[p] = b"".join(pool.layer_items(lid)[slot].cpu().numpy().tobytes() for lid in cache.spec.mamba_layer_ids)
+    return out
+
+
+async def test_split_restore_fills_the_state_snapshots_the_admission_keeps(
+    model: HybridModel, spec: HybridSpec, tmp_path: Path
+) -> None:
+    """Every-page admission snapshots the request's state at each page it passes: at the pages
+    its head computes, at the tail's end (the restored state, copied to that snapshot's slot
+    with the working slot's) and at the pages after it. Each equals the cold run's state."""
+    device = device_of(model)
+    cache_cm = HybridCache(spec, serving_config(spec, tmp_path.as_uri()), device=device, admission=EveryPageAdmission())
+    async with cache_cm as cache, Scheduler(model, cache, SEGMENTATION) as sched:
+        r1 = await sched.generate(P1, OUT)
+        p2 = P1 + r1.output_ids + Q2
+        tier = cache.controller.tiering
+        assert tier is not None
+        await cache.controller.wait_idle()
+        await tier.drain()
+        cache.flush_device()
+        cache.flush_host()
+        tier.cost = split_cost(spec)
+        r2 = await sched.generate(p2, OUT)
+        await cache.controller.wait_idle()
+        assert tier.counts["prefetch_tail"] == 1 and tier.counts["tail_pages"] > 0
+        restored = r2.cached_by_tier["storage"]
+        split_states = states_on_device(cache, p2)
+        cache.tree.check_integrity()
+    cold_cm = HybridCache(spec, serving_config(spec), device=device, admission=EveryPageAdmission())
+    async with cold_cm as cold_cache, Scheduler(model, cold_cache, SEGMENTATION) as cold_sched:
+        ref = await cold_sched.generate(p2, OUT)
+        cold_states = states_on_device(cold_cache, p2)
+    assert r2.output_ids == ref.output_ids
+    # The tail is the one gap between snapshots: its pages were read, not computed.
+    keys = sorted(split_states)
+    gaps = [(a, b) for a, b in itertools.pairwise(keys) if b - a > PAGE]
+    assert len(gaps) == 1 and gaps[0][1] - gaps[0][0] == restored > 0
+    tail_end = gaps[0][1]
+    assert keys[0] == PAGE and keys[-1] > tail_end  # snapshots in the head, at its end and past it
+    assert {p: cold_states[p] for p in split_states} == split_states
