@@ -68,6 +68,28 @@ def test_turns_and_return_gaps_are_learnt_from_every_prompt() -> None:
     assert policy.pi[3] == pytest.approx(2.5 / 6)
 
 
+def test_the_ledger_keeps_the_latest_prompt_ends_and_forgets_the_older() -> None:
+    """With room for two prompt ends, the ledger drops the oldest as new ones come: an end
+    still in it is found (its extension is turn 2, its gap recorded), a dropped one is not
+    (its extension counts as a first turn), and the indices of the ends kept stay right."""
+    spec = make_spec()
+    policy = ReuseEviction(spec=spec, flops=FlopModel.from_spec(spec), min_gaps=1, ledger_size=2)
+    c = [20, 21, 22, 23]
+    b2 = B[:-1] + [14, 15]
+    for t, ids in ((0.0, A), (5.0, B), (10.0, c), (20.0, b2), (30.0, A2)):
+        tokens = _prompt(ids)
+        policy.observe_match(_match(tokens[:-1]), prompt_len=len(tokens), now=t)
+    assert policy._end_turn == [2, 1]  # b2 extended B (still kept); A2 found no end (A dropped)
+    assert list(policy._gaps) == [15.0]
+    assert len(policy._ledger) == 2 and policy._resumed == [False, False]
+    # A prompt end seen again moves to its newer entry: dropping the older one keeps it.
+    policy = ReuseEviction(spec=spec, flops=FlopModel.from_spec(spec), min_gaps=1, ledger_size=2)
+    for t, ids in ((0.0, A), (1.0, A), (2.0, B), (3.0, A2)):
+        tokens = _prompt(ids)
+        policy.observe_match(_match(tokens[:-1]), prompt_len=len(tokens), now=t)
+    assert policy._end_turn == [1, 3]  # B, then A2 extending the resent A (turn 2)
+
+
 def test_superseded_prompt_ends_are_released_and_the_next_turns_still_hit() -> None:
     trace = make_trace([(0, A), (1, A2), (2, A3)])
     hits, replay = hits_per_request(trace, make_config("branch/reuse", device_pages=BIG))
