@@ -13,6 +13,7 @@ import torch
 from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
 from asynccache.reference.model import HybridModel
+from asynccache.restore_cost import RestoreCost
 from asynccache.spec import HybridSpec
 
 PAGE = 4
@@ -81,6 +82,13 @@ def slow_backend(cache: HybridCache, method: str, seconds: float, during: Callab
 
     setattr(tier.backend, method, slow)
     return calls
+
+
+def split_cost(spec: HybridSpec) -> RestoreCost:
+    """Computing a page costs three page reads: the best plan computes about a quarter of a
+    stored prefix while the rest is read (a split restore)."""
+    read_page_s = spec.kv_page_bytes / 1e6
+    return RestoreCost(read_bytes_per_s=1e6, prefill_tokens_per_s=spec.page_size / (3.0 * read_page_s))
 
 
 def config_with(spec: HybridSpec, **overrides: Any) -> HybridCacheConfig:

@@ -18,6 +18,7 @@ from serving import (
     free_counts,
     serving_config,
     settled,
+    split_cost,
     tiny_model,
     tiny_spec,
 )
@@ -25,7 +26,6 @@ from serving import (
 from asynccache.cache import HybridCache
 from asynccache.errors import BackendError
 from asynccache.reference.scheduler import Scheduler, SchedulerConfig
-from asynccache.tiering import RestoreCost
 
 SPEC = tiny_spec()
 P1 = arith_prompt(48, 7, 3)
@@ -54,8 +54,7 @@ async def test_a_request_cancelled_while_its_tail_is_read_frees_the_loop_for_oth
             r1 = await sched.generate(P1, 4)
             prompt = P1 + r1.output_ids + arith_prompt(9, 11, 5)
             assert await settled(cache) == full
-            read_page_s = SPEC.kv_page_bytes / 1e6
-            tier.cost = RestoreCost(read_bytes_per_s=1e6, prefill_tokens_per_s=PAGE / (3.0 * read_page_s))
+            tier.cost = split_cost(SPEC)
             real, entered, gate = tier.backend.batch_get_v2, asyncio.Event(), asyncio.Event()
 
             async def held_read(*args: object, **kwargs: object) -> object:
@@ -107,8 +106,8 @@ async def test_a_storage_failure_is_a_miss_computed_as_cold(tmp_path: Path, meth
         async with Scheduler(model, cache, SEGMENTATION) as sched:
             assert (await sched.generate(P1, 4)).output_ids == r1.output_ids
             assert await settled(cache) == full  # P1 and its answer's pages: in storage only
-            if split:  # computing a page costs three page reads: a split restore pays
-                tier.cost = RestoreCost(read_bytes_per_s=1e6, prefill_tokens_per_s=PAGE / (3.0 * SPEC.kv_page_bytes / 1e6))
+            if split:
+                tier.cost = split_cost(SPEC)
             real = getattr(tier.backend, method)
 
             async def failing(*args: object, **kwargs: object) -> object:
@@ -151,7 +150,7 @@ async def test_a_stored_prefix_larger_than_the_host_tier_is_computed_as_cold(tmp
         tier = cache.controller.tiering
         assert tier is not None
         if split:
-            tier.cost = RestoreCost(read_bytes_per_s=1e6, prefill_tokens_per_s=PAGE / (3.0 * SPEC.kv_page_bytes / 1e6))
+            tier.cost = split_cost(SPEC)
         async with Scheduler(model, cache, SEGMENTATION) as sched:
             result = await sched.generate(prompt, 4)
             assert tier.counts["prefetch_no_room"] == 1 and tier.counts["prefetch_hit"] == 0

@@ -12,7 +12,7 @@ from unittest import mock
 
 import pytest
 import torch
-from serving import PAGE, device_of, serving_config, tiny_model, tiny_spec
+from serving import PAGE, device_of, serving_config, split_cost, tiny_model, tiny_spec
 
 from asynccache.cache import HybridCache
 from asynccache.policy import EveryPageAdmission
@@ -20,7 +20,6 @@ from asynccache.reference.model import HybridModel
 from asynccache.reference.scheduler import RequestResult, Scheduler, SchedulerConfig
 from asynccache.restore_cost import SplitTiming
 from asynccache.spec import HybridSpec
-from asynccache.tiering import RestoreCost
 
 OUT = 4
 P1 = [(7 * t + 3) % 250 + 1 for t in range(48)]
@@ -40,11 +39,18 @@ def model(spec: HybridSpec, model_device: str) -> HybridModel:
     return tiny_model(spec, model_device, seed=5)
 
 
-def split_cost(spec: HybridSpec) -> RestoreCost:
-    """Computing a page costs three page reads: the best plan computes about a quarter of the
-    prefix while the rest is read."""
-    read_page_s = spec.kv_page_bytes / 1e6
-    return RestoreCost(read_bytes_per_s=1e6, prefill_tokens_per_s=PAGE / (3.0 * read_page_s))
+async def first_turn_in_storage(cache: HybridCache, sched: Scheduler) -> list[int]:
+    """Serve P1, let its pages and states reach storage, flush device and host: the next
+    turn's prompt (returned) finds its prefix in storage only."""
+    r1 = await sched.generate(P1, OUT)
+    p2 = P1 + r1.output_ids + Q2
+    assert cache.controller.tiering is not None
+    await cache.controller.wait_idle()
+    await cache.controller.tiering.drain()
+    cache.flush_device()
+    cache.flush_host()
+    assert cache.tree.match_prefix(p2[:-1]).num_tokens == 0
+    return p2
 
 
 async def serve_split(
@@ -52,15 +58,9 @@ async def serve_split(
 ) -> tuple[RequestResult, list[int], dict[str, int]]:
     cache_cm = HybridCache(spec, serving_config(spec, root.as_uri()), device=device_of(model))
     async with cache_cm as cache, Scheduler(model, cache, SEGMENTATION) as sched:
-        r1 = await sched.generate(P1, OUT)
-        p2 = P1 + r1.output_ids + Q2
+        p2 = await first_turn_in_storage(cache, sched)
         tier = cache.controller.tiering
         assert tier is not None
-        await cache.controller.wait_idle()
-        await tier.drain()
-        cache.flush_device()
-        cache.flush_host()
-        assert cache.tree.match_prefix(p2[:-1]).num_tokens == 0
         if corrupt_tail:
             for path in root.rglob("*"):  # flip one payload byte of every stored object
                 if path.is_file():
@@ -142,14 +142,9 @@ async def test_split_restore_fills_the_state_snapshots_the_admission_keeps(
     device = device_of(model)
     cache_cm = HybridCache(spec, serving_config(spec, tmp_path.as_uri()), device=device, admission=EveryPageAdmission())
     async with cache_cm as cache, Scheduler(model, cache, SEGMENTATION) as sched:
-        r1 = await sched.generate(P1, OUT)
-        p2 = P1 + r1.output_ids + Q2
+        p2 = await first_turn_in_storage(cache, sched)
         tier = cache.controller.tiering
         assert tier is not None
-        await cache.controller.wait_idle()
-        await tier.drain()
-        cache.flush_device()
-        cache.flush_host()
         tier.cost = split_cost(spec)
         r2 = await sched.generate(p2, OUT)
         await cache.controller.wait_idle()
