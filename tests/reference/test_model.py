@@ -444,6 +444,11 @@ async def test_rejects_shared_slots_and_foreign_pools() -> None:
     other = HybridSpec.from_hf_config({**_tiny_config(), "linear_num_value_heads": 2})
     with pytest.raises(ConfigError, match="state pool"):
         await run(model, kv, DeviceMambaPool(other, 4), seq(make_tokens(5), 0, [0], 0))
+    wider = HybridSpec.from_hf_config({**_tiny_config(), "num_key_value_heads": 2 * SPEC.num_kv_heads})
+    with pytest.raises(ConfigError, match="KV pool geometry"):
+        await run(model, DeviceKVPool(wider, 24), st, seq(make_tokens(5), 0, [0], 0))
+    with pytest.raises(ConfigError, match="materialized"):
+        await run(model, DeviceKVPool(SPEC, 24, materialize=False), st, seq(make_tokens(5), 0, [0], 0))
 
 
 def test_rejects_unsupported_specs() -> None:
