@@ -4,7 +4,7 @@ Triton's interpreter up to 3.6 turns a scalar tensor into an ``int`` with ``int(
 ``data`` is a one-element array of one dimension; NumPy 2.4 refuses that conversion, so a kernel
 whose loop bounds come from ``tl.program_id`` fails there (triton-lang/triton#9171, fixed in later
 Triton releases by squeezing the array first). The fixture makes the same conversion while the
-interpreted kernels run, so the tests pass with every Triton the package accepts.
+interpreted kernels run, so the tests pass with Triton 3.6 as they do with later releases.
 """
 
 from __future__ import annotations
