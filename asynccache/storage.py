@@ -98,8 +98,11 @@ class PoolTransfer:
                     object.__setattr__(self, name, kind(value))
                 except ValueError:
                     raise ConfigError(f"{name} must be one of {[m.value for m in kind]}, got {value!r}") from None
-        if self.num_trailing < 1:
-            raise ConfigError(f"num_trailing must be >= 1, got {self.num_trailing}")
+        if isinstance(self.num_trailing, bool) or not isinstance(self.num_trailing, int) or self.num_trailing < 1:
+            raise ConfigError(f"num_trailing must be an int >= 1, got {self.num_trailing!r}")
+        for name in ("host_indices", "device_indices"):
+            if not isinstance(getattr(self, name), torch.Tensor):
+                raise ConfigError(f"{name} must be a torch.Tensor, got {type(getattr(self, name)).__name__}")
         if not isinstance(self.speculative, bool):
             raise ConfigError(f"speculative must be True or False, got {self.speculative!r}")
 

@@ -282,6 +282,7 @@ class BackendCore(ABC):
         — and go back into it when the delete fails or is cut short: objects that may still be
         stored stay counted. A failure is counted, reported to ``report`` (``None``: the caller
         reports it) and returned; ``None`` once the objects are gone."""
+        names = list(dict.fromkeys(names))  # a batch may read one object into several slots
         if self._capacity is not None and counted is None:
             counted = self._capacity.take(names)
         gone = asyncio.get_running_loop().create_future()

@@ -88,6 +88,7 @@ class BatchIOMixin(BackendCore):
             self._counts["num_misses"] += len(items)
             return [False] * len(items)
         report = BatchReport(self, "batch_get_v2", len(items))
+        since = None if self._capacity is None else self._capacity.mark()
         with self._busy(items):
             outcomes = await self._read_many(items)
         done: list[bool] = []
@@ -109,7 +110,8 @@ class BatchIOMixin(BackendCore):
                 self._count_failure(outcome)
                 report.fail(item.name, outcome)
             elif self._capacity is not None:
-                self._capacity.discard(item.name)
+                # Absent when read; a write of it that committed meanwhile keeps it counted.
+                self._capacity.discard(item.name, since=since)
         if invalid:
             await self._remove(invalid, report, background=False)
         report.emit()

@@ -5,7 +5,8 @@ Primitives:
 - :class:`LRUCapacity` — stored bytes against ``capacity_bytes``: ``reserve`` room for a new
   object (choosing least-recently-used victims), then ``commit`` or ``release`` the
   reservation; ``busy`` marks objects being read or written, which are never chosen; ``load``
-  adds the objects found on first use, ``touch`` / ``discard`` follow reads and absent objects;
+  adds the objects found on first use, ``touch`` / ``discard`` follow reads and absent objects
+  (``discard(name, since=mark())``: unless a write committed it after the read began);
   ``take`` takes objects out to delete them and ``restore`` puts back those whose delete failed;
   ``excess_bytes`` is what the index counts beyond the capacity.
 - :class:`Stored` — an object the index counted: name, size, and whether it is speculative.
@@ -62,6 +63,8 @@ class LRUCapacity:
         self._sizes: OrderedDict[str, int] = OrderedDict()  # regular objects, least recent first
         self._speculative: OrderedDict[str, int] = OrderedDict()  # evicted before any regular one
         self._busy: Counter[str] = Counter()
+        self._commits = 0  # commits so far: ``mark``
+        self._committed_at: dict[str, int] = {}  # name → its last commit's number (names held)
 
     def _order(self, speculative: bool) -> OrderedDict[str, int]:
         return self._speculative if speculative else self._sizes
@@ -81,7 +84,18 @@ class LRUCapacity:
         elif name in self._sizes:
             self._sizes.move_to_end(name)
 
-    def discard(self, name: str) -> None:
+    def mark(self) -> int:
+        """The number of commits so far: a read notes it before its I/O, so that an object it
+        found absent is not dropped when a write committed it meanwhile (``discard(since=)``)."""
+        return self._commits
+
+    def discard(self, name: str, *, since: int | None = None) -> None:
+        """Take ``name`` out of the index. ``since`` (a :meth:`mark`): only if no commit of
+        ``name`` came after it — a read that found the object absent, while a write of it
+        committed, leaves it counted."""
+        if since is not None and self._committed_at.get(name, -1) >= since:
+            return
+        self._committed_at.pop(name, None)
         size = self._sizes.pop(name, None)
         if size is None:
             size = self._speculative.pop(name, None)
@@ -156,6 +170,8 @@ class LRUCapacity:
         reserved (0 when the index held it at the time), written ``speculative`` or not. A
         regular write makes a speculative object regular; a speculative write leaves a regular
         object regular."""
+        self._committed_at[name] = self._commits
+        self._commits += 1
         if self.holds(name):
             self.used_bytes -= reserved
             if speculative and name in self._speculative:

@@ -50,3 +50,17 @@ def test_a_speculative_victim_whose_delete_failed_is_restored_speculative() -> N
     assert cap.used_bytes == 25 and not cap.is_speculative("new")
     cap.discard("s1")
     assert not cap.holds("s1") and cap.used_bytes == 15
+
+
+def test_a_miss_taken_after_a_commit_of_the_same_name_keeps_it_counted() -> None:
+    """A read marks the index before its I/O; an object it found absent leaves the index only
+    if no write committed it since (the store would otherwise hold bytes nothing counts)."""
+    cap = LRUCapacity(30)
+    cap.commit("a", 10, 0)
+    since = cap.mark()
+    cap.commit("b", 10, 0)  # written while the read of "b" ran: it saw "b" absent
+    cap.discard("b", since=since)
+    cap.discard("a", since=since)  # committed before the read: its miss means it is gone
+    assert cap.holds("b") and not cap.holds("a") and cap.used_bytes == 10
+    cap.discard("b", since=cap.mark())  # a read that began after the commit
+    assert not cap.holds("b") and cap.used_bytes == 0

@@ -328,6 +328,23 @@ async def test_invalid_objects_are_misses_and_removed(harness: Harness, damage: 
     assert await get(reader, kv_transfer(keys[:1], [3])) == [[True]] and slot(kv2, 3) == slot(kv, 0)
 
 
+async def test_an_invalid_object_read_into_two_slots_is_two_misses_and_removed_once(harness: Harness) -> None:
+    """A batch may read one object into several slots: an invalid one is a miss in each, is
+    removed once, and the key can be written again at once (no write waits on the removal)."""
+    keys = make_keys(1, seed="twice")
+    backend, kv, _ = await opened(harness, seed=6)
+    await put(backend, kv_transfer(keys, [0]))
+    name = backend.object_name(PoolName.KV, keys[0])
+    good = await harness.raw_get(backend, name)
+    assert good is not None
+    await harness.raw_put(backend, name, DAMAGE["flip_payload_byte"](good, b""))
+    assert await get(backend, kv_transfer(keys * 2, [1, 2])) == [[False, False]]
+    assert backend.statistics().num_corrupt == 2
+    assert await harness.raw_get(backend, name) is None
+    assert await put(backend, kv_transfer(keys, [0])) == [[True]]
+    assert await get(backend, kv_transfer(keys, [3])) == [[True]] and slot(kv, 3) == slot(kv, 0)
+
+
 async def test_object_under_another_key_is_a_miss(harness: Harness) -> None:
     keys = make_keys(2, seed="swap")
     backend, _kv, _ = await opened(harness)
@@ -398,6 +415,38 @@ async def test_capacity_limit_evicts_least_recently_used(harness: Harness, caplo
     again, _, _ = await opened(harness, capacity_bytes=3 * size)
     assert await hit_pages(again, keys, kv_transfer(keys)) == 1
     assert again.statistics().used_bytes == 3 * size
+
+
+async def test_a_read_that_found_an_object_absent_while_a_write_stored_it_keeps_it_counted(harness: Harness) -> None:
+    """A read finds a key absent; before its answer is taken, a write stores the key. The miss
+    must not take the stored object out of the capacity index: the store would then outgrow
+    the capacity (nothing counts or evicts that object again)."""
+    keys = make_keys(3, seed="absent-race")
+    probe = harness.open()
+    size = probe.codec.object_bytes(ObjectGeometry.of_pool(PoolName.KV, make_pools(1)[0]), keys[0])
+    backend, _kv, _ = await opened(harness, capacity_bytes=2 * size)
+    read_many = backend._read_many
+    found, gate = asyncio.Event(), asyncio.Event()
+
+    async def answer_late(items: list) -> list:  # the read's outcomes, taken late
+        outcomes = await read_many(items)
+        found.set()
+        await gate.wait()
+        return outcomes
+
+    backend._read_many = answer_late  # type: ignore[method-assign]
+    reader = asyncio.create_task(get(backend, kv_transfer(keys[:1], [5])))
+    await asyncio.wait_for(found.wait(), DEADLINE_S)
+    backend._read_many = read_many  # type: ignore[method-assign]
+    assert await put(backend, kv_transfer(keys[:1], [0])) == [[True]]
+    gate.set()
+    assert await reader == [[False]]  # absent when it looked
+    assert backend.statistics().used_bytes == size  # still counted
+    assert await put(backend, kv_transfer(keys[1:3], [1, 2])) == [[True, True]]
+    present = [await harness.raw_get(backend, backend.object_name(PoolName.KV, k)) is not None for k in keys]
+    assert present == [False, True, True]  # the first object was counted, and evicted
+    stats = backend.statistics()
+    assert stats.used_bytes == 2 * size and stats.num_evictions == 1
 
 
 async def test_a_stored_object_put_again_under_a_full_capacity_stays_and_evicts_nothing(harness: Harness) -> None:

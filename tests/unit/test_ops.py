@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asynccache.errors import TransferError
+from asynccache.errors import ConfigError, TransferError
 from asynccache.ops import CacheOperation, OpKind
 from asynccache.storage import PoolName, PoolTransfer
 
@@ -54,3 +54,20 @@ async def test_merging_loads_with_writes_is_refused() -> None:
     write = CacheOperation(OpKind.WRITE, [transfer([7], [30])], plan=None)
     with pytest.raises(TransferError, match="load and write"):
         CacheOperation.merge_ops([load, write])
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"num_trailing": 1.5}, "num_trailing must be an int >= 1"),
+        ({"num_trailing": "2"}, "num_trailing must be an int >= 1"),
+        ({"num_trailing": True}, "num_trailing must be an int >= 1"),
+        ({"num_trailing": 0}, "num_trailing must be an int >= 1"),
+        ({"host_indices": [0, 1]}, "host_indices must be a torch.Tensor"),
+        ({"device_indices": (2,)}, "device_indices must be a torch.Tensor"),
+    ],
+)
+def test_a_transfer_of_the_wrong_types_is_refused_when_made(fields: dict, message: str) -> None:
+    """Not halfway through a storage call (a bare TypeError after its I/O)."""
+    with pytest.raises(ConfigError, match=message):
+        PoolTransfer(pool_name=PoolName.MAMBA, **fields)
