@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from asynccache.errors import ConfigError
+from asynccache.checks import check_int
 from asynccache.pools.base import ItemPool
 from asynccache.tree.evict import EvictionMixin
 from asynccache.tree.results import Allocation, EvictResult
@@ -40,8 +40,8 @@ class AllocationMixin(EvictionMixin):
         num_states: int,
         evict: Callable[..., EvictResult],
     ) -> Allocation | None:
-        if num_kv_pages < 0 or num_states < 0:
-            raise ConfigError(f"cannot allocate a negative amount ({num_kv_pages} pages, {num_states} states)")
+        num_kv_pages = check_int("num_kv_pages", num_kv_pages, minimum=0)
+        num_states = check_int("num_states", num_states, minimum=0)
         short_kv = num_kv_pages - kv_pool.num_free
         short_states = num_states - state_pool.num_free if state_pool is not None else 0
         if short_kv > 0 or short_states > 0:

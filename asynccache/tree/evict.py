@@ -62,6 +62,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from asynccache.checks import check_int
 from asynccache.errors import ConfigError
 from asynccache.policy.ranked import evictable_check
 from asynccache.tree.core import DemoteFn, TreeCore, WriteBackFn
@@ -92,8 +93,8 @@ class EvictionMixin(TreeCore):
         are reported as ``num_pending_*`` and the next eviction after ``finish_backup`` demotes
         them; if it could not start, they are dropped.
         """
-        if num_kv_pages < 0 or num_states < 0:
-            raise ConfigError(f"cannot evict a negative amount ({num_kv_pages} pages, {num_states} states)")
+        num_kv_pages = check_int("num_kv_pages", num_kv_pages, minimum=0)
+        num_states = check_int("num_states", num_states, minimum=0)
         callback = write_back if write_back is not None else self.write_back
         if not (self.write_policy.writes_back_on_evict and self.host_kv is not None):
             callback = None
@@ -285,8 +286,8 @@ class EvictionMixin(TreeCore):
         tree and frees indices to the host pools (and to the device pools when the cascade
         deletes nodes).
         """
-        if num_kv_pages < 0 or num_states < 0:
-            raise ConfigError(f"cannot evict a negative amount ({num_kv_pages} pages, {num_states} states)")
+        num_kv_pages = check_int("num_kv_pages", num_kv_pages, minimum=0)
+        num_states = check_int("num_states", num_states, minimum=0)
         pages0, states0 = self._host_pages, self._host_states
         lost0, deleted0 = self._lost_states, self._deleted_nodes
         if self.host_kv is not None:

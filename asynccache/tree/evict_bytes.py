@@ -95,7 +95,9 @@ class ByteEvictionMixin(EvictionMixin):
         while freed < num_bytes:
             deficit = num_bytes - freed
             now = self.clock()
-            kv_nodes = self._peek(kv_lru, kv_key, now, max(1, -(-deficit // kv_bytes)))
+            kv_nodes: list[TreeNode] = []
+            if kv_bytes:  # a spec without attention layers: its pages hold no bytes to free
+                kv_nodes = self._peek(kv_lru, kv_key, now, max(1, -(-deficit // kv_bytes)))
             st_nodes: list[TreeNode] = []
             if state_bytes:
                 st_nodes = self._peek(state_lru, state_key, now, max(1, -(-deficit // state_bytes)))

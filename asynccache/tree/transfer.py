@@ -249,7 +249,7 @@ class TransferMixin(TreeCore):
         Keep ``node`` locked on both tiers until the backup has begun."""
         self._check_alive(node)
         path = self.path_to(node)
-        if not 0 <= num_pages <= (path[-1].end_page if path else 0):
+        if as_int(num_pages) is None or not 0 <= num_pages <= (path[-1].end_page if path else 0):
             raise ConfigError(f"num_pages={num_pages} outside the path to {node}")
         gap = [n for n in path if n.start_page < num_pages and n.host_kv is None]
         if gap and gap[-1].end_page > num_pages:

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from asynccache.checks import as_int, check_int
 from asynccache.errors import ConfigError
 from asynccache.policy.base import AdmissionContext
 from asynccache.pools.base import ItemPool
@@ -159,8 +160,8 @@ class HybridRadixTree(MatchMixin, ByteEvictionMixin, AllocationMixin, TransferMi
         buf, num_pages = encode_tokens(tokens, self.page_size)
         kv = self._check_indices(kv_indices, num_pages, "kv_indices", self.device_kv)
         offered = self._check_states(states, num_pages, "states", self.device_mamba)
-        if prompt_len is not None and prompt_len < 0:
-            raise ConfigError(f"prompt_len must be >= 0, got {prompt_len}")
+        if prompt_len is not None:
+            prompt_len = check_int("prompt_len", prompt_len, minimum=0)
         root = self._root_for(salt, create=True)
         if num_pages == 0:
             return InsertResult(last_node=root)
@@ -178,7 +179,9 @@ class HybridRadixTree(MatchMixin, ByteEvictionMixin, AllocationMixin, TransferMi
             keep = self.admission.keep_states([p * self.page_size for p in sorted(offered)], ctx)
             kept = {p: s for p, s in offered.items() if p * self.page_size in keep}
         path, new_pages, dups = self._insert_path(root, buf, num_pages, kv, sorted(kept), Tier.DEVICE)
-        free_slots = [s for p, s in offered.items() if p not in kept]
+        # Refused states are freed, but not a node's own slot passed back at its own end.
+        ends = {n.end_page: n.device_state for n in path}
+        free_slots = [s for p, s in offered.items() if p not in kept and ends.get(p) != s]
         new_states = self._attach_states(path, kept, Tier.DEVICE, free_slots)
         num_dups = self._free_duplicates(self.device_kv, dups)
         if free_slots:
@@ -216,7 +219,7 @@ class HybridRadixTree(MatchMixin, ByteEvictionMixin, AllocationMixin, TransferMi
         if self.host_kv is None:
             raise ConfigError("insert_host needs a host KV pool")
         buf, num_pages = encode_tokens(tokens, self.page_size)
-        if not 0 <= start_page <= num_pages:
+        if as_int(start_page) is None or not 0 <= start_page <= num_pages:
             raise ConfigError(f"start_page={start_page} outside 0..{num_pages}")
         kv = self._check_indices(host_kv_indices, num_pages - start_page, "host_kv_indices", self.host_kv)
         offered = self._check_states(host_states, num_pages, "host_states", self.host_mamba)

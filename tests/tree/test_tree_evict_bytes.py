@@ -4,6 +4,7 @@ with its KV counts once, pinned nodes stay, bad arguments are refused."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,6 +14,7 @@ from tree_builders import PAGE, make_tree, put, seq
 from asynccache.errors import ConfigError
 from asynccache.policy import EvictionPolicy, LRUEviction
 from asynccache.policy.ranked import RankedEviction
+from asynccache.pools import DeviceKVPool, DeviceMambaPool
 from asynccache.tree import HybridRadixTree, SyncTransfer, Tier, TreeNode
 from asynccache.tree.results import EvictResult
 
@@ -342,4 +344,21 @@ def test_sync_transfer_tree_stays_consistent_after_mixed_byte_evictions() -> Non
     res = tree.evict_bytes(Tier.HOST, 7 * hkv + hstate)
     assert free_bytes(tree, Tier.HOST) - free0 >= 7 * hkv + hstate
     assert res.num_kv_pages >= 1
+    tree.check_integrity()
+
+
+def test_a_model_without_attention_layers_frees_its_bytes_from_states() -> None:
+    """Pages of a spec without attention layers hold no bytes: eviction by bytes takes states
+    (and the nodes left without one), never dividing by a page's zero bytes."""
+    base = make_tree()[0].spec
+    spec = dataclasses.replace(base, attention_layer_ids=(), mamba_layer_ids=base.cached_layer_ids)
+    tree = HybridRadixTree(spec, device_kv=DeviceKVPool(spec, 16), device_mamba=DeviceMambaPool(spec, 4))
+    assert tree.device_kv.bytes_per_index == 0
+    for tag in (1, 2):
+        kv, slot = tree.device_kv.alloc(2), tree.device_mamba.alloc(1)
+        assert kv is not None and slot is not None
+        tree.insert(seq(tag, 2 * PAGE), kv, states={2 * PAGE: int(slot[0])})
+    result = tree.evict_bytes(Tier.DEVICE, tree.device_mamba.bytes_per_index)
+    assert result.num_states == 1 and tree.device_mamba.num_free == 3
+    assert tree.match_prefix(seq(2, 2 * PAGE)).num_tokens == 2 * PAGE  # the least recent went
     tree.check_integrity()

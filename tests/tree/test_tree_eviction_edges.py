@@ -5,8 +5,10 @@ are computed in."""
 
 from __future__ import annotations
 
+import pytest
 from tree_builders import PAGE, make_spec, make_tree, put, seq
 
+from asynccache.errors import ConfigError
 from asynccache.policy import LRUEviction
 from asynccache.policy.cost_aware import CostAwareEviction
 from asynccache.trace.flops import FlopModel
@@ -137,4 +139,27 @@ def test_cost_aware_counts_a_state_victim_once_and_no_released_state() -> None:
     before = len(policy._ghosts._order)
     assert tree.release_states([kept]).num_deleted_nodes == 1
     assert len(policy._ghosts._order) == before
+    tree.check_integrity()
+
+
+def test_counts_and_positions_that_are_not_integers_are_refused() -> None:
+    """Typed errors for what is not a whole number, before anything changes."""
+    tree, _ = make_tree()
+    tokens = seq(1, 2 * PAGE)
+    kv, slot = tree.device_kv.alloc(2), tree.device_mamba.alloc(1)
+    assert kv is not None and slot is not None
+    node = tree.insert(tokens, kv, states={2 * PAGE: int(slot[0])}).last_node
+    calls = [
+        lambda: tree.evict_device(num_kv_pages="2"),
+        lambda: tree.evict_host(num_kv_pages=None),
+        lambda: tree.evict_device(num_states=1.0),
+        lambda: tree.alloc_device(True, 0),
+        lambda: tree.host_gap(node, 1.5),
+        lambda: tree.insert_host(tokens, [], start_page=1.0),
+        lambda: tree.insert(tokens, tree.match_prefix(tokens).device_kv_indices, prompt_len="5"),
+    ]
+    for call in calls:
+        with pytest.raises(ConfigError):
+            call()
+    assert tree.match_prefix(tokens).num_device_tokens == 2 * PAGE
     tree.check_integrity()

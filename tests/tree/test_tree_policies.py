@@ -7,6 +7,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from tree_builders import PAGE, make_tree, seq
 
 from asynccache.errors import ConfigError
@@ -103,6 +104,33 @@ def test_admission_can_refuse_offered_states() -> None:
     assert kv2 is not None and slot is not None
     tree.insert(second, kv2, states={4 * PAGE: int(slot[0])})
     assert seen[-1].num_cached_tokens == 3 * PAGE  # the branch point
+    tree.check_integrity()
+
+
+def test_a_refused_state_that_is_the_nodes_own_slot_passed_back_stays_the_nodes() -> None:
+    """A next turn passes back its match's pages and boundary slot with its new ones; the
+    policy keeps only the deepest state. The refused one is the node's own slot: not freed."""
+
+    class DeepestOnly(EndsAdmission):
+        def keep_states(self, offered: Collection[int], ctx: AdmissionContext) -> set[int]:
+            return {max(offered)}
+
+    tree, _ = make_tree(admission=DeepestOnly())
+    turn = seq(1, 3 * PAGE)
+    kv, slots = tree.device_kv.alloc(3), tree.device_mamba.alloc(1)
+    assert kv is not None and slots is not None
+    tree.insert(turn, kv, states={3 * PAGE: int(slots[0])})
+    match = tree.match_prefix(turn)
+    own = match.last_node.device_state
+    new, slot = tree.device_kv.alloc(2), tree.device_mamba.alloc(1)
+    assert new is not None and slot is not None
+    r = tree.insert(
+        turn + seq(2, 2 * PAGE),
+        torch.cat([match.device_kv_indices, new]),
+        states={3 * PAGE: own, 5 * PAGE: int(slot[0])},
+    )
+    assert r.num_freed_states == 0 and r.num_new_states == 1
+    assert match.last_node.device_state == own and tree.device_mamba.allocator.is_allocated(own)
     tree.check_integrity()
 
 
