@@ -197,11 +197,22 @@ class HybridCacheController(StorageTierMixin):
             tg, self._tg = self._tg, None
             try:
                 await tg.__aexit__(None, None, None)
+                # A close cancelled in ``wait_idle`` gets here with loads still copying (each a
+                # task of its own) and completions the stopped tasks left: both still finish.
+                await self._settle()
             finally:
                 try:
                     await self._close_backend()
                 finally:  # concurrent and later calls must not wait for ever
                     self._closing.set_result(None)
+
+    async def _settle(self) -> None:
+        """Wait for the load tasks, then complete what the completion queues hold."""
+        while self._loaders:
+            await asyncio.wait(list(self._loaders))
+            drop_done(self._loaders)
+        await self._load_completion.drain()
+        await self._write_completion.drain()
 
     async def _close_backend(self) -> None:
         """Close the backend once, as a task of its own: a close cancelled meanwhile leaves it
@@ -255,7 +266,7 @@ class HybridCacheController(StorageTierMixin):
         ordered after the deferred copies of earlier steps (``load(state_to=)``): what a step's
         forward may read is ready for it, whether or not its own counter waits.
         """
-        tg = self._require_started()
+        self._require_started()
         self._loads.order_after_deferred()
         ops = [op for op in self._load_queue if op.state is OpState.QUEUED]
         self._load_queue.clear()
@@ -272,12 +283,12 @@ class HybridCacheController(StorageTierMixin):
         self._stats.queue_depth("load", len(ops))
         # enqueue enqueues the first layers before it returns the coroutine the task runs.
         coro = self._loads.enqueue(ops, merged, deferred, layer_ids, counter, self.layer_copier)
-        try:
-            task = tg.create_task(coro, name="asynccache-load")
-        except RuntimeError:
-            # The group is shutting down (a background task failed), yet the ops are issued and
-            # their first layers enqueued: they must still complete and give their pages back.
-            task = asyncio.get_running_loop().create_task(coro, name="asynccache-load")
+        # A task of its own, outside the task group: the ops are issued and their first layers
+        # enqueued, so it must run to its end and complete them (give their pages back, resolve
+        # their waiters) even when a failed background task makes the group cancel its tasks —
+        # possibly before their first step — or take no new one. It never raises an Exception
+        # (a failed step fails its ops); ``wait_idle`` and ``aclose`` wait for it.
+        task = asyncio.get_running_loop().create_task(coro, name="asynccache-load")
         self._loaders.add(task)
         task.add_done_callback(self._loaders.discard)
         return counter
@@ -318,8 +329,8 @@ class HybridCacheController(StorageTierMixin):
             busy = True
             for tasks in (self._loaders, self._prefetcher.tasks):
                 drop_done(tasks)  # a finished one leaves by its callback a loop pass later
-                if tasks:
-                    await asyncio.gather(*list(tasks), return_exceptions=True)
+                if tasks:  # not gather: a cancelled wait must not cancel them
+                    await asyncio.wait(list(tasks))
             await self._load_completion.wait_idle()
             await self._write_completion.wait_idle()
             if tier is not None:
@@ -343,9 +354,9 @@ class HybridCacheController(StorageTierMixin):
             # A copy that issued fine can still fail on the stream (the event's synchronize
             # raised: a CUDA fault); its ops are undone like those of a failed issue.
             failed = error if error is not None else sync_error
-            # A failed step is undone newest first: a later op's nodes may hang below an
-            # earlier op's.
-            for op in ops if failed is None else reversed(ops):
+            # A failed step is undone newest first (by submission, not by the priority order
+            # it was issued in): a later op's nodes may hang below an earlier op's.
+            for op in ops if failed is None else sorted(ops, key=lambda op: -op.op_id):
                 try:
                     self._ops.complete(op, failed, tiering=self.tiering)
                 except Exception as e:  # noqa: BLE001 - every op of the step must still resolve

@@ -16,6 +16,7 @@ import torch
 from asynccache.errors import ConfigError
 from asynccache.ops import CacheOperation
 from asynccache.prefetch import Prefetcher
+from asynccache.storage import PoolName
 
 if TYPE_CHECKING:
     from asynccache.snapshots import SnapshotArchive
@@ -34,6 +35,7 @@ class StorageTierMixin:
     _prefetcher: Prefetcher
     _load_queue: list[CacheOperation]
     _write_queue: list[CacheOperation]
+    pools: dict[PoolName, tuple[Any, Any]]
 
     if TYPE_CHECKING:
 
@@ -64,11 +66,18 @@ class StorageTierMixin:
 
         The controller takes the tail over and releases it once the copy has finished (or, if
         cancelled or failed, once no copy from it is in flight). The device pages and slots stay
-        the caller's. Raises :class:`ConfigError` for page or slot lists that do not fit the tail
-        (before queueing: a bad list would fail the whole step's merged copy).
+        the caller's. Raises :class:`ConfigError` for a tail that is not landed intact or is
+        released, and for page or slot lists that do not fit the tail or the device pools (before
+        queueing: a bad list would fail the whole step's merged copy).
         """
         self._require_started()
-        op = self._prefetcher.tail_load_op(tail, device_pages, state_slots)
+        op = self._prefetcher.tail_load_op(
+            tail,
+            device_pages,
+            state_slots,
+            num_pages=self.pools[PoolName.KV][0].num_items,
+            num_slots=self.pools[PoolName.MAMBA][0].num_items,
+        )
         self._load_queue.append(op)
         return op
 

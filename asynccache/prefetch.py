@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -79,9 +81,9 @@ class TailRestore:
 
     @property
     def ok(self) -> bool:
-        """The fetch finished and every item arrived intact."""
+        """The fetch finished, every item arrived intact and the slots are not released."""
         f = self.fetch
-        return f.done() and not f.cancelled() and f.exception() is None and bool(f.result())
+        return not self.released and f.done() and not f.cancelled() and f.exception() is None and bool(f.result())
 
     def release(self) -> None:
         if self.released:
@@ -129,6 +131,8 @@ class Prefetcher:
         self.tasks: set[asyncio.Task[Any]] = set()
         #: each lookup's event set once it has probed storage (see ``tiering.prefetch``)
         self._probed: dict[asyncio.Task[Any], asyncio.Event] = {}
+        #: lookups whose split restore nobody takes (``abandon``): a later ``wait`` gets no tail
+        self._abandoned: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
 
     def start(
         self, tg: asyncio.TaskGroup, tiering: Any, tokens: Sequence[int], match: Any, *, salt: str, allow_tail: bool
@@ -159,6 +163,7 @@ class Prefetcher:
         def forget(_: asyncio.Task[Any]) -> None:
             self.tasks.discard(task)
             self._probed.pop(task, None)
+            probed.set()  # ended, also when cancelled before it could probe: nobody waits on
 
         task.add_done_callback(forget)
         return task
@@ -196,30 +201,49 @@ class Prefetcher:
             # Nobody takes a split restore that arrives after the deadline: release it then.
             self.abandon(task)
             return None
-        return task.result()
+        result = task.result()
+        if task in self._abandoned and getattr(result, "tail", None) is not None:
+            # Asked again after an earlier wait gave up: the tail is released (or will be when
+            # it lands), its slots no longer the caller's. What landed on host stays.
+            result = dataclasses.replace(result, tail=None)
+        return result
 
     def time_left(self, num_tokens: int, elapsed_s: float) -> float | None:
         """Seconds left to wait for a prefetch that has run ``elapsed_s`` (None: no limit)."""
         timeout = self.config.prefetch_timeout_s(num_tokens)
         return None if timeout is None else max(0.0, timeout - elapsed_s)
 
-    @staticmethod
-    def abandon(task: asyncio.Task[Any]) -> None:
+    def abandon(self, task: asyncio.Task[Any]) -> None:
         """Nobody will take ``task``'s result: release the split restore it brings, if any,
-        once it has ended (at once if it has)."""
+        once it has ended (at once if it has). A later :meth:`wait` gets the result without it."""
+        if task in self._abandoned:
+            return
+        self._abandoned.add(task)
         task.add_done_callback(_release_late_tail)
 
-    def tail_load_op(self, tail: Any, device_pages: torch.Tensor, state_slots: torch.Tensor) -> CacheOperation:
+    def tail_load_op(
+        self, tail: Any, device_pages: torch.Tensor, state_slots: torch.Tensor, *, num_pages: int, num_slots: int
+    ) -> CacheOperation:
         """The load of a landed tail restore (see ``HybridCacheController.load_tail``): no tree
-        plan, and the tail is released once the operation is done. :class:`ConfigError` for page
-        or slot lists that do not fit the tail."""
-        for what, t, n in (("device_pages", device_pages, tail.host_kv.numel()), ("state_slots", state_slots, None)):
+        plan, and the tail is released once the operation is done. :class:`ConfigError` for a
+        tail that is not landed intact or already released, and for page or slot lists that do
+        not fit the tail or the device pools (``num_pages`` pages, ``num_slots`` slots)."""
+        if not tail.ok:
+            state = "released" if tail.released else "not landed intact"
+            raise ConfigError(f"load_tail: the tail restore is {state}")
+        lists = (
+            ("device_pages", device_pages, tail.host_kv.numel(), num_pages),
+            ("state_slots", state_slots, None, num_slots),
+        )
+        for what, t, n, limit in lists:
             if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int64:
                 raise ConfigError(f"load_tail: {what} must be a 1-D int64 tensor")
             if (n is not None and t.numel() != n) or (n is None and t.numel() < 1):
                 raise ConfigError(
                     f"load_tail: {what} holds {t.numel()} indices, the tail needs {'at least 1' if n is None else n}"
                 )
+            if t.numel() and (int(t.min()) < 0 or int(t.max()) >= limit):
+                raise ConfigError(f"load_tail: {what} must lie in [0, {limit})")
         loop = asyncio.get_running_loop()
         op = CacheOperation(
             OpKind.LOAD,

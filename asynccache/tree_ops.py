@@ -61,6 +61,8 @@ class TreeOps:
         self.tree = tree
         self.pools = pools  # the controller's (device, host) pools, by name
         self._stats = stats
+        #: failed ops whose undo waits for a later op that builds on them (see ``complete``)
+        self._blocked: list[CacheOperation] = []
 
     def load_op(
         self, match: Any, *, priority: int, state_to: Sequence[int], loop: asyncio.AbstractEventLoop
@@ -163,16 +165,42 @@ class TreeOps:
                 self._stats.latency(op.kind.value, time.perf_counter() - op.issued_at)
             if not op.future.done():
                 op.future.set_result(None)
+            self._undo_blocked()
             return
         try:
             self.abort(op, failed=True)
-        except TreeError as e:  # never leave the op unresolved: its waiter must hear of it
-            log.error("could not undo the failed %r: %s", op, e)
+        except TreeError as e:
+            # A later op still in flight builds on this one (a backup of a child, a load below):
+            # undone once that one has completed or been undone. Its waiter hears now.
+            log.warning("the undo of the failed %r waits for a later operation: %s", op, e)
+            self._blocked.append(op)
+        else:
+            self._undo_blocked()
         op.state = OpState.FAILED
         self._stats.count(f"{op.kind.value}_failed")
         if not op.future.done():
             op.future.set_exception(TransferError(f"{op!r} failed: {error}"))
             op.future.exception()  # mark retrieved: a failed op nobody awaits is not an error
+
+    def _undo_blocked(self) -> None:
+        """Undo the failed ops that waited for later ones, newest first, as far as the tree
+        now allows (the copies of one failed step are completed in submission order: a head's
+        undo would otherwise meet the data its tail's copy still holds below it)."""
+        progress = True
+        while progress and self._blocked:
+            progress = False
+            for op in sorted(self._blocked, key=lambda op: -op.op_id):
+                try:
+                    self.abort(op, failed=True)
+                except TreeError:
+                    continue
+                self._blocked.remove(op)
+                progress = True
+
+    @property
+    def num_blocked(self) -> int:
+        """Failed operations whose undo still waits for a later one."""
+        return len(self._blocked)
 
     def cancel_queued(self, op: CacheOperation) -> None:
         """Undo a queued ``op`` and cancel its future (nothing for an op no longer queued).
@@ -183,6 +211,7 @@ class TreeOps:
         op.state = OpState.CANCELLED
         self._stats.count(f"{op.kind.value}_cancelled")
         op.future.cancel()
+        self._undo_blocked()
 
     def free(self, kv: torch.Tensor, slots: torch.Tensor, *, device: bool) -> None:
         """Return KV pages and state slots to the device pools (``device``) or the host pools."""

@@ -511,6 +511,10 @@ class _Tail:
         self.host_kv, self.host_slot = kv, slot
         self.released = 0
 
+    @property
+    def ok(self) -> bool:
+        return not self.released
+
     def release(self) -> None:
         self.released += 1
 

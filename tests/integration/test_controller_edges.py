@@ -22,6 +22,7 @@ from asynccache.errors import (
     TransferError,
     TreeError,
 )
+from asynccache.ops import OpState
 from asynccache.policy import EveryPageAdmission
 from asynccache.spec import HybridSpec
 from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer
@@ -191,14 +192,22 @@ async def test_a_failed_load_with_data_inserted_below_is_undone() -> None:
 
 
 class _Tail:
-    def __init__(self, host_kv: torch.Tensor, host_slot: torch.Tensor) -> None:
+    def __init__(self, host_kv: torch.Tensor, host_slot: torch.Tensor, *, ok: bool = True) -> None:
         self.host_kv, self.host_slot = host_kv, host_slot
+        self.landed, self.released = ok, False
+
+    @property
+    def ok(self) -> bool:  # as TailRestore.ok: landed intact and not released
+        return self.landed and not self.released
 
     def release(self) -> None:
-        pass
+        self.released = True
 
 
 async def test_a_tail_load_whose_lists_do_not_fit_is_refused_before_queueing() -> None:
+    """Lists of the wrong length or out of the device pools' range, and tails that did not
+    land intact or are released, are refused before queueing: a bad list would fail the whole
+    step's merged copy, the loads of other requests with it."""
     async with HybridCache(SPEC, config()) as cache:
         host = cache.tree.alloc_host(2, 1)
         device = cache.tree.alloc_device(3, 1)
@@ -208,6 +217,16 @@ async def test_a_tail_load_whose_lists_do_not_fit_is_refused_before_queueing() -
             cache.controller.load_tail(tail, device.kv_indices, device.state_slots)
         with pytest.raises(ConfigError, match="state_slots"):
             cache.controller.load_tail(tail, device.kv_indices[:2], torch.empty(0, dtype=torch.int64))
+        far = torch.tensor([0, cache.device_kv.num_items], dtype=torch.int64)
+        with pytest.raises(ConfigError, match=r"device_pages must lie in \[0, "):
+            cache.controller.load_tail(tail, far, device.state_slots)
+        with pytest.raises(ConfigError, match=r"state_slots must lie in \[0, "):
+            cache.controller.load_tail(tail, device.kv_indices[:2], torch.tensor([-1], dtype=torch.int64))
+        with pytest.raises(ConfigError, match="not landed intact"):
+            cache.controller.load_tail(_Tail(host.kv_indices, host.state_slots, ok=False), device.kv_indices[:2], device.state_slots)
+        tail.release()
+        with pytest.raises(ConfigError, match="released"):
+            cache.controller.load_tail(tail, device.kv_indices[:2], device.state_slots)
         assert cache.controller.statistics().load_queue == 0
 
 
@@ -282,30 +301,70 @@ async def test_a_prefetch_refused_while_shutting_down_leaves_its_node_unlocked()
         tree.check_integrity()
 
 
-async def test_a_load_issued_while_shutting_down_still_completes_and_frees() -> None:
-    """Its ops are issued and its first layers enqueued before the task is made: they must
-    complete (and give their pages back) even when the task group takes no new task."""
+async def test_a_load_issued_as_a_background_task_fails_still_completes_and_frees() -> None:
+    """A background task fails just before ``start_loading``: its task group then cancels its
+    tasks — a load task in it would be cancelled before its first step and never complete its
+    ops. The load's ops are issued and its first layers enqueued, so they complete (their
+    waiters resolved, their pages given back) and the close reports the failure."""
     cache = HybridCache(SPEC, config())
     before = free_counts(cache)
+    tokens = list(range(1, 4 * PAGE + 1))
+
+    async def fails() -> None:
+        raise ValueError("a background task failed")
+
+    with pytest.raises(ExceptionGroup) as raised:
+        async with cache:
+            ctrl, tree = cache.controller, cache.tree
+            await on_host_only(cache, tokens)
+            op = ctrl.load(tree.match_prefix(tokens))
+            assert op is not None
+            ctrl._tg.create_task(fails())
+            await asyncio.sleep(0)  # it fails; the group aborts at its done callback
+            ctrl.start_loading()
+            await asyncio.sleep(1)  # cancelled: the aborting group cancels this task too
+    assert raised.group_contains(ValueError, match="background task failed")
+    # The close waited for the load: done, its plan gone, the prefix on the device.
+    assert op.future.done() and op.future.exception() is None
+    tree = cache.tree
+    assert tree.stats().num_active_plans == 0
+    assert tree.match_prefix(tokens).num_device_tokens == len(tokens)
+    tree.check_integrity()
+    cache.flush_device()
+    cache.flush_host()
+    assert free_counts(cache) == before
+
+
+async def test_a_failed_step_undoes_its_loads_newest_first_whatever_their_priority() -> None:
+    """Two loads of one step, the later one below the earlier one in the tree and issued first
+    (higher priority): when the step fails, the later one is undone first, so both are undone
+    — no plan left active, every page and slot back, the prefix on the host alone again."""
+    cache = HybridCache(SPEC, config())
+    tokens = [(9 * t + 2) % 250 + 1 for t in range(8 * PAGE)]
     async with cache:
         ctrl, tree = cache.controller, cache.tree
-        tokens = list(range(1, 4 * PAGE + 1))
-        await on_host_only(cache, tokens)
-        op = ctrl.load(tree.match_prefix(tokens))
-        assert op is not None
-        real, ctrl._tg = ctrl._tg, _ShuttingDown()  # type: ignore[assignment]
-        try:
-            counter = ctrl.start_loading()
-        finally:
-            ctrl._tg = real
-        async with asyncio.timeout(5):
-            await op
-            await counter.wait(SPEC.cached_layer_ids[-1])
-        assert tree.match_prefix(tokens).num_device_tokens == len(tokens) - len(tokens) % PAGE
+        for n in (4 * PAGE, 8 * PAGE):
+            await backed_up(cache, insert(cache, tokens[:n]).backup_nodes)
         cache.flush_device()
-        cache.flush_host()
+        before = free_counts(cache)
+
+        def fails(*args: Any, **kwargs: Any) -> Any:
+            raise TransferError("injected")
+
+        ctrl.layer_copier = fails
+        ops = [ctrl.load(tree.match_prefix(tokens[:n]), priority=p) for n, p in ((4 * PAGE, 0), (8 * PAGE, 1))]
+        assert all(op is not None for op in ops)
+        counter = ctrl.start_loading()
+        with pytest.raises(TransferError):
+            await counter.wait(SPEC.cached_layer_ids[0])
+        for op in ops:
+            with pytest.raises(TransferError):
+                await asyncio.wait_for(op, 5)
+        assert tree.stats().num_active_plans == 0
+        assert free_counts(cache) == before
+        match = tree.match_prefix(tokens)
+        assert (match.num_device_tokens, match.num_host_tokens, match.pending_load) == (0, len(tokens), False)
         tree.check_integrity()
-    assert free_counts(cache) == before
 
 
 async def test_a_backup_completing_while_shutting_down_leaves_its_host_copy() -> None:
@@ -455,3 +514,37 @@ async def test_an_operation_whose_completion_raises_fails_and_the_others_of_its_
             outcomes = await asyncio.gather(*ops, return_exceptions=True)
         assert isinstance(outcomes[0], TransferError) and outcomes[1] is None
         tree.finish_backup = real  # type: ignore[method-assign]
+
+
+async def test_a_close_cancelled_while_a_load_copies_still_completes_the_load() -> None:
+    """The close is cancelled while it waits for a load still copying (a shutdown deadline):
+    the load still completes — its waiter resolved, its plan finished — before the close ends."""
+    cache = HybridCache(SPEC, config())
+    tokens = list(range(1, 4 * PAGE + 1))
+    await cache.__aenter__()
+    ctrl, tree = cache.controller, cache.tree
+    await on_host_only(cache, tokens)
+    copier = ctrl.layer_copier
+
+    def slow(*args: Any) -> Any:
+        copy = copier(*args)
+
+        def each(*a: Any, **k: Any) -> Any:
+            time.sleep(0.05)
+            return copy(*a, **k)
+
+        return each
+
+    ctrl.layer_copier = slow
+    op = ctrl.load(tree.match_prefix(tokens))
+    assert op is not None
+    ctrl.start_loading()
+    closing = asyncio.create_task(cache.__aexit__(None, None, None))
+    await asyncio.sleep(0.02)  # the close waits for the load
+    assert not op.future.done()
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert op.future.done() and op.state is OpState.DONE
+    assert tree.stats().num_active_plans == 0
+    tree.check_integrity()

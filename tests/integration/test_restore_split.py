@@ -173,6 +173,10 @@ async def test_a_tail_arriving_after_the_deadline_is_released() -> None:
         gate.set()
         res = await task
         assert res.tail is not None and res.tail.released  # nobody took it: released on arrival
+        assert not res.tail.ok  # its slots are no longer the caller's
+        # Asked again (a scheduler that computed meanwhile): the result, without the tail.
+        again = await ctrl.wait_prefetch(task, len(TOKENS))
+        assert again is not None and again.tail is None and again.num_tokens == res.num_tokens
         await res.tail.fetch
         assert cache.host_kv.num_free == free_kv
 
