@@ -200,13 +200,20 @@ class AdmitMixin:
         # Pages for every position this request will compute: [num_cached, total_len - 1).
         last_pos = req.total_len - 1
         num_pages_total = -(-last_pos // page)
-        snap_positions = self._snapshot_positions(req, num_cached, tail)
-        storage_only = self._storage_only_positions(req, num_cached, tail, snap_positions)
+        snap_positions = self._snapshot_positions(req, num_cached, tail, match)
+        storage_only = self._storage_only_positions(req, num_cached, tail, snap_positions, match)
         snap_positions = sorted(snap_positions + storage_only)
         # The working and snapshot slots first, then the load's pages, then the request's own:
         # the load's pages come off the free list in one piece (one copy a layer) when they
         # were freed together.
         slot_alloc = tree.alloc_device(0, 1 + len(snap_positions))
+        if slot_alloc is None and snap_positions and not self._running:
+            # Snapshots are states kept for later requests, not what this one needs to run. With
+            # nothing running no slot will come back by waiting: as many as the slots the
+            # failed allocation left (it evicted what it could).
+            snap_positions = self._fewer_snapshots(snap_positions, tail)
+            storage_only = [p for p in storage_only if p in snap_positions]
+            slot_alloc = tree.alloc_device(0, 1 + len(snap_positions))
         op = page_alloc = None
         state_to: tuple[int, ...] = ()
         try:
@@ -277,24 +284,38 @@ class AdmitMixin:
         req.seed_slot = None
         req.kv_pages = req.own_pages = None
 
-    def _snapshot_positions(self, req: Request, num_cached: int, tail: Any = None) -> list[int]:
+    def _snapshot_positions(self, req: Request, num_cached: int, tail: Any, match: Any) -> list[int]:
         """Page-aligned positions the admission policy keeps, past the cached prefix (and not
-        inside a tail restore: only its end, whose state the restore brings)."""
+        inside a tail restore: only its end, whose state the restore brings); ``match`` (the
+        request's, None without one) places a branch point. None without the cache."""
+        if not self.config.use_cache:
+            return []
         computed_len = req.total_len - 1  # the last sampled token is never computed
         positions = self.cache.tree.admission.state_positions(
-            len(req.prompt), total_len=computed_len, page_size=self.spec.page_size
+            len(req.prompt), total_len=computed_len, page_size=self.spec.page_size, match=match
         )
         return self._computed_here(positions, num_cached, computed_len, tail)
 
-    def _storage_only_positions(self, req: Request, num_cached: int, tail: Any, kept: list[int]) -> list[int]:
+    def _storage_only_positions(self, req: Request, num_cached: int, tail: Any, kept: list[int], match: Any) -> list[int]:
         """Positions the admission policy wants in storage only (``storage_positions``, where it
         has one and there is a storage tier), past the cached prefix and not kept by the tree:
         archived with ``controller.archive_snapshots`` when the request finishes."""
         storage_positions = getattr(self.cache.tree.admission, "storage_positions", None)
         if storage_positions is None or not self.config.use_cache or self.cache.controller.tiering is None:
             return []
-        positions = set(storage_positions(len(req.prompt), page_size=self.spec.page_size)) - set(kept)
+        positions = set(storage_positions(len(req.prompt), page_size=self.spec.page_size, match=match)) - set(kept)
         return self._computed_here(positions, num_cached, req.total_len - 1, tail)
+
+    def _fewer_snapshots(self, snapshots: list[int], tail: Any) -> list[int]:
+        """``snapshots`` (sorted) cut to the device's free state slots besides the working one.
+        Kept first: the deepest (the prompt's or the output's end) and a tail restore's end
+        (its state arrives with the restore), then the deeper the sooner."""
+        room = self.cache.device_mamba.num_free - 1
+        if room <= 0:
+            return []
+        first = [p for p in (snapshots[-1], tail.end_tokens if tail is not None else None) if p in snapshots]
+        rest = [p for p in reversed(snapshots) if p not in first]
+        return sorted(dict.fromkeys([*first, *rest][:room]))
 
     @staticmethod
     def _computed_here(positions: Any, num_cached: int, computed_len: int, tail: Any) -> list[int]:

@@ -106,9 +106,9 @@ class FinishMixin:
 
     def _cancel(self, req: Request) -> None:
         """Free everything a request holds (between steps, or on leaving once the loop has
-        stopped: no forward is using it). Its load, if still queued, is cancelled; one that
-        cannot be (issued, or built on by another) copies into the request's working slot, so
-        the slots are freed once it has completed."""
+        stopped: no forward is using it). Its loads (its prefix's, its tail restore's), if still
+        queued, are cancelled; one that cannot be (issued, or built on by another) copies into
+        the request's pages and slots, so they are freed once it has completed."""
         if req in self._waiting:
             self._waiting.remove(req)
         if req.lookup is not None:  # its storage lookup runs on; nobody takes what it brings
@@ -127,11 +127,23 @@ class FinishMixin:
                     self.cache.device_kv.free(own)
                 self.cache.device_mamba.free(slots)
 
-            op, req.load_op = req.load_op, None
-            if op is None or op.future.done() or self.cache.controller.cancel(op):
+            # Its loads (the prefix's, a tail restore's) write into its pages and slots: freed
+            # once every one of them is cancelled or has completed.
+            ops = [op for op in (req.load_op, req.tail_op) if op is not None]
+            req.load_op = req.tail_op = None
+            pending = [op for op in ops if not (op.future.done() or self.cache.controller.cancel(op))]
+            if not pending:
                 free()
             else:
-                op.future.add_done_callback(free)
+                left = [len(pending)]
+
+                def one_done(_: object) -> None:
+                    left[0] -= 1
+                    if not left[0]:
+                        free()
+
+                for op in pending:
+                    op.future.add_done_callback(one_done)
             if req.locked_node is not None:
                 self.cache.tree.unlock(req.locked_node)
         if req.tail is not None:

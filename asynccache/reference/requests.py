@@ -150,6 +150,7 @@ class Request:
     storage_only: frozenset[int] = frozenset()  # snapshot positions archived to storage only
     tail: Any = None  # a TailRestore still to apply
     load_op: Any = None  # the CacheOperation bringing the request's prefix (and state) to the device
+    tail_op: Any = None  # the CacheOperation loading its tail restore into its own pages and slots
     num_restored: int = 0  # tokens a tail restore brought (not computed)
     output: list[int] = field(default_factory=list)
     first_token_at: float | None = None

@@ -307,7 +307,7 @@ class Scheduler(AdmitMixin, FinishMixin):
         if tail.end_tokens in req.snapshots:  # the admission policy keeps the tail's end state
             slots.append(req.snapshots[tail.end_tokens])
         # Loaded layer by layer with this step's loads; the controller releases the tail after.
-        self.cache.controller.load_tail(
+        req.tail_op = self.cache.controller.load_tail(
             tail,
             req.kv_pages[tail.begin_tokens // page : tail.end_tokens // page],
             torch.tensor(slots, dtype=torch.int64),

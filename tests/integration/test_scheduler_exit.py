@@ -4,6 +4,7 @@ inside the forward, and an admission whose allocation raises."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,7 @@ from serving import (
     arith_prompt,
     config_with,
     free_counts,
+    split_cost,
     tiny_model,
     tiny_spec,
 )
@@ -22,7 +24,8 @@ from asynccache.config import HybridCacheConfig
 from asynccache.errors import ConfigError, SchedulerError
 from asynccache.reference import admit
 from asynccache.reference.model import HybridModel
-from asynccache.reference.scheduler import Scheduler
+from asynccache.reference.scheduler import Scheduler, SchedulerConfig
+from kernels import PoolPair
 
 SPEC = tiny_spec()
 MODEL = tiny_model(SPEC, "cpu", seed=0)
@@ -200,4 +203,60 @@ async def test_an_allocation_that_raises_midway_gives_back_what_it_took(tier: st
         monkeypatch.setattr(admit, "_path_device_pages", broken)
         await admission_fails(cache, p1 + [9, 9, 9, 9], "page lookup failed")
         await cache.controller.wait_idle()
+        assert_nothing_held(cache)
+
+
+async def test_leaving_during_a_tail_restores_load_frees_its_pages_once_the_copy_ends(tmp_path: Any) -> None:
+    """A split restore's tail is loaded into the request's own pages during the step's forward.
+    Leaving then must not free those pages while the copy still writes them (a request taking
+    them next would be overwritten): they are freed once the copy has completed."""
+    chunk = SPEC.page_size
+    first = prompt(48, 7, 3)
+    async with HybridCache(SPEC, config(storage_uri=f"file://{tmp_path}")) as cache:
+        ctrl = cache.controller
+        async with Scheduler(MODEL, cache, SchedulerConfig(chunk_size=chunk)) as sched:
+            out = (await sched.generate(first, 4)).output_ids
+        await ctrl.wait_idle()
+        cache.flush_device()
+        cache.flush_host()  # in storage only: the next request restores it, split
+        assert ctrl.tiering is not None
+        ctrl.tiering.cost = split_cost(SPEC)
+        copier = PoolPair.layer_copier
+
+        def slow(pair: Any, *args: Any) -> Any:
+            copy = copier(pair, *args)
+
+            def each(*a: Any, **k: Any) -> Any:
+                time.sleep(0.05)  # the copies outlast the forward
+                return copy(*a, **k)
+
+            return each
+
+        ctrl.layer_copier = slow
+        tails: list[Any] = []
+        load_tail = ctrl.load_tail
+        gated = GatedModel(MODEL, cache)
+        gated.release.set()
+
+        def tracked(tail: Any, pages: torch.Tensor, slots: torch.Tensor) -> Any:
+            op = load_tail(tail, pages, slots)
+            tails.append((op, pages.clone()))
+            gated.release.clear()  # this step's forward waits: the scheduler is left during it
+            gated.entered.clear()
+            return op
+
+        ctrl.load_tail = tracked  # type: ignore[method-assign]
+        sched = Scheduler(gated, cache, SchedulerConfig(chunk_size=chunk))  # type: ignore[arg-type]
+        await sched.__aenter__()
+        fut = sched.submit(first + out + [5, 6, 7, 8, 9], 4)
+        async with asyncio.timeout(60):
+            while not tails or not gated.entered.is_set():
+                await asyncio.sleep(0.01)
+        (op, pages), = tails
+        await sched.__aexit__(None, None, None)
+        assert fut.cancelled()
+        assert not op.future.done()  # its copy is still running
+        assert all(cache.device_kv.allocator.is_allocated(int(p)) for p in pages)
+        await ctrl.wait_idle()
+        assert op.future.done()
         assert_nothing_held(cache)
