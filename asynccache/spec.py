@@ -217,10 +217,17 @@ class HybridSpec:
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "tp_size", "tp_rank", "num_layers"):
+        for name in ("page_size", "tp_size", "tp_rank", "num_layers", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise SpecError(f"{name} must be an int, got {value!r}")
+        if not isinstance(self.kv_dtype, torch.dtype):
+            raise SpecError(f"kv_dtype must be a torch.dtype, got {self.kv_dtype!r}")
+        for c in self.state_components:
+            if not isinstance(c, StateComponent) or not isinstance(c.dtype, torch.dtype):
+                raise SpecError(f"state_components must be StateComponents with a torch.dtype, got {c!r}")
+            if not c.shape or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in c.shape):
+                raise SpecError(f"state component {c.name!r} needs a shape of positive ints, got {c.shape!r}")
         if self.page_size <= 0:
             raise SpecError(f"page_size must be positive, got {self.page_size}")
         if self.num_kv_heads <= 0 or self.head_dim <= 0:
@@ -324,6 +331,14 @@ class HybridSpec:
 
         The SSM / recurrent state is fp32 unless ``ssm_dtype`` says otherwise; conv states and
         KV use the model's ``torch_dtype`` (bf16 if absent) unless ``kv_dtype`` is given.
+
+        ``model_id`` names the *weights*: it is part of :attr:`namespace_id`, so caches share
+        stored KV and states only under one ``model_id``. Without it, a config read from a path
+        gets its ``_name_or_path`` (else ``model_type``) ``@`` its folder's absolute path — two
+        checkpoints of one architecture (a base model and a fine-tune, whose configs may be
+        identical) never share storage; pass the same ``model_id`` to share it across folders or
+        machines, and never one name for different weights. A dict's default is its own name
+        alone, which names the architecture: pass ``model_id`` with a storage tier.
         """
         from asynccache.hf_config import parse_hf_config
 
@@ -338,6 +353,9 @@ class HybridSpec:
             if not isinstance(config, dict):
                 kind = {list: "an array", str: "a string", type(None): "null", bool: "a boolean"}.get(type(config), "a number")
                 raise SpecError(f"HF config {path} is not a JSON object but {kind}")
+            if model_id is None:
+                name = config.get("_name_or_path") or config.get("model_type")
+                model_id = f"{name}@{path.resolve().parent}"
         return parse_hf_config(
             dict(config),
             tp_size=tp_size,

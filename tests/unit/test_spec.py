@@ -263,6 +263,11 @@ def test_dtype_from_name_unknown() -> None:
         ({"attention_layer_ids": (), "mamba_layer_ids": ()}, "at least one"),
         ({"state_components": ()}, "state_components"),
         ({"tp_size": 2, "tp_rank": 2}, "tp_rank"),
+        ({"num_kv_heads": True}, "num_kv_heads must be an int"),
+        ({"head_dim": 2.5}, "head_dim must be an int"),
+        ({"kv_dtype": "bfloat16"}, "kv_dtype must be a torch.dtype"),
+        ({"state_components": (StateComponent(name="ssm", shape=(-4, 3), dtype=torch.float32),)}, "positive ints"),
+        ({"state_components": (StateComponent(name="ssm", shape=(4,), dtype="float32"),)}, "torch.dtype"),
     ],
 )
 def test_invalid_specs_are_rejected(overrides: dict[str, Any], message: str) -> None:
@@ -371,6 +376,23 @@ def test_model_id_defaults_to_name_or_path() -> None:
     cfg = dict(QWEN3_NEXT_80B, _name_or_path="Qwen/Qwen3-Next-80B-A3B-Instruct")
     assert HybridSpec.from_hf_config(cfg).model_id == "Qwen/Qwen3-Next-80B-A3B-Instruct"
     assert HybridSpec.from_hf_config(QWEN3_NEXT_80B).model_id == "qwen3_next"
+
+
+def test_checkpoints_in_two_folders_with_one_config_never_share_a_namespace(tmp_path: Path) -> None:
+    """A base model and its fine-tune often carry the same config.json (the fine-tune's
+    ``_name_or_path`` the base's): their stored KV and states must not be served to each other.
+    An explicit ``model_id`` shares storage on purpose."""
+    cfg = json.dumps(dict(QWEN3_NEXT_80B, _name_or_path="Qwen/Qwen3-Next-80B-A3B-Instruct"))
+    folders = [tmp_path / "base", tmp_path / "finetune"]
+    for folder in folders:
+        folder.mkdir()
+        (folder / "config.json").write_text(cfg)
+    base, tuned = (HybridSpec.from_hf_config(f) for f in folders)
+    assert base.namespace_id != tuned.namespace_id
+    assert base.model_id == f"Qwen/Qwen3-Next-80B-A3B-Instruct@{folders[0].resolve()}"
+    assert base == HybridSpec.from_hf_config(folders[0] / "config.json")  # the same checkpoint
+    shared = [HybridSpec.from_hf_config(f, model_id="qwen3-next-instruct") for f in folders]
+    assert shared[0].namespace_id == shared[1].namespace_id
 
 
 # ---- presets -------------------------------------------------------------------------------------
