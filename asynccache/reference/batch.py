@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from asynccache.checks import as_int
 from asynccache.errors import ConfigError
 
 __all__ = ["ForwardBatch", "Segment", "SequenceInput", "plan_passes"]
@@ -99,7 +100,7 @@ class Segment:
         return self.start + self.length
 
 
-def _validate(seq: SequenceInput, i: int, *, page_size: int, num_pages: int, num_slots: int, vocab_size: int) -> None:
+def _validate(seq: SequenceInput, i: int, *, page_size: int, num_pages: int, vocab_size: int) -> None:
     ids = seq.token_ids
     if ids.dim() != 1 or ids.dtype != torch.int64 or ids.numel() < 1:
         raise ConfigError(f"sequence {i}: token_ids must be a non-empty 1-D int64 tensor, got {tuple(ids.shape)} {ids.dtype}")
@@ -108,8 +109,8 @@ def _validate(seq: SequenceInput, i: int, *, page_size: int, num_pages: int, num
     if ids.device.type == "cpu" and vocab_size and not bool(((ids >= 0) & (ids < vocab_size)).all()):
         bad = ids[(ids < 0) | (ids >= vocab_size)][0].item()
         raise ConfigError(f"sequence {i}: token id {bad} outside the vocabulary [0, {vocab_size})")
-    if seq.start < 0:
-        raise ConfigError(f"sequence {i}: start must be >= 0, got {seq.start}")
+    if as_int(seq.start) is None or seq.start < 0:
+        raise ConfigError(f"sequence {i}: start must be an int >= 0, got {seq.start!r}")
     pages = seq.kv_page_indices
     if pages.dim() != 1 or pages.dtype != torch.int64:
         raise ConfigError(f"sequence {i}: kv_page_indices must be a 1-D int64 tensor")
@@ -118,11 +119,8 @@ def _validate(seq: SequenceInput, i: int, *, page_size: int, num_pages: int, num
         raise ConfigError(f"sequence {i}: {pages.numel()} KV pages cannot hold {seq.end} tokens (page size {page_size})")
     if pages.device.type == "cpu" and need and not bool(((pages[:need] >= 0) & (pages[:need] < num_pages)).all()):
         raise ConfigError(f"sequence {i}: KV page index outside the pool's {num_pages} pages")
-    for slot in (seq.state_slot, *seq.snapshots.values()):
-        if not 0 <= slot < num_slots:
-            raise ConfigError(f"sequence {i}: state slot {slot} outside the pool's {num_slots} slots")
     for p, slot in seq.snapshots.items():
-        if not seq.start < p <= seq.end:
+        if as_int(p) is None or not seq.start < p <= seq.end:
             raise ConfigError(f"sequence {i}: snapshot position {p} outside ({seq.start}, {seq.end}]")
         if slot == seq.state_slot:
             raise ConfigError(f"sequence {i}: snapshot slot {slot} is the working slot")
@@ -164,6 +162,10 @@ def plan_passes(
     """
     if not sequences:
         raise ConfigError("a forward batch needs at least one sequence")
+    for i, seq in enumerate(sequences):  # integers in range before the slots are compared
+        for slot in (seq.state_slot, *seq.snapshots.values()):
+            if as_int(slot) is None or not 0 <= slot < num_slots:
+                raise ConfigError(f"sequence {i}: state slot {slot!r} is not an int or outside the pool's {num_slots} slots")
     working = [s.state_slot for s in sequences]
     snaps = [slot for s in sequences for slot in s.snapshots.values()]
     if len(set(working)) != len(working):
@@ -172,7 +174,7 @@ def plan_passes(
         raise ConfigError("snapshot slots must be distinct from each other and from every working slot")
     per_seq = []
     for i, seq in enumerate(sequences):
-        _validate(seq, i, page_size=page_size, num_pages=num_pages, num_slots=num_slots, vocab_size=vocab_size)
+        _validate(seq, i, page_size=page_size, num_pages=num_pages, vocab_size=vocab_size)
         per_seq.append(_segments(seq, i, page_size))
     if not pack:
         return [(seg,) for segs in per_seq for seg in segs]
