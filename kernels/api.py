@@ -27,6 +27,7 @@ from kernels.copy_checks import (
     check_layer_range,
     check_overlap,
     copy_direction,
+    layer_int,
     resolve_max_ctas,
     shares_buffer,
     validate_copy,
@@ -147,7 +148,10 @@ def copy_items(
     indices must be distinct. A layer-by-layer copy of the same index lists is cheaper through
     :func:`layer_copier`.
     """
-    layer_end = src.num_layers if layer_end is None else layer_end
+    # Python ints before anything uses them (a NumPy integer would reach the runtime's and
+    # Triton's arguments as such).
+    layer_begin = layer_int("layer_begin", layer_begin)
+    layer_end = src.num_layers if layer_end is None else layer_int("layer_end", layer_end)
     if _on_cuda(src) or _on_cuda(dst):
         chosen = select_method(src, dst, method=method, layer_begin=layer_begin, layer_end=layer_end)
         resolve_max_ctas(max_ctas)
@@ -195,6 +199,8 @@ class PoolPair:
         stream: torch.cuda.Stream | None = None,
         method: str | None = None,
     ) -> None:
+        if method is not None and not isinstance(method, str):
+            raise TransferError(f"unknown copy method {method!r}; known: {list(COPY_METHOD_NAMES)}")
         self.src, self.dst, self.max_ctas, self.stream = src, dst, max_ctas, stream
         self.engine = method[4:] if method and method.startswith("dma:") else "auto"
         self._checked: tuple[str, torch.device] | None = None
@@ -246,14 +252,14 @@ class PoolPair:
             max_ctas, stream = self.max_ctas, self.stream
 
             def copy_triton(layer: int, count: int = 1) -> int:
-                check_layer_range(layer, count, num_layers)
+                layer, count = check_layer_range(layer, count, num_layers)
                 launch_copy(src, dst, src_indices, dst_indices, layer, layer + count, max_ctas=max_ctas, stream=stream)
                 return layer_bytes * count
 
             return copy_triton
 
         def copy_cpu(layer: int, count: int = 1) -> int:
-            check_layer_range(layer, count, num_layers)
+            layer, count = check_layer_range(layer, count, num_layers)
             if layer_bytes and src.buffer is not None:
                 _copy_torch(src, dst, src_indices, dst_indices, layer, layer + count)
             return layer_bytes * count

@@ -26,6 +26,7 @@ __all__ = [
     "check_layer_range",
     "check_overlap",
     "copy_direction",
+    "layer_int",
     "resolve_max_ctas",
     "shares_buffer",
     "validate_copy",
@@ -61,9 +62,7 @@ def validate_copy(
     """Raise :class:`TransferError` for anything a launch would get wrong: the pools
     (:func:`validate_pools`), the layer range, the index lists (:func:`validate_indices`)."""
     validate_pools(src, dst)
-    for name, value in (("layer_begin", layer_begin), ("layer_end", layer_end)):
-        if as_int(value) is None:
-            raise TransferError(f"{name} must be an int, got {value!r}")
+    layer_begin, layer_end = layer_int("layer_begin", layer_begin), layer_int("layer_end", layer_end)
     if not 0 <= layer_begin <= layer_end <= src.num_layers:
         raise TransferError(f"layer range [{layer_begin}, {layer_end}) outside 0..{src.num_layers}")
     validate_indices(src, dst, src_indices, dst_indices)
@@ -91,13 +90,24 @@ def validate_pools(src: PoolBufferLike, dst: PoolBufferLike) -> None:
             raise TransferError(f"{name} strides address past the end of its buffer")
 
 
-def check_layer_range(layer: int, count: int, num_layers: int) -> None:
+def check_layer_range(layer: int, count: int, num_layers: int) -> tuple[int, int]:
     """A layer copier's ``(layer, count)``: ints (a float would be truncated by a kernel)
-    naming layers inside ``0..num_layers - 1``, else :class:`TransferError`."""
-    if as_int(layer) is None or as_int(count) is None:
+    naming layers inside ``0..num_layers - 1``, else :class:`TransferError`. Returns them as
+    Python ints (a NumPy integer would reach the runtime's and Triton's arguments as such)."""
+    first, n = as_int(layer), as_int(count)
+    if first is None or n is None:
         raise TransferError(f"layer and count must be ints, got {layer!r}, {count!r}")
-    if not (0 <= layer and count >= 1 and layer + count <= num_layers):
-        raise TransferError(f"layers [{layer}, {layer + count}) outside 0..{num_layers - 1}")
+    if not (0 <= first and n >= 1 and first + n <= num_layers):
+        raise TransferError(f"layers [{first}, {first + n}) outside 0..{num_layers - 1}")
+    return first, n
+
+
+def layer_int(name: str, value: object) -> int:
+    """A layer position as a Python int, else :class:`TransferError`."""
+    n = as_int(value)
+    if n is None:
+        raise TransferError(f"{name} must be an int, got {value!r}")
+    return n
 
 
 def validate_indices(

@@ -130,7 +130,7 @@ def dma_layer_copier(
     issuers: dict[int, Callable[[int], DmaLaunch | None]] = {}
 
     def issue(layer: int, count: int = 1) -> DmaLaunch | None:
-        check_layer_range(layer, count, num_layers)
+        layer, count = check_layer_range(layer, count, num_layers)
         issuer = issuers.get(count)
         if issuer is None:
             issuer = issuers[count] = _range_issuer(src, dst, src_indices, dst_indices, count, stream, engine, checked)

@@ -137,9 +137,12 @@ def _as_numpy(indices: torch.Tensor | Iterable[int]) -> np.ndarray:
             )
         return indices.detach().to("cpu", torch.int64).numpy().reshape(-1)
     try:
-        arr = np.asarray(indices if isinstance(indices, np.ndarray) else list(indices))
+        items = indices if isinstance(indices, np.ndarray) else list(indices)
     except TypeError:  # a scalar (free([i]) was meant)
         raise AllocationError(f"indices must be a tensor or a sequence of indices, got {indices!r}") from None
+    if isinstance(items, list) and any(isinstance(v, (bool, np.bool_)) for v in items):
+        raise AllocationError(f"indices must be integers, got a bool among {items!r}")  # True would free 1
+    arr = np.asarray(items)
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
     # As for tensors: a float (or bool) would be truncated to some other index.

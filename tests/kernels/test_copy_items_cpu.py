@@ -264,7 +264,7 @@ def test_views_of_one_buffer_from_different_bytes() -> None:
     assert torch.equal(storage[144:160], before[0:16]) and torch.equal(storage[128:144], before[16:32])
 
 
-@pytest.mark.parametrize("layers", [(0.5, 2), (0, 1.5), (True, 2)])
+@pytest.mark.parametrize("layers", [(0.5, 2), (0, 1.5), (True, 2), (None, 2), (0, "2")])
 def test_a_layer_range_of_non_integers_is_refused(layers: tuple[object, object]) -> None:
     src, dst = _pools()
     before = snapshot(dst)
@@ -274,6 +274,32 @@ def test_a_layer_range_of_non_integers_is_refused(layers: tuple[object, object])
     with pytest.raises(TransferError, match="must be ints"):
         copy(0.5)  # type: ignore[arg-type]
     assert torch.equal(snapshot(dst), before)
+
+
+def test_numpy_integer_layers_reach_the_copies_as_python_ints() -> None:
+    """The runtime's ctypes arguments and Triton's launch refuse NumPy integers: the checks
+    hand back Python ints, and a copy named by them lands as one named by ints."""
+    import numpy as np
+
+    from kernels.copy_checks import check_layer_range, layer_int
+
+    first, count = check_layer_range(np.int64(1), np.int32(1), 2)
+    assert (first, count) == (1, 1) and type(first) is int and type(count) is int
+    assert type(layer_int("layer_begin", np.int64(0))) is int
+    src, dst = _pools()
+    copy_items(src, dst, torch.tensor([0]), torch.tensor([1]), layer_begin=np.int64(1), layer_end=np.int64(2))
+    copy_items(src, dst, torch.tensor([0]), torch.tensor([1]), layer_begin=0, layer_end=1)
+    for layer in (0, 1):
+        assert torch.equal(dst.layer_items(layer)[1], src.layer_items(layer)[0])
+
+
+@pytest.mark.parametrize("method", [123, b"dma"])
+def test_a_pool_pair_of_a_method_that_is_no_string_is_refused(method: object) -> None:
+    from kernels.api import PoolPair
+
+    src, dst = _pools()
+    with pytest.raises(TransferError, match="unknown copy method"):
+        PoolPair(src, dst, method=method)  # type: ignore[arg-type]
 
 
 def test_a_destination_named_twice_is_refused_on_every_path() -> None:

@@ -177,7 +177,7 @@ def test_float_index_tensor_is_rejected() -> None:
     assert alloc.num_free == 2
 
 
-@pytest.mark.parametrize("bad", [[0.9], [True], "numpy-float"])
+@pytest.mark.parametrize("bad", [[0.9], [True], [1, True], "numpy-float"])
 def test_float_or_bool_index_lists_are_rejected_and_free_nothing(bad: object) -> None:
     """As for tensors: 0.9 would be truncated to index 0, which the caller did not name."""
     import numpy as np
