@@ -225,8 +225,11 @@ def _request(obj: Any) -> tuple[float, int, int, list[int]]:
     ids = obj["hash_ids"]
     if not isinstance(ids, list):
         raise TypeError(f"hash_ids must be a list, got {type(ids).__name__}")
+    stamp = obj["timestamp"]
+    if isinstance(stamp, bool) or not isinstance(stamp, (int, float)):
+        raise TypeError(f"timestamp must be a number, got {stamp!r}")
     return (
-        float(obj["timestamp"]) / 1000.0,
+        float(stamp) / 1000.0,
         _int(obj["input_length"], "input_length"),
         _int(obj["output_length"], "output_length"),
         [_int(x, "hash id") for x in ids],

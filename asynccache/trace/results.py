@@ -47,7 +47,10 @@ def parse_size(text: str | int) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if m is None or m.group(2).lower() not in _UNITS:
         raise ConfigError(f"cannot parse size {text!r} (examples: 512GiB, 8TiB, 32g, 0)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    exact = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if exact != int(exact):  # "0.4" (bytes) would silently become 0: a tier that vanishes
+        raise ConfigError(f"size {text!r} is not a whole number of bytes")
+    return int(exact)
 
 
 def format_size(nbytes: int) -> str:

@@ -60,6 +60,8 @@ def test_load_mooncake_lines(tmp_path: Path) -> None:
         ([{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [-1]}], ">= 0"),
         ([{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": "5"}], "must be a list"),
         ([{"timestamp": 0, "input_length": 3.9, "output_length": 1, "hash_ids": [0]}], "integer"),
+        ([{"timestamp": "0", "input_length": 10, "output_length": 1, "hash_ids": [0]}], "timestamp must be a number"),
+        ([{"timestamp": True, "input_length": 10, "output_length": 1, "hash_ids": [0]}], "timestamp must be a number"),
         (
             [
                 {"timestamp": 5, "input_length": 10, "output_length": 1, "hash_ids": [0]},
@@ -96,3 +98,14 @@ def test_integral_floats_are_taken() -> None:
     from asynccache.trace.loader import _request
 
     assert _request({"timestamp": 1000, "input_length": 10.0, "output_length": 2, "hash_ids": [0]}) == (1.0, 10, 2, [0])
+
+
+def test_sizes_that_are_not_whole_bytes_are_refused() -> None:
+    """``--storage-budgets 0.4`` became 0: the disk tier vanished from the replay unannounced."""
+    from asynccache.errors import ConfigError
+    from asynccache.trace.results import parse_size
+
+    assert parse_size("1.5g") == 3 * 2**29 and parse_size("0") == 0 and parse_size("0.5KiB") == 512
+    for bad in ("0.4", "1.5b", "0.1KiB"):
+        with pytest.raises(ConfigError, match="whole number of bytes"):
+            parse_size(bad)
