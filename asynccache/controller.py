@@ -196,10 +196,13 @@ class HybridCacheController(StorageTierMixin):
                 t.cancel()
             tg, self._tg = self._tg, None
             try:
-                await tg.__aexit__(None, None, None)
-                # A close cancelled in ``wait_idle`` gets here with loads still copying (each a
-                # task of its own) and completions the stopped tasks left: both still finish.
-                await self._settle()
+                try:
+                    await tg.__aexit__(None, None, None)
+                finally:
+                    # A close cancelled in ``wait_idle`` (or a group that failed) gets here with
+                    # loads still copying (each a task of its own) and completions the stopped
+                    # tasks left: both still finish.
+                    await self._settle()
             finally:
                 try:
                     await self._close_backend()

@@ -163,7 +163,7 @@ class Prefetcher:
         def forget(_: asyncio.Task[Any]) -> None:
             self.tasks.discard(task)
             self._probed.pop(task, None)
-            probed.set()  # ended, also when cancelled before it could probe: nobody waits on
+            probed.set()  # ended (also when cancelled before it probed): wake its waiters
 
         task.add_done_callback(forget)
         return task
