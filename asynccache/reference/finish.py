@@ -13,6 +13,7 @@ Primitives:
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING
 
@@ -131,19 +132,11 @@ class FinishMixin:
             # once every one of them is cancelled or has completed.
             ops = [op for op in (req.load_op, req.tail_op) if op is not None]
             req.load_op = req.tail_op = None
-            pending = [op for op in ops if not (op.future.done() or self.cache.controller.cancel(op))]
-            if not pending:
-                free()
+            pending = [op.future for op in ops if not (op.future.done() or self.cache.controller.cancel(op))]
+            if pending:
+                asyncio.gather(*pending, return_exceptions=True).add_done_callback(free)
             else:
-                left = [len(pending)]
-
-                def one_done(_: object) -> None:
-                    left[0] -= 1
-                    if not left[0]:
-                        free()
-
-                for op in pending:
-                    op.future.add_done_callback(one_done)
+                free()
             if req.locked_node is not None:
                 self.cache.tree.unlock(req.locked_node)
         if req.tail is not None:
