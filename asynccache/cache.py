@@ -91,12 +91,33 @@ def _check_layer_kinds(spec: HybridSpec, config: HybridCacheConfig, *, storage: 
         )
 
 
+def _check_device_pools(spec: HybridSpec, config: HybridCacheConfig) -> None:
+    """Refuse device pools no request fits in (a :class:`ConfigError` naming the field). Every
+    request takes device KV pages, by which the tree indexes its prefix, and a device state slot
+    to compute in, whatever the spec's layers: without attention layers the pages hold no
+    bytes, without recurrent layers the slots hold none, but both are still taken. With either
+    pool empty the cache was built and every request then failed with a ``CapacityError``."""
+    if config.device_kv_pages == 0:
+        why = "" if spec.attention_layer_ids else " (of no bytes without attention layers: they index the prefix)"
+        raise ConfigError(
+            f"device_kv_pages must be >= 1 for spec {spec.model_id!r}, got 0: every request takes device KV "
+            f"pages{why}, so none could be served"
+        )
+    if config.device_state_slots == 0:
+        why = "" if spec.mamba_layer_ids else " (of no bytes without recurrent layers)"
+        raise ConfigError(
+            f"device_state_slots must be >= 1 for spec {spec.model_id!r}, got 0: every request takes a device "
+            f"state slot to compute in{why}, so none could be served"
+        )
+
+
 class HybridCache:
     """Pools (device, and host when the config sizes them), tree, controller and storage
     backend, made from ``spec`` and ``config`` on ``device``.
 
     A spec with one kind of layer takes the tiers it can use: without attention layers, no host
-    tier; without recurrent layers, no storage tier (:class:`ConfigError`).
+    tier; without recurrent layers, no storage tier (:class:`ConfigError`). Every spec needs at
+    least one device KV page and one device state slot (``ConfigError`` naming the field).
 
     ``admission`` / ``eviction``: the tree's policies (default ``EndsAdmission`` /
     ``LRUEviction``). ``backend``: a storage backend to use instead of opening
@@ -129,6 +150,7 @@ class HybridCache:
             raise ConfigError(f"config must be a HybridCacheConfig, got {type(config).__name__}")
         if clock is not None and not callable(clock):
             raise ConfigError(f"clock must be a callable returning seconds, got {type(clock).__name__}")
+        _check_device_pools(spec, config)
         _check_layer_kinds(spec, config, storage=backend is not None or config.storage_uri is not None)
         self.spec = spec
         self.config = config

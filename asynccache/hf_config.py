@@ -24,7 +24,9 @@ Mamba2 inner size is ``mamba_d_ssm`` when given, else ``mamba_expand · hidden_s
 otherwise satisfy ``mamba_d_head · mamba_n_heads == inner size``.
 
 A missing or malformed field raises :class:`SpecError` naming it; an unknown ``model_type``
-lists the known ones; unknown layer-type entries are named.
+lists the known ones; unknown layer-type entries are named. Head counts no model has are refused
+too: query heads that are not a multiple of the KV heads, Gated DeltaNet value heads that are
+not a multiple of its key heads, Mamba2 heads that are not a multiple of its groups.
 """
 
 from __future__ import annotations
@@ -299,6 +301,11 @@ def parse_hf_config(
 
     num_heads = _req_int(cfg, "num_attention_heads", mt)
     num_kv_heads = _first_int(cfg, ("num_key_value_heads",), mt, default=num_heads)
+    if attn and num_heads % num_kv_heads:  # no model groups its query heads unevenly
+        raise SpecError(
+            f"{mt} config: num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads} "
+            "(grouped-query attention gives each KV head a whole group of query heads)"
+        )
     hidden = _req_int(cfg, "hidden_size", mt)
     if cfg.get("head_dim") is not None or cfg.get("attention_head_dim") is not None:
         head_dim = _first_int(cfg, ("head_dim", "attention_head_dim"), mt)

@@ -114,6 +114,10 @@ class LinearGeometry:
     def __post_init__(self) -> None:
         if self.kind not in ("gated_deltanet", "mamba2", "mamba1"):
             raise SpecError(f"unknown linear layer kind {self.kind!r}")
+        for name in ("num_heads", "head_dim", "num_k_heads", "head_k_dim", "n_groups", "state_size", "conv_kernel"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise SpecError(f"{self.kind} geometry: {name} must be an int, got {value!r}")
         if self.conv_kernel < 2:
             raise SpecError(f"conv_kernel must be >= 2, got {self.conv_kernel}")
         needed = {"num_heads": self.num_heads, "head_dim": self.head_dim}
@@ -126,6 +130,17 @@ class LinearGeometry:
         for name, value in needed.items():
             if value <= 0:
                 raise SpecError(f"{self.kind} geometry needs a positive {name}, got {value}")
+        # Heads in whole groups: each key head (GDN) or B/C group (Mamba2) serves as many heads.
+        if self.kind == "gated_deltanet" and self.num_heads % self.num_k_heads:
+            raise SpecError(
+                f"gated_deltanet geometry: num_heads={self.num_heads} value heads (linear_num_value_heads) are "
+                f"not a multiple of num_k_heads={self.num_k_heads} key heads (linear_num_key_heads)"
+            )
+        if self.kind == "mamba2" and self.num_heads % self.n_groups:
+            raise SpecError(
+                f"mamba2 geometry: num_heads={self.num_heads} SSM heads are not a multiple of "
+                f"n_groups={self.n_groups} B/C groups"
+            )
 
     def conv_dim(self, tp_size: int = 1) -> int:
         if self.kind == "gated_deltanet":
@@ -248,6 +263,27 @@ class HybridSpec:
             if value is None or value < 0:
                 raise SpecError(f"{name} must be an int >= 0 (0: unknown), got {getattr(self, name)!r}")
             object.__setattr__(self, name, value)
+        self._check_query_heads()
+
+    def _check_query_heads(self) -> None:
+        """Query heads (when known) split evenly over the TP ranks, and each rank's into whole
+        groups, one per KV head it holds (grouped-query attention): ``num_attention_heads`` a
+        multiple of ``num_kv_heads · tp_size``. (A KV head replicated over ranks holds
+        ``num_kv_heads = 1``: the query heads need only split over the ranks.)"""
+        if not self.attention_layer_ids or not self.num_attention_heads:
+            return
+        heads, kv, tp = self.num_attention_heads, self.num_kv_heads, self.tp_size
+        if heads % (kv * tp) == 0:
+            return
+        if tp == 1:
+            raise SpecError(
+                f"num_attention_heads={heads} is not a multiple of num_kv_heads={kv}: grouped-query "
+                "attention gives each KV head a whole group of query heads"
+            )
+        raise SpecError(
+            f"num_attention_heads={heads} is not a multiple of num_kv_heads={kv} (per rank) × tp_size={tp}: "
+            "each rank needs a whole group of query heads for each KV head it holds"
+        )
 
     # ---- KV geometry -------------------------------------------------------------------
     @property

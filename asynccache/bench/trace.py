@@ -11,7 +11,11 @@ the policies across budgets (``--plot``) and ``--json PATH``::
 
     {"bound": float, "results": [{"admission": str, "eviction": str,
       "budget_bytes": {"device": int, "host": int, "storage": int},
-      "hit_rate": float, "fraction_of_bound": float, "flops_saved": float, …}], …}
+      "hit_rate": float, "fraction_of_bound": float, "flops_saved": float,
+      "bytes_moved": {"h2d": int, "d2h": int, …},
+      "evictions": {"device_kv": int, "device_state": int, "device_stuck": int, …}, …}], …}
+
+(every key of ``bytes_moved`` and ``evictions``: ``asynccache.trace.results.ReplayResult``).
 
 Policies are ``admission/eviction[/write_policy[/storage_write]]`` (see
 ``asynccache.trace.policies``). The default set: the tree's defaults (``ends/lru``), a state at
@@ -122,7 +126,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("controller", "sync"),
         default="controller",
         help="controller: copies through the asyncio HybridCacheController (default); sync: the tree's "
-        "synchronous stand-in (same figures without storage, faster)",
+        "synchronous stand-in (the same figures, faster)",
     )
     p.add_argument(
         "--jobs", type=positive_int, default=min(2, os.cpu_count() or 1), help="parallel replays (default: min(2, cores))"

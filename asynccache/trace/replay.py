@@ -308,6 +308,7 @@ class TraceReplay:
             "device_kv": self.device_budget.counts.kv_pages,
             "device_state": self.device_budget.counts.states,
             "device_lost_states": self.device_budget.counts.lost_states,
+            "device_stuck": self.device_budget.counts.stuck,
             "released_states": self.released_states,
         }
         if self.attention_only:  # its states cost nothing: their copies do not count
@@ -319,13 +320,15 @@ class TraceReplay:
             evictions["host_kv"] = self.host_budget.counts.kv_pages
             evictions["host_state"] = self.host_budget.counts.states
             evictions["host_lost_states"] = self.host_budget.counts.lost_states
+            evictions["host_stuck"] = self.host_budget.counts.stuck
             peak["host"] = self.host_budget.peak_bytes
         extra: dict[str, Any] = {"engine": "sync", "bound_hit_tokens": self.bound.hit_tokens}
         if self.storage is not None and self.storage_tier is not None:
             c = self.storage.counters()
             moved["storage_write"] = sum(c.bytes_written.values())
             moved["storage_read"] = sum(c.bytes_read.values())
-            moved["d2h"] += self.storage_tier.staged_state_bytes
+            # the staging of storage-only snapshots, as the controller engine counts it
+            moved["d2h"] += self.storage_tier.staged_kv_bytes + self.storage_tier.staged_state_bytes
             evictions["storage_objects"] = sum(c.num_evicted.values())
             peak["storage"] = c.capacity_bytes if c.bytes_evicted else c.used_bytes
             extra["storage_objects"] = c.num_objects

@@ -1,7 +1,8 @@
 """Tables and plots of trace replays.
 
 - :func:`format_table` — one row per (policy, budget): hit rate overall and by tier, fraction of
-  the infinite-cache bound, prefill FLOPs saved, bytes moved per tier, evictions, replay time.
+  the infinite-cache bound, prefill FLOPs saved, bytes moved per tier, evictions (KV pages,
+  states, and the budget enforcements left over budget: ``stuck``), replay time.
 - :func:`plot_results` — a PNG: hit rate against the host budget, one line per policy, one panel
   per storage budget, with the bound drawn across.
 """
@@ -25,7 +26,7 @@ _COLUMNS = (
     ("dev/host/disk %", ">"),
     ("PFLOP saved", ">"),
     ("h2d/d2h/disk GiB", ">"),
-    ("evicted kv/state", ">"),
+    ("evicted kv/state/stuck", ">"),
     ("time s", ">"),
 )
 
@@ -37,6 +38,7 @@ def _row(r: ReplayResult) -> list[str]:
     disk = moved.get("storage_write", 0) + moved.get("storage_read", 0)
     kv_ev = r.evictions.get("device_kv", 0) + r.evictions.get("host_kv", 0)
     st_ev = r.evictions.get("device_state", 0) + r.evictions.get("host_state", 0)
+    stuck = r.evictions.get("device_stuck", 0) + r.evictions.get("host_stuck", 0)
     return [
         r.policy,
         r.write_policy,
@@ -46,7 +48,7 @@ def _row(r: ReplayResult) -> list[str]:
         "/".join(f"{100 * tiers[t]:.1f}" for t in ("device", "host", "storage")),
         f"{r.flops_saved / 1e15:,.0f}",
         f"{moved.get('h2d', 0) / gib:,.0f}/{moved.get('d2h', 0) / gib:,.0f}/{disk / gib:,.0f}",
-        f"{kv_ev:,}/{st_ev:,}",
+        f"{kv_ev:,}/{st_ev:,}/{stuck:,}",
         f"{r.wall_s:.1f}",
     ]
 

@@ -92,7 +92,17 @@ class TierBudget:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReplayResult:
-    """Figures of one replay. Token counts are prompt tokens; FLOPs are prefill FLOPs."""
+    """Figures of one replay. Token counts are prompt tokens; FLOPs are prefill FLOPs.
+
+    ``bytes_moved``: ``h2d``; ``d2h``, every device → host copy (backups, and the staging of
+    storage-only snapshots); ``d2h_kv`` / ``d2h_state``, the backups' alone; with a storage tier
+    ``storage_write`` / ``storage_read``. ``evictions``: indices the byte budgets freed
+    (``device_kv``, ``device_state``; ``host_kv``, ``host_state`` with a host tier), states lost
+    with them (``device_lost_states``, ``host_lost_states``), enforcements that left the tier
+    over its budget, all that was left being locked (``device_stuck``, ``host_stuck``), states
+    released as superseded (``released_states``) and, with a storage tier, storage objects
+    evicted (``storage_objects``).
+    """
 
     admission: str
     eviction: str

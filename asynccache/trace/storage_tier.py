@@ -16,10 +16,13 @@ bytes are kept.
   before host eviction drops it (:meth:`demote`, the tree's ``evict_host(demote=…)`` callback), so
   storage holds what the host lets go — GPU → host → storage by the tree's own victim order.
 - **Dense states** (:meth:`archive_states`): states the admission policy wants in storage only
-  (e.g. at every page) are written straight from the request's snapshots, after its backup's
-  archive (as the controller engine queues them), as *speculative* objects (they fill free
-  space and never displace proven data); they never enter the tree until a later request
-  fetches one.
+  (e.g. at every page) are written from the request's snapshots, after its backup's archive
+  (as the controller engine queues them), as *speculative* objects (they fill free space and
+  never displace proven data); they never enter the tree until a later request fetches one.
+  As the controller's tier (``controller.archive_snapshots``) they are staged first, and their
+  device → host bytes counted whatever storage then takes: the states, and the KV pages of the
+  path up to the deepest one that have no host copy (under write-back), copied into free host
+  slots; without free slots for them nothing is staged or written.
 - **Lookup** (:meth:`lookup`): the deepest page ``n`` of a prompt such that the tree holds the
   KV of its first pages (any tier), storage the KV of the pages past them up to ``n``, and
   storage the state at ``n``; asked as the controller's tier asks (``longest_hit``, which
@@ -80,7 +83,12 @@ class ReplayStorageTier:
         storage.set_object_bytes(PoolName.MAMBA, tree.host_mamba.bytes_per_index)
         self.num_prefetches = 0
         self.num_prefetch_no_room = 0
-        self.staged_state_bytes = 0  # device → host bytes of storage-only snapshots
+        #: device → host bytes staging storage-only snapshots (:meth:`archive_states`): their
+        #: states, and the KV pages of their paths that had no host copy
+        self.staged_state_bytes = 0
+        self.staged_kv_bytes = 0
+        #: requests whose storage-only snapshots found no free host slots to be staged in
+        self.num_snapshot_no_room = 0
         #: nodes a prefetch backed up, archived when it ends (as the controller's tier does)
         self._deferred: list[tuple[TreeNode, Ticket | None]] | None = None
         #: which backups a tight storage takes (:mod:`asynccache.storage_admission`; None: all)
@@ -88,12 +96,6 @@ class ReplayStorageTier:
         self.num_not_admitted = 0
 
     # ---- writing -----------------------------------------------------------------------
-    def _path_keys(self, node: TreeNode) -> list[str]:
-        keys: list[str] = []
-        for n in self.tree.path_to(node):
-            keys.extend(n.page_hashes)
-        return keys
-
     def archive_node(self, node: TreeNode) -> bool:
         """Write ``node``'s path as the controller's tier does for a storage that evicts: the KV
         of every page, then the state of each path node with a host state (``node``'s own
@@ -166,20 +168,34 @@ class ReplayStorageTier:
 
     def archive_states(self, last_node: TreeNode, positions: Sequence[int]) -> None:
         """Write snapshots at page-aligned ``positions`` (tokens, on ``last_node``'s path) to
-        storage only, with the KV of the path up to the deepest one."""
+        storage only, with the KV of the path up to the deepest one, once staged as the
+        controller's tier stages them (module docstring)."""
         if not positions or not last_node.alive:
             return
-        page = self.tree.page_size
-        keys = self._path_keys(last_node)
-        deepest = max(positions) // page
+        tree, page = self.tree, self.tree.page_size
+        path = tree.path_to(last_node)
+        keys = [h for n in path for h in n.page_hashes]
+        positions = sorted(set(positions))
+        deepest = positions[-1] // page
         if deepest > len(keys):
-            raise ConfigError(f"position {max(positions)} is past the inserted path ({len(keys)} pages)")
+            raise ConfigError(f"position {positions[-1]} is past the inserted path ({len(keys)} pages)")
+        # The pages the staging copies from the device: those before the deepest position with no
+        # host copy. (The controller's tier skips the pages of nodes marked archived where storage
+        # never evicts; an AccountingStorage evicts for room, so none are skipped.)
+        staged_pages = sum(
+            min(n.end_page, deepest) - n.start_page for n in path if n.start_page < deepest and n.host_kv is None
+        )
+        host_kv, host_state = tree.host_kv, tree.host_mamba
+        assert host_kv is not None and host_state is not None  # checked when made
+        if host_kv.num_free < staged_pages or host_state.num_free < len(positions):
+            self.num_snapshot_no_room += 1
+            return
+        self.staged_kv_bytes += staged_pages * host_kv.bytes_per_index
+        self.staged_state_bytes += len(positions) * host_state.bytes_per_index
         if not all(self.storage.put(PoolName.KV, keys[:deepest])):
             return
-        state_keys = [keys[p // page - 1] for p in sorted(positions)]
-        before = self.storage.written_bytes(PoolName.MAMBA)
+        state_keys = [keys[p // page - 1] for p in positions]
         self.storage.put(PoolName.MAMBA, state_keys, speculative=True)
-        self.staged_state_bytes += self.storage.written_bytes(PoolName.MAMBA) - before
 
     # ---- reading -----------------------------------------------------------------------
     def lookup(self, match: MatchResult, *, max_pages: int) -> int:

@@ -44,6 +44,8 @@ def test_bench_trace_writes_table_json_and_plot(tmp_path: Path, capsys: pytest.C
         assert 0 <= r["hit_rate"] <= doc["bound"] + 1e-12
         assert r["fraction_of_bound"] == pytest.approx(r["hit_rate"] / doc["bound"])
         assert r["flops_saved"] >= 0
+        assert {"device_kv", "device_state", "device_stuck", "host_kv", "host_state", "host_stuck"} <= set(r["evictions"])
+    assert "evicted kv/state/stuck" in text
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # Re-report from the JSON: the same rows, as Markdown.

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from trace_builders import BLOCK, make_spec
 
@@ -105,3 +106,29 @@ def test_misconfigured_budgets_are_refused() -> None:
         ByteBudget(tree=make_tree(), tier=Tier.HOST, budget_bytes=1)
     with pytest.raises(ConfigError):
         ByteBudget(tree=make_tree(host=True), tier=Tier.DEVICE, budget_bytes=1, demote=lambda nodes, key: None)
+
+
+def test_enforcements_left_over_budget_reach_the_result_and_its_json() -> None:
+    """``stuck`` is reported with the other eviction counts, per tier, in the result, its JSON
+    and the table (it was counted and never shown)."""
+    from trace_builders import make_config, make_trace
+
+    from asynccache.trace.replay import TraceReplay
+    from asynccache.trace.report import format_table
+    from asynccache.trace.results import results_to_json
+
+    trace = make_trace([(0, [0, 1, 2, 3]), (1, [10, 11, 12, 13])])
+    replay = TraceReplay(trace, make_config("ends/lru", device_pages=100, host_pages=100))
+    hits = np.zeros((len(trace), 3), dtype=np.int64)
+    hits[0] = replay._request(0)
+    held = replay.tree.match_prefix(replay._begin(0)[0]).last_node
+    replay.tree.lock(held)  # a request still running on the first prompt
+    replay.device_budget.budget_bytes = replay.host_budget.budget_bytes = 1  # type: ignore[union-attr]
+    hits[1] = replay._request(1)
+    result = replay._result(hits, 0.0)
+    assert (result.evictions["device_stuck"], result.evictions["host_stuck"]) == (1, 0)  # the host's went
+    assert held.alive and result.evictions["device_kv"] > 0  # the second prompt's were evicted
+    (record,) = results_to_json(0.5, [result])["results"]
+    assert record["evictions"]["device_stuck"] == 1 and record["evictions"]["host_stuck"] == 0
+    header, _, row = format_table([result], bound=0.5).splitlines()[1:4]
+    assert "evicted kv/state/stuck" in header and row.split()[-2].endswith("/1")

@@ -3,14 +3,17 @@ of the storage tier) and the asyncio controller (the production code), in lockst
 trace, must hit the same tokens on the same tiers, keep the same tree on the same clock and
 hold the same objects in storage in the same recency order, with storage written through or
 demoted to, tight or roomy, or absent; and the controller's storage tier must never lose a
-completed host write to a host eviction that comes before its archive."""
+completed host write to a host eviction that comes before its archive. Both count the same
+device → host bytes staging storage-only snapshots."""
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from types import SimpleNamespace
 
 import pytest
-from trace_builders import BLOCK, make_config, mixed_trace
+from trace_builders import BLOCK, make_config, make_trace, mixed_trace
 
 from asynccache.storage import PoolName
 from asynccache.tiering import StorageTier
@@ -132,3 +135,72 @@ async def test_the_engines_agree_on_what_a_tight_storage_admits(storage: int) ->
         assert counts == {"admitted_over_victim": 0, "skipped": 0}
     else:
         assert counts["skipped"] > 0
+
+
+def count_snapshot_puts(replay: TraceReplay) -> Counter[str]:
+    """How storage answers the synchronous engine's storage-only snapshot states (its only
+    speculative puts), counted as they come: ``written``, ``already`` held, ``refused``."""
+    storage = replay.storage
+    assert storage is not None
+    put, counts = storage.put, Counter[str]()
+
+    def counting(pool: PoolName, keys: Sequence[str], *, speculative: bool = False) -> list[bool]:
+        if not speculative:
+            return put(pool, keys)
+        before = storage.written_bytes(pool)
+        ok = put(pool, keys, speculative=True)
+        written = (storage.written_bytes(pool) - before) // storage.object_bytes(pool)
+        counts.update(written=written, already=sum(ok) - written, refused=len(ok) - sum(ok))
+        return ok
+
+    storage.put = counting  # type: ignore[method-assign]
+    return counts
+
+
+async def test_the_engines_count_the_same_device_to_host_bytes_staging_storage_only_snapshots() -> None:
+    """Staging storage-only snapshots is device → host traffic whatever storage then does with
+    them. The controller engine counted every staged state and, under write-back, the path's
+    KV staged from the device; the synchronous engine counted only the states storage newly
+    wrote. Here a tight storage refuses some, already holds one (left without its KV, as by an
+    earlier run) and writes the rest, and the prompts' KV is on the device only: every byte
+    count agrees."""
+    trace = make_trace(
+        [(0, [0, 1, 2, 3, 4, 5]), (1, [0, 1, 2, 6, 7, 8]), (2, [20, 21, 22, 23, 24, 25]), (3, [0, 1, 2, 6, 7, 8, 9])]
+    )
+    config = make_config("adaptive/lru/write_back", device_pages=40, host_pages=40, storage_pages=12)
+    sync, ctrl = TraceReplay(trace, config), ControllerReplay(trace, config)
+    held = TraceReplay(trace, config)._begin(0)[2].page_hashes[1]  # the first prompt's second page
+    for replay in (sync, ctrl):
+        assert replay.storage is not None
+        replay.storage.put(PoolName.MAMBA, [held])
+    outcomes = count_snapshot_puts(sync)
+    by_sync, by_ctrl = sync.run(), await ctrl.arun()
+    assert outcomes == {"written": 4, "already": 1, "refused": 4}
+    counts = by_ctrl.extra["snapshot_counts"]
+    assert counts["snapshot_staged_states"] == outcomes.total() and counts["snapshot_staged_kv_pages"] > 0
+    assert by_sync.bytes_moved == by_ctrl.bytes_moved
+    spec = config.spec
+    staged = counts["snapshot_staged_kv_pages"] * spec.kv_page_bytes + counts["snapshot_staged_states"] * spec.state_bytes
+    moved = by_sync.bytes_moved
+    assert moved["d2h"] == moved["d2h_kv"] + moved["d2h_state"] + staged
+    assert by_sync.hit_tokens_by_tier == by_ctrl.hit_tokens_by_tier and by_sync.hit_tokens_by_tier["storage"] > 0
+
+
+async def test_snapshots_without_host_room_to_stage_them_are_left_out_in_both_engines() -> None:
+    """The controller's tier stages snapshots in free host slots and archives nothing when
+    there are none; the synchronous tier wrote them to storage all the same."""
+    trace = make_trace([(0, [0, 1, 2, 3, 4, 5])])
+    config = make_config("adaptive/lru/write_back", device_pages=40, host_pages=40, storage_pages=BIG)
+    sync, ctrl = TraceReplay(trace, config), ControllerReplay(trace, config)
+    for replay in (sync, ctrl):
+        assert replay.host_mamba is not None
+        replay.host_mamba.alloc(replay.host_mamba.num_free)  # no host slot to stage a state in
+    sync._request(0)
+    async with ctrl.controller:
+        ctrl.started()
+        await ctrl._arequest(0)
+    assert sync.storage_tier is not None and ctrl.controller.tiering is not None
+    assert ctrl.controller.tiering.counts["snapshot_no_room"] == sync.storage_tier.num_snapshot_no_room == 1
+    assert sync.storage is not None and ctrl.storage is not None
+    assert sync.storage.objects() == ctrl.storage.objects() == ([], [])
+    assert sync.storage_tier.staged_kv_bytes == sync.storage_tier.staged_state_bytes == 0

@@ -251,7 +251,7 @@ async def test_storage_only_snapshots_give_the_same_figures_in_both_engines(comb
     assert ctrl.hit_tokens == sync.hit_tokens and ctrl.hit_tokens_by_tier == sync.hit_tokens_by_tier
     assert ctrl.hit_tokens_by_tier["storage"] > 0
     assert ctrl.evictions == sync.evictions
-    assert ctrl.bytes_moved["storage_write"] == sync.bytes_moved["storage_write"]
+    assert ctrl.bytes_moved == sync.bytes_moved  # the snapshots' staging in d2h too
     assert ctrl.extra["storage_objects"] == sync.extra["storage_objects"]
 
 

@@ -165,6 +165,19 @@ def test_tiers_a_spec_with_one_kind_of_layer_cannot_use_are_refused() -> None:
     HybridCache(recurrent, HybridCacheConfig(**BASE))  # the device tier only
 
 
+@pytest.mark.parametrize("kind", ["hybrid", "attention", "recurrent"])
+@pytest.mark.parametrize("field", ["device_kv_pages", "device_state_slots"])
+def test_an_empty_device_pool_is_refused_when_the_cache_is_built(kind: str, field: str) -> None:
+    """Every request takes device KV pages (the tree's index of its prefix, bytes or not) and a
+    device state slot to compute in, whatever the spec's layers: a cache with either pool empty
+    was built, and then every request failed with a CapacityError."""
+    spec = SPEC if kind == "hybrid" else _one_kind(kind)
+    for materialize in (True, False):  # accounting mode serves no request either
+        with pytest.raises(ConfigError, match=f"^{field} must be >= 1 for spec .*got 0"):
+            HybridCache(spec, HybridCacheConfig(**(BASE | {field: 0})), materialize=materialize)
+    HybridCache(spec, HybridCacheConfig(**(BASE | {field: 1})))
+
+
 @pytest.mark.parametrize(
     "uri",
     [

@@ -312,6 +312,33 @@ def test_malformed_values_are_spec_errors_naming_the_field(change: dict[str, Any
         HybridSpec.from_hf_config(make_config(QWEN3_NEXT_80B, **change))
 
 
+@pytest.mark.parametrize(
+    ("base", "change", "named"),
+    [
+        (QWEN3_NEXT_80B, {"num_key_value_heads": 3}, "num_attention_heads=16 is not a multiple of num_key_value_heads=3"),
+        (QWEN3_NEXT_80B, {"num_key_value_heads": 32}, "num_attention_heads=16 is not a multiple of num_key_value_heads=32"),
+        (QWEN3_NEXT_80B, {"linear_num_value_heads": 24}, "num_heads=24 value heads .* num_k_heads=16"),
+        (QWEN3_NEXT_80B, {"linear_num_key_heads": 24}, "num_heads=32 value heads .* num_k_heads=24"),
+        (NEMOTRON_H_8B, {"n_groups": 3}, "num_heads=128 SSM heads are not a multiple of n_groups=3"),
+        (BAMBA_9B_SHAPED, {"mamba_n_groups": 3}, "num_heads=128 SSM heads are not a multiple of n_groups=3"),
+        (JAMBA_V0_1, {"num_attention_heads": 12}, "num_attention_heads=12 is not a multiple of num_key_value_heads=8"),
+    ],
+)
+def test_head_counts_no_model_has_are_refused_with_the_spec(
+    base: dict[str, Any], change: dict[str, Any], named: str
+) -> None:
+    """A config.json whose heads do not group (query heads over KV heads, value heads over key
+    heads, Mamba2 heads over groups) fails here, clearly, not later in the model."""
+    with pytest.raises(SpecError, match=named):
+        HybridSpec.from_hf_config(make_config(base, **change))
+
+
+def test_the_heads_of_a_model_without_attention_layers_are_not_checked() -> None:
+    """Its attention head counts are unused, so they are not checked."""
+    cfg = make_config(GRANITE_4_H_SMALL_SHAPED, layer_types=["mamba"] * 40, num_key_value_heads=3)
+    assert HybridSpec.from_hf_config(cfg).attention_layer_ids == ()
+
+
 @pytest.mark.parametrize("tp", [2.0, "2", True])
 def test_tp_size_must_be_an_int(tp: object) -> None:
     with pytest.raises(SpecError, match="tp_size must be an int"):

@@ -275,6 +275,60 @@ def test_invalid_specs_are_rejected(overrides: dict[str, Any], message: str) -> 
         make_spec(**overrides)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"num_attention_heads": 3}, r"num_attention_heads=3 is not a multiple of num_kv_heads=2:"),
+        ({"num_attention_heads": 1}, r"num_attention_heads=1 is not a multiple of num_kv_heads=2:"),
+        # 8 query heads over 2 ranks of 2 KV heads each (4 KV heads in all): 2 per KV head, fine;
+        # 6 give each rank 3 query heads for 2 KV heads
+        ({"num_attention_heads": 6, "tp_size": 2}, r"num_kv_heads=2 \(per rank\) × tp_size=2"),
+        # one replicated KV head per rank: 6 query heads do not split over 4 ranks
+        ({"num_attention_heads": 6, "num_kv_heads": 1, "tp_size": 4}, r"num_attention_heads=6 .* tp_size=4"),
+    ],
+)
+def test_query_heads_that_do_not_group_over_the_kv_heads_are_refused(overrides: dict[str, Any], message: str) -> None:
+    """What the reference model refused when built (query heads not a multiple of the KV
+    heads) is refused with the spec, and so are query heads that do not split over TP ranks."""
+    with pytest.raises(SpecError, match=message):
+        make_spec(**overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"num_attention_heads": 0},  # unknown: nothing to check
+        {"num_attention_heads": 2},
+        {"num_attention_heads": 8, "tp_size": 2},
+        {"num_attention_heads": 8, "num_kv_heads": 1, "tp_size": 8},  # a replicated KV head
+        {"num_attention_heads": 3, "attention_layer_ids": ()},  # no attention layers: unused
+    ],
+)
+def test_query_heads_in_whole_groups_are_taken(overrides: dict[str, Any]) -> None:
+    make_spec(**overrides)
+
+
+@pytest.mark.parametrize(
+    ("geometry", "message"),
+    [
+        ({"kind": "gated_deltanet", "num_heads": 3, "head_dim": 8, "num_k_heads": 2, "head_k_dim": 8},
+         r"num_heads=3 value heads .* not a multiple of num_k_heads=2"),
+        ({"kind": "gated_deltanet", "num_heads": 16, "head_dim": 8, "num_k_heads": 32, "head_k_dim": 8},
+         r"num_heads=16 value heads .* not a multiple of num_k_heads=32"),
+        ({"kind": "mamba2", "num_heads": 8, "head_dim": 16, "n_groups": 3, "state_size": 32},
+         r"num_heads=8 SSM heads are not a multiple of n_groups=3"),
+        ({"kind": "mamba2", "num_heads": 8.0, "head_dim": 16, "n_groups": 1, "state_size": 32},
+         r"num_heads must be an int, got 8.0"),
+        ({"kind": "mamba1", "num_heads": 1, "head_dim": True, "state_size": 16}, r"head_dim must be an int"),
+    ],
+)  # fmt: skip
+def test_recurrent_heads_no_model_has_are_refused(geometry: dict[str, Any], message: str) -> None:
+    """Gated DeltaNet value heads come in whole groups per key head, Mamba2 heads per B/C group
+    (the reference model refused the former only when built; a float reached the shapes)."""
+    with pytest.raises(SpecError, match=message):
+        LinearGeometry(**geometry)
+
+
 def test_spec_is_frozen_and_hashable() -> None:
     spec = make_spec()
     with pytest.raises(dataclasses.FrozenInstanceError):
