@@ -23,8 +23,9 @@ Without CUDA the same code runs on CPU tensors: copies are synchronous, events c
 The controller holds the queues, the copy streams, the completion queues and the ``TaskGroup``,
 and is the API; its parts are ``asynccache.tree_ops`` (operations made from the tree's plans,
 completed, undone), ``asynccache.copy_issue`` (a step's copies issued on the streams),
-``asynccache.load_steps`` (a load's layers grouped into steps), and
-``asynccache.controller_storage`` (its storage-tier API: ``prefetch`` and its waits,
+``asynccache.load_steps`` (a load's layers grouped into steps), ``asynccache.load_wait``
+(``wait_loaded``: a match waits for the loads in flight into its prefix, another request's
+included), and ``asynccache.controller_storage`` (its storage-tier API: ``prefetch`` and its waits,
 ``load_tail``, ``archive_snapshots``, over ``asynccache.prefetch``, ``asynccache.tiering`` and
 ``asynccache.snapshots``).
 """
@@ -47,6 +48,7 @@ from asynccache.controller_storage import StorageTierMixin
 from asynccache.copy_issue import LoadIssuer, WriteIssuer
 from asynccache.errors import ClosedError, ConfigError, TransferError, TreeError
 from asynccache.layer_counter import LayerTransferCounter
+from asynccache.load_wait import LoadWaitMixin
 from asynccache.ops import CacheOperation, OpKind, OpState
 from asynccache.pools.base import ItemPool
 from asynccache.prefetch import Prefetcher
@@ -65,7 +67,7 @@ log = logging.getLogger("asynccache.controller")
 __all__ = ["HybridCacheController"]
 
 
-class HybridCacheController(StorageTierMixin):
+class HybridCacheController(LoadWaitMixin, StorageTierMixin):
     """Moves KV pages and Mamba states between device and host (and storage).
 
     Call from the event-loop thread only. ``load``/``write`` are synchronous (they only queue);
@@ -244,6 +246,13 @@ class HybridCacheController(StorageTierMixin):
         is on the host only (``ValueError`` otherwise). The slots stay the caller's: a failed or
         cancelled load never frees them. A match that needs nothing returns an already
         completed operation.
+
+        The caller that keeps the prefix locked for its own use locks ``match.last_node`` before
+        this call: locks taken on the loaded nodes afterwards are other requests' (readers that
+        reached the load through ``match.pending_load``, see :meth:`wait_loaded` and
+        :meth:`cancel`). A match that is ``pending_load`` itself (another load brings part of
+        its prefix) queues only what no load brings yet; wait for the rest with
+        :meth:`wait_loaded`.
         """
         self._require_started()  # a load queued after close would never be issued
         loop = asyncio.get_running_loop()
@@ -386,9 +395,11 @@ class HybridCacheController(StorageTierMixin):
     def cancel(self, op: CacheOperation) -> bool:
         """Cancel a queued operation (frees what it allocated, unlocks its nodes).
 
-        ``False`` when it cannot be: an issued copy cannot be recalled, and a queued one that a
-        later queued operation builds on (nodes inserted below its own) stays queued; either
-        completes normally.
+        ``False`` when it cannot be: an issued copy cannot be recalled, and a queued one that
+        others depend on stays queued — a later queued operation building on it (nodes inserted
+        below its own), data computed on what it brings, or another request that locked its
+        nodes after it was queued (a reader, see :meth:`wait_loaded`); either completes
+        normally.
         """
         if op.state is not OpState.QUEUED:
             return False

@@ -7,6 +7,8 @@ Hierarchy::
     │   ├── SpecError        a HybridSpec cannot be built or does not shard
     │   └── TraceFormatError a request trace is unreadable or malformed
     ├── TreeError            the radix tree was driven out of its protocol (a caller bug)
+    ├── StaleMatchError      a match's prefix did not arrive: a load it waited for failed or was
+    │                        cancelled, or its pages left the device (match again)
     ├── CapacityError        a pool cannot be created or a demanded resource is unavailable
     │   ├── PinningError     pinned host memory was demanded but is not available
     │   └── SharedMemoryError  host memory shared between processes cannot be had
@@ -43,6 +45,13 @@ class TreeError(AsyncCacheError, RuntimeError):
     """The tree was driven out of its protocol: unlocking below zero, finishing an unknown plan,
     beginning a load from a stale match, aborting a copy other data depends on (a caller bug).
     Bad arguments (misaligned positions, wrong index counts) raise :class:`ConfigError`."""
+
+
+class StaleMatchError(AsyncCacheError):
+    """A match no longer describes the tree: a load into its prefix that it waited for (another
+    request's, or its own) failed or was cancelled, so those pages and that state never arrived,
+    or they left the device meanwhile. Not a caller bug: release the match's lock and match the
+    prompt again."""
 
 
 class CapacityError(AsyncCacheError):

@@ -10,7 +10,8 @@ plan and what it allocated is freed.
 
 - :class:`TreeOps` — one per controller: ``load_op`` (host → device, a tree match),
   ``write_op`` (device → host backup of nodes); ``complete`` (a copy finished or failed),
-  ``cancel_queued``; ``abort`` and ``free``. Loads of storage tail restores
+  ``cancel_queued``; ``abort`` and ``free``; ``load_of``, the operation that carries a tree load
+  still in flight (how a match that reaches another request's load finds what to await). Loads of storage tail restores
   (``asynccache.prefetch``) and the staging writes of storage-only snapshots
   (``asynccache.snapshots``) have no tree plan: they are completed and undone here too, leaving
   the tree and the caller's pages alone (their host slots are freed by their owner once the
@@ -63,6 +64,8 @@ class TreeOps:
         self._stats = stats
         #: failed ops whose undo waits for a later op that builds on them (see ``complete``)
         self._blocked: list[CacheOperation] = []
+        #: plan id → the operation carrying that tree load, while the plan is in flight
+        self._loads: dict[int, CacheOperation] = {}
 
     def load_op(
         self, match: Any, *, priority: int, state_to: Sequence[int], loop: asyncio.AbstractEventLoop
@@ -94,7 +97,7 @@ class TreeOps:
             deferred = (PoolTransfer(pool_name=PoolName.MAMBA, host_indices=host_state, device_indices=node_state),)
             host_state = torch.tensor([plan.host_state_slot] * len(state_to), dtype=torch.int64)
             node_state = torch.tensor([int(s) for s in state_to], dtype=torch.int64)
-        return CacheOperation(
+        op = CacheOperation(
             OpKind.LOAD,
             (
                 PoolTransfer(
@@ -107,6 +110,8 @@ class TreeOps:
             loop=loop,
             deferred=deferred,
         )
+        self._loads[plan.plan_id] = op  # found from the plan by a match its load writes into
+        return op
 
     def write_op(
         self, nodes: Sequence[Any], *, priority: int, loop: asyncio.AbstractEventLoop
@@ -156,6 +161,7 @@ class TreeOps:
             if op.kind is OpKind.LOAD:
                 if op.plan is not None:  # None: a tail restore (see load_tail), not a tree load
                     self.tree.finish_load(op.plan)
+                    self._loads.pop(op.plan.plan_id, None)
             elif op.plan is not None:  # None: a snapshot's staging (see archive_snapshots)
                 self.tree.finish_backup(op.plan)
                 if tiering is not None:
@@ -197,6 +203,11 @@ class TreeOps:
                 self._blocked.remove(op)
                 progress = True
 
+    def load_of(self, plan: Any) -> CacheOperation | None:
+        """The operation carrying tree load ``plan``, while the plan is in flight (also a failed
+        one whose undo waits); ``None`` for a plan this controller did not make or that ended."""
+        return self._loads.get(plan.plan_id)
+
     @property
     def num_blocked(self) -> int:
         """Failed operations whose undo still waits for a later one."""
@@ -235,6 +246,7 @@ class TreeOps:
             return
         if op.kind is OpKind.LOAD:
             released = self.tree.abort_load(op.plan, drop_below=failed)
+            self._loads.pop(op.plan.plan_id, None)
             self.free(released.kv_indices, released.state_slots, device=True)
         else:
             released = self.tree.abort_backup(op.plan)

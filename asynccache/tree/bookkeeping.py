@@ -3,8 +3,9 @@
 Primitives:
 
 - :class:`TreeBookkeeping` — the state of a :class:`~asynccache.tree.HybridRadixTree`: its pools
-  and policies, the tenants' roots, the four LRU lists, the counters, the active plans and the
-  in-flight claims; node creation and walks (``iter_nodes``, ``path_to``, ``token_ids``); attach /
+  and policies, the tenants' roots, the four LRU lists, the counters, the active plans, what
+  depends on the loads among them (``asynccache.tree.pending``) and the in-flight claims; node
+  creation and walks (``iter_nodes``, ``path_to``, ``token_ids``); attach /
   detach of an index set on one tier, the only places that change what a node holds (keeping LRU
   membership, child counters and totals in step), and the frees of what the tree owns;
   ``stats`` and ``check_integrity``. Not used on its own.
@@ -34,6 +35,7 @@ from asynccache.spec import HybridSpec
 from asynccache.tree.hashing import TOKEN_BYTES, seed_hash
 from asynccache.tree.lru import HostLRUList, LRUList
 from asynccache.tree.node import EvictHow, Resource, Tier, TreeNode
+from asynccache.tree.pending import PendingLoads
 from asynccache.tree.results import TreeStats
 
 if TYPE_CHECKING:
@@ -121,6 +123,8 @@ class TreeBookkeeping:
         self._deleted_nodes = 0
         self._plans: dict[int, LoadPlan | BackupPlan] = {}
         self._next_plan_id = 0
+        # Readers and dependents of the loads in flight, and what failed ones left to free.
+        self._pending = PendingLoads()
         self._in_flight: dict[str, set[int]] = {name: set() for name in POOL_NAMES}
         self._evict_listeners: list[EvictListener] = []
         # A policy that learns from its victims overrides ``on_evict``: it hears every eviction.

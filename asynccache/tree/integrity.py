@@ -8,11 +8,14 @@ Invariants (the message of the ``AssertionError`` starts with the name in bracke
   a state implies the node's KV on the same tier; device KV is prefix-closed.
 - ``[contiguity]`` host copies form a contiguous prefix from the root.
 - ``[locks]`` lock and loading counts ≥ 0; ``loading`` equals the load plans covering the node;
-  every node of an in-flight plan is pinned on both tiers and holds what the plan attached.
+  every node of an in-flight plan is pinned on both tiers and holds what the plan attached; a
+  node's device lock is the locks taken on it and below it plus the plans covering it; the
+  readers of loads and of retired indices are locks still held, on live nodes, of loads in
+  flight.
 - ``[counters]`` the incremental totals (nodes, pages, states, locked pages, child counts).
 - ``[lru]`` each of the four lists is well linked and holds exactly the nodes with its resource.
-- ``[ownership]`` every allocated index of every pool is owned by exactly one node or one
-  in-flight claim, and nothing owned is free.
+- ``[ownership]`` every allocated index of every pool is owned by exactly one node, one
+  in-flight claim or one failed load's retired indices, and nothing owned is free.
 - ``[hashes]`` cached page hashes equal the chain recomputed from the root's seed.
 - ``[match]`` for every leaf path, ``match_prefix`` (without touching anything) stops at the
   deepest node whose state is really available, and splits device / host parts correctly.
@@ -59,6 +62,8 @@ def check_integrity(tree: TreeCore, *, check_matches: bool = True) -> None:
     num_nodes = device_pages = host_pages = device_states = host_states = 0
     device_locked = host_locked = 0
     leaves: list[tuple[TreeNode, bytes, TreeNode | None]] = []
+    own_below: dict[int, int] = {}  # node id → locks taken on it and on the nodes below it
+    lock_nodes: list[tuple[TreeNode, int]] = []
     load_cover: dict[int, int] = {}
     plan_cover: dict[int, int] = {}
     for plan in tree._plans.values():
@@ -135,6 +140,13 @@ def check_integrity(tree: TreeCore, *, check_matches: bool = True) -> None:
                     node.device_lock >= cover and node.host_lock >= cover,
                     f"[locks] {node}: {cover} in-flight plans but locks {node.device_lock}/{node.host_lock}",
                 )
+                _ok(node.num_locks >= 0, f"[locks] {node}: negative count of its own locks")
+                if node.num_locks:
+                    up: TreeNode | None = node
+                    while up is not None and up.parent is not None:
+                        own_below[up.node_id] = own_below.get(up.node_id, 0) + node.num_locks
+                        up = up.parent
+                lock_nodes.append((node, cover))
             else:
                 path_key = prefix
             if not node.children and node.parent is not None:
@@ -162,6 +174,16 @@ def check_integrity(tree: TreeCore, *, check_matches: bool = True) -> None:
         _ok(len(ids) == len(linked), f"[lru] {lst.name} links a node twice")
         _ok(ids == members[lst.name], f"[lru] {lst.name} links {len(ids)} nodes, {len(members[lst.name])} hold its resource")
 
+    for node, cover in lock_nodes:
+        taken = own_below.get(node.node_id, 0)
+        _ok(
+            node.device_lock == taken + cover,
+            f"[locks] {node}: device lock {node.device_lock}, but {taken} locks at or below it and {cover} plans",
+        )
+    _check_readers(tree)
+    for r in tree._pending.retired:
+        owned["device_kv"].append(r.kv_indices.numpy())
+        owned["device_mamba"].append(r.state_slots.numpy())
     _check_ownership(tree, owned)
     _check_plans(tree)
     if check_matches:
@@ -204,6 +226,15 @@ def _check_node(tree: TreeCore, node: TreeNode) -> None:
         _ok(node.host_kv is None, f"[tiers] {node} has a host copy but the tree has no host pool")
     if tree.host_mamba is None:
         _ok(node.host_state is None, f"[tiers] {node} has a host state but the tree has no host state pool")
+
+
+def _check_readers(tree: TreeCore) -> None:
+    loads = {pid for pid, plan in tree._plans.items() if isinstance(plan, LoadPlan) and plan._last is not None}
+    _ok(tree._pending.plan_ids == loads, "[locks] the loads whose readers are counted are not the loads in flight")
+    for plan_id, node, count in tree._pending.reader_counts():
+        what = f"load plan {plan_id}" if plan_id >= 0 else "retired indices"
+        _ok(node.alive, f"[locks] {what}: reader lock on deleted {node}")
+        _ok(0 < count <= node.num_locks, f"[locks] {what}: {count} reader locks on {node}, {node.num_locks} taken")
 
 
 def _check_ownership(tree: TreeCore, owned: dict[str, list[np.ndarray]]) -> None:

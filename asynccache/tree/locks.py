@@ -4,8 +4,10 @@ Primitives:
 
 - :class:`TreeLocks` — ``lock`` / ``unlock`` and ``lock_host`` / ``unlock_host``: a node and its
   ancestors pinned on the device (on the host), their data never evicted and the nodes never
-  deleted until the matching unlock; ``check_alive``, before locking several nodes; ``_pin``, the
-  per-node pin of an in-flight copy (both tiers, and ``loading`` for a load);
+  deleted until the matching unlock (device locks are counted on the locked node too, and the
+  loads in flight on the path hear of them: ``asynccache.tree.pending``); ``check_alive``,
+  before locking several nodes; ``_pin``, the per-node pin of an in-flight copy (both tiers,
+  and ``loading`` for a load);
   ``claim_in_flight`` / ``release_in_flight`` / ``in_flight_owned``: the pool indices in-flight
   operations own, which ``check_integrity`` does not report as leaked. The locked-page totals
   follow every pin. Not used on its own.
@@ -43,24 +45,45 @@ class TreeLocks(TreeBookkeeping):
 
     def lock(self, node: TreeNode) -> None:
         """Pin ``node`` and its ancestors on the device: their device data is never evicted and
-        the nodes are never deleted until :meth:`unlock`. Locking a root does nothing."""
+        the nodes are never deleted until :meth:`unlock`. Locking a root does nothing.
+
+        A lock taken on a path that a load is filling makes the holder a reader of that load
+        (``asynccache.tree.pending``): a load's owner locks its match before the load begins."""
         self._check_alive(node)
-        while node.parent is not None:
-            if node.device_lock == 0 and node.device_kv is not None:
-                self._device_locked_pages += node.num_pages
-            node.device_lock += 1
-            node = node.parent
+        if node.parent is None:
+            return
+        node.num_locks += 1
+        loading = False
+        n = node
+        while n.parent is not None:
+            if n.device_lock == 0 and n.device_kv is not None:
+                self._device_locked_pages += n.num_pages
+            n.device_lock += 1
+            loading = loading or n.loading > 0
+            n = n.parent
+        if loading:
+            self._pending.on_lock(node, self.path_to(node))
 
     def unlock(self, node: TreeNode) -> None:
-        """Undo one :meth:`lock` of ``node``. Raises :class:`TreeError` below zero; unlocking a
-        root (a miss's ``last_node``) does nothing, as locking it does."""
+        """Undo one :meth:`lock` of ``node``. Raises :class:`TreeError` without a lock taken on
+        ``node`` itself; unlocking a root (a miss's ``last_node``) does nothing, as locking it
+        does. The last reader of a failed load's retired indices releasing them frees them."""
         path = self.path_to(node)
-        if any(n.device_lock <= 0 for n in path):
+        if not path:
+            return
+        if node.num_locks <= 0 or any(n.device_lock <= 0 for n in path):
             raise TreeError(f"unlock of {node} without a matching lock")
+        node.num_locks -= 1
         for n in path:
             n.device_lock -= 1
             if n.device_lock == 0 and n.device_kv is not None:
                 self._device_locked_pages -= n.num_pages
+        if self._pending.active:
+            for retired in self._pending.on_unlock(node):
+                if retired.kv_indices.numel():
+                    self.device_kv.free(retired.kv_indices)
+                if retired.state_slots.numel():
+                    self.device_mamba.free(retired.state_slots)
 
     def lock_host(self, node: TreeNode) -> None:
         """Pin ``node`` and its ancestors on the host (host copies kept, nodes not deleted)."""

@@ -110,7 +110,9 @@ class MatchMixin(TreeCore):
         pending = False
         for n in usable:
             if n.loading:
-                pending = True
+                # A load in flight on the path: pending if it writes what this match reads (a
+                # load of another node's state alone does not).
+                pending = bool(self._pending.covering(usable, last))
                 break
         backup_nodes: tuple[TreeNode, ...] = ()
         if touch and cut:

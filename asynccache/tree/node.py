@@ -8,6 +8,8 @@ little-endian bytes) starting at page ``start_page`` of the sequence. Independen
     device_state  device state slot                        | None     ┐ recurrent state after its
     host_state    host state slot                          | None     ┘ last token
     device_lock / host_lock   pins (path locks of requests, in-flight copies)
+    num_locks                 device locks taken on this very node (``lock(node)``), not through
+                              a descendant: what an ``unlock(node)`` may release
     loading                   number of in-flight host→device loads writing into it
     hit_count, last_access    usage, for eviction and selective write-through
     archived                  its pages (and state) are in storage (L3)
@@ -82,6 +84,7 @@ class TreeNode:
         "node_id",
         "num_device_children",
         "num_host_children",
+        "num_locks",
         "num_pages",
         "page_size",
         "parent",
@@ -115,6 +118,7 @@ class TreeNode:
         self.host_state: int | None = None
         self.device_lock = 0
         self.host_lock = 0
+        self.num_locks = 0
         self.loading = 0
         self.hit_count = 0
         self.last_access = 0.0

@@ -49,7 +49,9 @@ class MatchResult:
     - ``state_tier``: where the state at ``num_tokens`` lives (``DEVICE`` preferred), ``None`` on
       a miss. ``needs_load``: host KV or a host-only state must be loaded first.
     - ``load_nodes``: the nodes ``begin_load`` will fill, top-down.
-    - ``pending_load``: a load already in flight writes into the usable prefix; wait for it.
+    - ``pending_load``: a load in flight writes into the usable prefix (the KV of a node of it,
+      or the state at its end); wait for it (``HybridCacheController.wait_loaded``; the tree's
+      ``pending_loads(match)`` names the loads) before reading those pages or that state.
     - ``num_matched_tokens``: tokens whose KV the tree holds on any tier, state or not (≥
       ``num_tokens``; where the prompt branches off the tree).
     - ``matched_node``: the node holding the last of those pages (``last_node`` or below it; a
@@ -129,7 +131,8 @@ class EvictResult:
 class LoadPlan:
     """A host→device load: copy ``host_kv_indices[i] → device_kv_indices[i]`` and
     ``host_state_slot → device_state_slot``. The nodes stay locked (device and host) until
-    ``finish_load`` or ``abort_load``."""
+    ``finish_load`` or ``abort_load``. ``plan_id`` names it while it is in flight (the controller
+    finds the operation that carries it by it)."""
 
     plan_id: int
     nodes: tuple[TreeNode, ...]

@@ -1,10 +1,6 @@
-"""The copy protocols between tiers, driven by the controller (the tree never copies bytes).
-
-Load (host → device)::
-
-    plan = tree.begin_load(match, device_kv_indices, device_state_slot)   # attach + pin
-    …copy plan.host_kv_indices → plan.device_kv_indices (per layer), host_state_slot → device_state_slot
-    tree.finish_load(plan)        # unpin            | tree.abort_load(plan)   # detach, before any copy
+"""The copy protocols between tiers, driven by the controller (the tree never copies bytes):
+the backup protocol, and what every plan shares (the load protocol, built on it, is in
+``asynccache.tree.load``).
 
 Backup (device → host)::
 
@@ -15,11 +11,14 @@ Backup (device → host)::
 
 ``begin_*`` attaches the destination indices to the nodes at once (ownership passes to the tree)
 and pins the nodes on both tiers, so neither the source nor the destination can be evicted,
-deleted or handed to another copy while the bytes move. A match that reaches data being loaded
-reports ``pending_load``. ``abort_*`` is for copies that were never enqueued: it detaches the
-destination indices and returns them to the caller. A plan covers its nodes even if an insert
-splits them meanwhile (the split copies the pins to the new upper node, and the plan walks up
-from its deepest node to its first page).
+deleted or handed to another copy while the bytes move. ``abort_*`` is for copies that were
+never enqueued (or failed): it detaches the destination indices and returns them to the caller.
+A plan covers its nodes even if an insert splits them meanwhile (the split copies the pins to
+the new upper node, and the plan walks up from its deepest node to its first page).
+
+Primitives: :class:`TransferMixin` (plan registry and checks, ``host_gap``,
+``backup_pages_needed``, ``begin/finish/abort_backup``, ``mark_archived``); :func:`plan_nodes`,
+the nodes a plan covers now.
 """
 
 from __future__ import annotations
@@ -33,8 +32,8 @@ from asynccache.checks import as_int
 from asynccache.errors import ConfigError
 from asynccache.tree.core import TreeCore
 from asynccache.tree.errors import TreeError
-from asynccache.tree.node import Tier, TreeNode
-from asynccache.tree.results import BackupPlan, LoadPlan, MatchResult, ReleasedIndices
+from asynccache.tree.node import TreeNode
+from asynccache.tree.results import BackupPlan, LoadPlan, ReleasedIndices
 
 __all__ = ["TransferMixin"]
 
@@ -67,8 +66,8 @@ def plan_nodes(plan: LoadPlan | BackupPlan) -> list[TreeNode]:
 
 
 class TransferMixin(TreeCore):
-    """``begin/finish/abort_load``, ``begin/finish/abort_backup``, ``backup_pages_needed``,
-    ``mark_archived``."""
+    """The plan registry and checks, ``begin/finish/abort_backup``, ``host_gap``,
+    ``backup_pages_needed``, ``mark_archived``."""
 
     def _register(self, plan: LoadPlan | BackupPlan) -> None:
         self._plans[plan.plan_id] = plan
@@ -90,155 +89,6 @@ class TransferMixin(TreeCore):
             for n in plan_nodes(other):
                 if n.node_id in ids:
                     raise TreeError(f"cannot abort plan {plan.plan_id}: plan {other.plan_id} also covers {n}")
-
-    # ---- load ---------------------------------------------------------------------------------
-    def begin_load(
-        self,
-        match: MatchResult,
-        device_kv_indices: torch.Tensor | Sequence[int],
-        device_state_slot: int | None = None,
-    ) -> LoadPlan:
-        """Attach freshly allocated device pages (``match.num_load_kv_pages`` of them) and, when
-        the state at ``match.num_tokens`` is on the host only, ``device_state_slot`` to the
-        host-only part of the match; pin those nodes and return the copy to perform.
-
-        The match must still describe the tree: keep ``match.last_node`` locked on both tiers
-        (``lock`` and ``lock_host``: making device room may demote to the host and evict there)
-        while making room. Raises :class:`TreeError` for a stale match and ``ConfigError`` for
-        wrong index counts (nothing changes then; the caller keeps the indices).
-        """
-        last = match.last_node
-        if last.parent is None:
-            self._check_indices_count(device_kv_indices, 0, device_state_slot, False)
-            plan = LoadPlan(plan_id=self._next_id_for_plan(), nodes=())
-            self._register(plan)
-            return plan
-        if not last.alive:
-            raise TreeError(f"stale match: {last} was deleted")
-        path = self.path_to(last)
-        i = len(path)
-        while i and path[i - 1].device_kv is None:
-            i -= 1
-        host_part = path[i:]
-        need_pages = sum(n.num_pages for n in host_part)
-        need_state = last.device_state is None
-        if need_state and last.host_state is None:
-            raise TreeError(f"stale match: {last} has no state any more")
-        if need_pages * self.page_size != match.num_host_tokens or need_state != (match.state_tier is Tier.HOST):
-            raise TreeError(
-                f"stale match: it asked for {match.num_host_tokens} host tokens and state tier {match.state_tier}, "
-                f"the tree now needs {need_pages} pages and {'a' if need_state else 'no'} state"
-            )
-        kv = self._check_indices_count(device_kv_indices, need_pages, device_state_slot, need_state)
-        if not need_pages and not need_state:
-            plan = LoadPlan(plan_id=self._next_id_for_plan(), nodes=())
-            self._register(plan)
-            return plan
-        off = 0
-        for n in host_part:
-            assert n.host_kv is not None, f"{n} holds no KV on any tier"
-            self._set_device_kv(n, kv[off : off + n.num_pages])
-            off += n.num_pages
-        # The nodes' host indices are never written after they are set: one node's is used as is.
-        parts = [n.host_kv for n in host_part]
-        host_kv = (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else _EMPTY  # type: ignore[misc]
-        host_state = None
-        if need_state:
-            assert device_state_slot is not None
-            host_state = last.host_state
-            self._set_device_state(last, int(device_state_slot))
-        segment = host_part if host_part else [last]
-        for n in reversed(segment):
-            self._pin(n, 1, loading=True)
-            self._touch(n)  # deepest first: ancestors stay more recent than descendants
-        plan = LoadPlan(
-            plan_id=self._next_id_for_plan(),
-            nodes=tuple(segment),
-            host_kv_indices=host_kv,
-            device_kv_indices=kv,
-            host_state_slot=host_state,
-            device_state_slot=None if device_state_slot is None else int(device_state_slot),
-            _last=last,
-            _top_page=segment[0].start_page,
-        )
-        self._register(plan)
-        return plan
-
-    def _check_indices_count(
-        self, indices: torch.Tensor | Sequence[int], num_pages: int, slot: int | None, need_state: bool
-    ) -> torch.Tensor:
-        kv = self._check_indices(indices, num_pages, "device_kv_indices", self.device_kv)
-        if need_state != (slot is not None):
-            raise ConfigError(
-                "device_state_slot is required exactly when the state is on the host only "
-                f"(needed: {need_state}, given: {slot})"
-            )
-        if slot is not None:
-            value = as_int(slot)
-            if value is None or not 0 <= value < self.device_mamba.num_items:
-                raise ConfigError(
-                    f"device_state_slot must be an integer in {self.device_mamba.name}'s "
-                    f"0..{self.device_mamba.num_items - 1}, got {slot!r}"
-                )
-        return kv
-
-    def finish_load(self, plan: LoadPlan) -> None:
-        """The copies of ``plan`` completed: unpin its nodes."""
-        self._check_plan(plan)
-        del self._plans[plan.plan_id]
-        if plan._last is not None:
-            for n in list(_walk_up(plan._last, plan._top_page)):
-                self._pin(n, -1, loading=True)
-
-    def abort_load(self, plan: LoadPlan, *, drop_below: bool = False) -> ReleasedIndices:
-        """Undo :meth:`begin_load` of a plan whose copies were never enqueued, or failed: detach
-        the device indices (returned; the caller frees them) and unpin. Device data inserted
-        below the loaded nodes meanwhile (computed on top of the prefix) makes it raise
-        :class:`TreeError` — unless ``drop_below`` (the copy failed: that data would be served
-        after pages it never filled), then it loses its device copy too, and only a node of it
-        in use (locked, or in a copy) makes it raise. It also raises when another in-flight
-        copy covers the loaded nodes. Nothing changes when it raises."""
-        self._check_plan(plan)
-        released = ReleasedIndices(kv_indices=plan.device_kv_indices, state_slots=plan.device_state_slots)
-        last = plan._last
-        if last is None:
-            del self._plans[plan.plan_id]
-            return released
-        segment = list(_walk_up(last, plan._top_page))
-        self._check_no_overlap(plan, segment)
-        loaded_kv = plan.num_kv_pages > 0
-        below: list[TreeNode] = []
-        if loaded_kv:
-            ids = {n.node_id for n in segment}
-            for n in segment:
-                for c in n.children.values():
-                    if c.device_kv is not None and c.node_id not in ids:
-                        below.extend(d for d in _subtree(c) if d.device_kv is not None)
-            if below and not drop_below:
-                raise TreeError(f"cannot abort load {plan.plan_id}: {below[0]} already uses the loaded pages")
-            busy = next((d for d in below if d.device_lock or d.host_lock or d.loading), None)
-            if busy is not None:
-                raise TreeError(f"cannot abort load {plan.plan_id}: {busy} uses the loaded pages and is in use")
-        del self._plans[plan.plan_id]
-        for n in segment:
-            self._pin(n, -1, loading=True)
-        for n in segment:
-            if n.device_state is not None:
-                if n is last and n.device_state == plan.device_state_slot:
-                    self._clear_device_state(n)
-                elif loaded_kv:
-                    # A state an insert attached meanwhile: tree-owned, and it cannot outlive the KV.
-                    self._free_device_state(n)
-            if loaded_kv:
-                self._clear_device_kv(n)
-        # Once the loaded pages are detached (a cascade must not free them: the caller does),
-        # deepest first: a node dropped whole is a leaf by then.
-        for d in reversed(below):
-            if d.alive:
-                self._drop_device(d)  # type: ignore[attr-defined]  (the eviction mixin's)
-        if last.alive:
-            self._cascade(last)
-        return released
 
     # ---- backup -------------------------------------------------------------------------------
     def host_gap(self, node: TreeNode, num_pages: int) -> list[TreeNode]:

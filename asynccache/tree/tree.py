@@ -7,8 +7,9 @@ request can reuse. It is plain synchronous code: it never awaits and never copie
 controller moves the bytes and reports back through the load / backup protocol.
 
 Operations (this module; matching in ``match``, eviction in ``evict`` and, by bytes,
-``evict_bytes``, allocation that evicts in ``alloc``, copies in ``transfer``, split and cascade
-in ``core``, locks in ``locks``, bookkeeping in ``bookkeeping``):
+``evict_bytes``, allocation that evicts in ``alloc``, copies in ``load`` and ``transfer`` (what
+depends on a load in flight: ``pending``), split and cascade in ``core``, locks in ``locks``,
+bookkeeping in ``bookkeeping``):
 
 - :class:`HybridRadixTree` — the tree, made of those parts.
 - :meth:`HybridRadixTree.match_prefix` — walk page-aligned keys, cut back to the deepest state
@@ -34,15 +35,15 @@ from asynccache.pools.base import ItemPool
 from asynccache.tree.alloc import AllocationMixin
 from asynccache.tree.evict_bytes import ByteEvictionMixin
 from asynccache.tree.hashing import TokenIds, encode_tokens
+from asynccache.tree.load import LoadMixin
 from asynccache.tree.match import MatchMixin
 from asynccache.tree.node import Tier, TreeNode
 from asynccache.tree.results import InsertResult, MatchResult
-from asynccache.tree.transfer import TransferMixin
 
 __all__ = ["HybridRadixTree"]
 
 
-class HybridRadixTree(MatchMixin, ByteEvictionMixin, AllocationMixin, TransferMixin):
+class HybridRadixTree(MatchMixin, ByteEvictionMixin, AllocationMixin, LoadMixin):
     """Radix tree over page-aligned token ids with per-tier KV and recurrent-state bookkeeping.
 
     ``device_kv`` / ``device_mamba``: device pools (pages, state slots). ``host_kv`` /
@@ -76,17 +77,17 @@ class HybridRadixTree(MatchMixin, ByteEvictionMixin, AllocationMixin, TransferMi
         cuts: Sequence[int],
         tier: Tier,
         offset: int = 0,
-    ) -> tuple[list[TreeNode], int, list[tuple[torch.Tensor, torch.Tensor]]]:
+    ) -> tuple[list[TreeNode], list[TreeNode], list[tuple[torch.Tensor, torch.Tensor]]]:
         """Create / split nodes so ``buf`` is a path with a node boundary at every page in
         ``cuts``; attach ``indices`` (pages ``[offset, num_pages)``) on ``tier`` to the nodes
         that lack that tier. Pages before ``offset`` must already be held on ``tier`` (checked by
-        the caller; ``offset`` must be in ``cuts``). Returns the path, the number of pages
-        attached and the caller's index slices of pages held already, with the node's own."""
+        the caller; ``offset`` must be in ``cuts``). Returns the path, the nodes given pages
+        and the caller's index slices of pages held already, with the node's own."""
         page_bytes = self.page_bytes
         device = tier is Tier.DEVICE
         path: list[TreeNode] = []
         dups: list[tuple[torch.Tensor, torch.Tensor]] = []
-        new_pages = 0
+        fresh: list[TreeNode] = []
         pos = 0
         node = root
         ci = 0
@@ -103,7 +104,7 @@ class HybridRadixTree(MatchMixin, ByteEvictionMixin, AllocationMixin, TransferMi
                     self._set_device_kv(child, indices[pos - offset : stop - offset])
                 else:
                     self._set_host_kv(child, indices[pos - offset : stop - offset])
-                new_pages += stop - pos
+                fresh.append(child)
             else:
                 if buf.startswith(child.key, b):
                     k = child.num_pages
@@ -126,7 +127,7 @@ class HybridRadixTree(MatchMixin, ByteEvictionMixin, AllocationMixin, TransferMi
                         self._set_device_kv(child, seg)
                     else:
                         self._set_host_kv(child, seg)
-                    new_pages += k
+                    fresh.append(child)
                 else:
                     # Already cached: free the caller's copy, except indices equal to the node's
                     # own (a request passing back the pages of its match): see _free_duplicates.
@@ -134,7 +135,7 @@ class HybridRadixTree(MatchMixin, ByteEvictionMixin, AllocationMixin, TransferMi
             path.append(child)
             node = child
             pos = child.end_page
-        return path, new_pages, dups
+        return path, fresh, dups
 
     def insert(
         self,
@@ -178,20 +179,23 @@ class HybridRadixTree(MatchMixin, ByteEvictionMixin, AllocationMixin, TransferMi
             )
             keep = self.admission.keep_states([p * self.page_size for p in sorted(offered)], ctx)
             kept = {p: s for p, s in offered.items() if p * self.page_size in keep}
-        path, new_pages, dups = self._insert_path(root, buf, num_pages, kv, sorted(kept), Tier.DEVICE)
+        path, fresh, dups = self._insert_path(root, buf, num_pages, kv, sorted(kept), Tier.DEVICE)
         # Refused states are freed, but not a node's own slot passed back at its own end.
         ends = {n.end_page: n.device_state for n in path}
         free_slots = [s for p, s in offered.items() if p not in kept and ends.get(p) != s]
         new_states = self._attach_states(path, kept, Tier.DEVICE, free_slots)
+        if fresh or new_states:
+            # What was computed here may rest on a state a load is still bringing.
+            self._pending.on_insert(path, fresh, new_states)
         num_dups = self._free_duplicates(self.device_kv, dups)
         if free_slots:
             self.device_mamba.free(torch.tensor(free_slots, dtype=torch.int64))
         self._touch_path(path)
         return InsertResult(
             last_node=path[-1],
-            num_new_pages=new_pages,
+            num_new_pages=sum(n.num_pages for n in fresh),
             num_duplicate_pages=num_dups,
-            num_new_states=new_states,
+            num_new_states=len(new_states),
             num_freed_states=len(free_slots),
             backup_nodes=self._backup_candidates(path, on_hit=False),
         )
@@ -233,7 +237,7 @@ class HybridRadixTree(MatchMixin, ByteEvictionMixin, AllocationMixin, TransferMi
         if num_pages == 0:
             return InsertResult(last_node=root)
         cuts = sorted({*offered, start_page} - {0})
-        path, new_pages, dups = self._insert_path(root, buf, num_pages, kv, cuts, Tier.HOST, start_page)
+        path, fresh, dups = self._insert_path(root, buf, num_pages, kv, cuts, Tier.HOST, start_page)
         free_slots: list[int] = []
         new_states = self._attach_states(path, offered, Tier.HOST, free_slots)
         num_dups = self._free_duplicates(self.host_kv, dups)
@@ -243,9 +247,9 @@ class HybridRadixTree(MatchMixin, ByteEvictionMixin, AllocationMixin, TransferMi
         self._touch_path(path)
         return InsertResult(
             last_node=path[-1],
-            num_new_pages=new_pages,
+            num_new_pages=sum(n.num_pages for n in fresh),
             num_duplicate_pages=num_dups,
-            num_new_states=new_states,
+            num_new_states=len(new_states),
             num_freed_states=len(free_slots),
         )
 
@@ -262,15 +266,15 @@ class HybridRadixTree(MatchMixin, ByteEvictionMixin, AllocationMixin, TransferMi
 
     def _attach_states(
         self, path: Sequence[TreeNode], states: Mapping[int, int], tier: Tier, free_slots: list[int]
-    ) -> int:
+    ) -> list[TreeNode]:
         """Give each ``{end page: slot}`` state to the path node ending there on ``tier``; a node
         that already holds a state there keeps it and the offered slot goes to ``free_slots``
         (unless it is the node's own slot, passed back).
-        Returns the number of states attached."""
+        Returns the nodes given a state."""
         if not states:
-            return 0
+            return []
         by_end = {n.end_page: n for n in path}
-        attached = 0
+        attached: list[TreeNode] = []
         for p, slot in states.items():
             node = by_end[p]
             held = node.device_state if tier is Tier.DEVICE else node.host_state
@@ -282,7 +286,7 @@ class HybridRadixTree(MatchMixin, ByteEvictionMixin, AllocationMixin, TransferMi
                 self._set_device_state(node, slot)
             else:
                 self._set_host_state(node, slot)
-            attached += 1
+            attached.append(node)
         return attached
 
     def _touch_path(self, path: Sequence[TreeNode]) -> None:

@@ -2,7 +2,8 @@
 
 Rules: insert, match, lock / unlock (device and host), evict_device (write-back callbacks that
 finish at once or stay in flight), evict_host, evict_bytes (either tier), back up a path, begin / finish / abort a load or a
-backup, insert_host (prefetched data), mark_archived, claim / release in-flight indices.
+backup, fail a load (its readers' pages held until they unlock), insert_host (prefetched data),
+mark_archived, claim / release in-flight indices.
 ``check_integrity()`` runs after every step, and every match checks that the device pages and
 states it hands out hold the bytes of the pages they stand for (each page is written with its
 chained hash, each state with a digest of its position), so a wrong index anywhere is caught.
@@ -373,8 +374,31 @@ class TreeMachine(RuleBasedStateMachine):
             tree.unlock_host(m.last_node)
         if alloc is None:
             return
-        self.loads.append(tree.begin_load(m, alloc.kv_indices, alloc.state_slot))
-        assert tree.match_prefix(tokens, salt=salt).pending_load
+        plan = tree.begin_load(m, alloc.kv_indices, alloc.state_slot)
+        self.loads.append(plan)
+        again = tree.match_prefix(tokens, salt=salt)
+        assert again.pending_load and plan in tree.pending_loads(again)
+        if data.draw(st.booleans()):
+            # A second request reaches the pending data and holds it: a reader of the load.
+            tree.lock(again.last_node)
+            self.locks.append((again.last_node, False))
+        if data.draw(st.integers(0, 2)) == 0:
+            # A request computes past the pending data: what it inserts rests on the load.
+            ext = tree.token_ids(again.last_node).tolist() + tokens_of([data.draw(st.integers(0, 4))], 0)
+            self.put(ext, salt)
+
+    def put(self, tokens: list[int], salt: str) -> None:
+        """Insert ``tokens`` (whole pages) with a state at their end, contents written."""
+        tree = self.tree
+        alloc = tree.alloc_device(len(tokens) // PAGE, 1)
+        if alloc is None:
+            return
+        d = digests(tree, tokens, salt)
+        for i, idx in enumerate(alloc.kv_indices.tolist()):
+            fill(tree.device_kv, idx, d[i])
+        assert alloc.state_slot is not None
+        fill(tree.device_mamba, alloc.state_slot, state_digest(d[-1]))
+        tree.insert(tokens, alloc.kv_indices, states={len(tokens): alloc.state_slot}, salt=salt)
 
     @rule(data=st.data())
     def finish_load(self, data: st.DataObject) -> None:
@@ -399,6 +423,22 @@ class TreeMachine(RuleBasedStateMachine):
         i = data.draw(st.integers(0, len(self.loads) - 1))
         try:
             released = self.tree.abort_load(self.loads[i])
+        except TreeError:
+            return
+        self.loads.pop(i)
+        self.tree.device_kv.free(released.kv_indices)
+        self.tree.device_mamba.free(released.state_slots)
+
+    @rule(data=st.data())
+    def fail_load(self, data: st.DataObject) -> None:
+        """The copy failed: what was computed on the load goes too, and pages a reader holds
+        wait for its unlock (the tree frees them then)."""
+        self.step()
+        if not self.loads:
+            return
+        i = data.draw(st.integers(0, len(self.loads) - 1))
+        try:
+            released = self.tree.abort_load(self.loads[i], drop_below=True)
         except TreeError:
             return
         self.loads.pop(i)

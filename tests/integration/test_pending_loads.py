@@ -1,0 +1,257 @@
+"""A second request whose match reaches a load in flight (``pending_load``): it waits for that
+load's operation (``wait_loaded``), its lock keeps a cancel from undoing the load and a failed
+copy's pages out of the pools, and a failed load of a state alone takes along what was computed
+on the state meanwhile. The CPU copy path; no timing."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+from serving import free_counts, serving_config
+
+from asynccache.cache import HybridCache
+from asynccache.config import HybridCacheConfig
+from asynccache.errors import StaleMatchError, TransferError
+from asynccache.ops import OpState
+from asynccache.spec import HybridSpec
+from asynccache.tree import Tier
+
+PAGE = 4
+SPEC = HybridSpec.preset("tiny", page_size=PAGE)
+TOKENS = list(range(1, 4 * PAGE + 1))
+
+
+def config(**overrides: Any) -> HybridCacheConfig:
+    return dataclasses.replace(serving_config(SPEC), **overrides)
+
+
+def fill_random(cache: HybridCache) -> None:
+    g = torch.Generator().manual_seed(7)
+    for pool in (cache.device_kv, cache.device_mamba):
+        assert pool.buffer is not None
+        pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, generator=g, dtype=torch.uint8))
+
+
+def insert(cache: HybridCache, tokens: list[int]) -> Any:
+    alloc = cache.tree.alloc_device(len(tokens) // PAGE, 1)
+    assert alloc is not None
+    return cache.tree.insert(tokens, alloc.kv_indices, states={len(tokens): int(alloc.state_slots[0])})
+
+
+def device_bytes(cache: HybridCache, pages: torch.Tensor, slot: int) -> bytes:
+    kv = torch.stack([cache.device_kv.layer_items(lid)[pages] for lid in SPEC.attention_layer_ids])
+    st = torch.stack([cache.device_mamba.layer_items(lid)[slot] for lid in SPEC.mamba_layer_ids])
+    return kv.numpy().tobytes() + st.numpy().tobytes()
+
+
+async def on_host_only(cache: HybridCache, tokens: list[int], *, keep_kv: bool = False) -> bytes:
+    """``tokens`` inserted (random bytes), backed up and gone from the device (its state only,
+    with ``keep_kv``); returns the bytes the device held."""
+    fill_random(cache)
+    res = insert(cache, tokens)
+    op = cache.controller.write(res.backup_nodes)
+    assert op is not None
+    cache.controller.start_writing()
+    await op
+    m = cache.tree.match_prefix(tokens)
+    assert m.last_node.device_state is not None
+    saved = device_bytes(cache, m.device_kv_indices, m.last_node.device_state)
+    if keep_kv:
+        assert cache.tree.evict_device(num_states=1).num_states == 1
+    else:
+        cache.flush_device()
+    return saved
+
+
+def holds(cache: HybridCache, match: Any, saved: bytes) -> bool:
+    """Whether the device pages and state slot ``match`` reports hold ``saved``."""
+    slot = match.last_node.device_state
+    return slot is not None and device_bytes(cache, match.device_kv_indices, slot) == saved
+
+
+def settle(cache: HybridCache) -> None:
+    """The tree consistent; then everything it holds dropped (the pools' counts checked after)."""
+    cache.tree.check_integrity()
+    cache.flush_device()
+    cache.flush_host()
+
+
+def locked_match(cache: HybridCache) -> Any:
+    """A request's match of ``TOKENS``, locked."""
+    match = cache.tree.match_prefix(TOKENS)
+    cache.tree.lock(match.last_node)
+    return match
+
+
+def queued_load(cache: HybridCache) -> tuple[Any, Any]:
+    """The first request: its match of ``TOKENS`` locked, then its load queued."""
+    first = locked_match(cache)
+    op = cache.controller.load(first)
+    assert op is not None
+    return first, op
+
+
+async def yield_a_few() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_a_second_request_waits_for_the_load_another_one_queued() -> None:
+    """The first request queues the load; the second matches the same prefix while it is
+    queued: its match is pending (nothing to load itself), and its wait ends once a step has
+    issued that load and the bytes are on the device."""
+    cache = HybridCache(SPEC, config())
+    before = free_counts(cache)
+    async with cache:
+        ctrl, tree = cache.controller, cache.tree
+        saved = await on_host_only(cache, TOKENS)
+        first, op = queued_load(cache)
+        second = locked_match(cache)
+        assert second.pending_load and not second.needs_load
+        assert ctrl.pending_ops(second) == [op]
+        waiter = asyncio.create_task(ctrl.wait_loaded(second))
+        await yield_a_few()
+        assert not waiter.done()  # queued: nothing lands until a step issues it
+        ctrl.start_loading()
+        async with asyncio.timeout(5):
+            await waiter
+        assert op.state is OpState.DONE and ctrl.pending_ops(second) == []
+        assert holds(cache, second, saved)
+        await ctrl.wait_loaded(second)  # nothing pending: at once
+        tree.unlock(second.last_node)
+        tree.unlock(first.last_node)
+        settle(cache)
+    assert free_counts(cache) == before
+
+
+async def test_cancelling_a_load_another_request_holds_lets_it_complete() -> None:
+    """The first request gives up while its load is queued; the second, which matched the
+    pages meanwhile and locked them, still needs them: the cancel is refused, the next step
+    issues the load and the second request's wait ends with the bytes on the device."""
+    cache = HybridCache(SPEC, config())
+    before = free_counts(cache)
+    async with cache:
+        ctrl, tree = cache.controller, cache.tree
+        saved = await on_host_only(cache, TOKENS)
+        first, op = queued_load(cache)
+        second = locked_match(cache)
+        waiter = asyncio.create_task(ctrl.wait_loaded(second))
+        assert ctrl.cancel(op) is False
+        assert op.state is OpState.QUEUED and tree.match_is_current(second)
+        tree.unlock(first.last_node)  # the first request leaves
+        ctrl.start_loading()
+        async with asyncio.timeout(5):
+            await waiter
+        assert holds(cache, second, saved)
+        tree.unlock(second.last_node)
+        settle(cache)
+    assert free_counts(cache) == before
+
+
+async def test_a_load_cancelled_before_anyone_held_it_leaves_its_waiter_a_stale_match() -> None:
+    """A waiter that took no lock does not hold the load up: the cancel goes through and the
+    wait reports a stale match instead of returning over pages that never arrived."""
+    cache = HybridCache(SPEC, config())
+    async with cache:
+        ctrl, tree = cache.controller, cache.tree
+        await on_host_only(cache, TOKENS)
+        first = tree.match_prefix(TOKENS)
+        op = ctrl.load(first)
+        assert op is not None
+        second = tree.match_prefix(TOKENS)
+        waiter = asyncio.create_task(ctrl.wait_loaded(second))
+        await yield_a_few()
+        assert ctrl.cancel(op) is True
+        with pytest.raises(StaleMatchError):
+            async with asyncio.timeout(5):
+                await waiter
+        assert tree.match_prefix(TOKENS).needs_load
+        tree.check_integrity()
+
+
+async def test_a_failed_load_another_request_holds_is_reported_and_its_pages_held_until_unlock() -> None:
+    """The copy fails: the second request's wait raises ``StaleMatchError``; the failed copy
+    leaves the tree at once (a new match loads it afresh) but its pages stay out of the pools
+    until the second request unlocks; loaded again, the bytes are right."""
+    cache = HybridCache(SPEC, config())
+    before = free_counts(cache)
+    async with cache:
+        ctrl, tree = cache.controller, cache.tree
+        saved = await on_host_only(cache, TOKENS)
+        real = ctrl.layer_copier
+
+        def failing(*args: Any, **kwargs: Any) -> Any:
+            raise TransferError("injected copy failure")
+
+        ctrl.layer_copier = failing  # type: ignore[method-assign]
+        first, op = queued_load(cache)
+        second = locked_match(cache)
+        waiter = asyncio.create_task(ctrl.wait_loaded(second))
+        await yield_a_few()
+        loading = free_counts(cache)
+        ctrl.start_loading()
+        async with asyncio.timeout(5):
+            with pytest.raises(StaleMatchError) as caught:
+                await waiter
+            with pytest.raises(TransferError):
+                await op
+        assert isinstance(caught.value.__cause__, TransferError)
+        with pytest.raises(StaleMatchError):  # a wait that starts after the failure hears of it too
+            await ctrl.wait_loaded(second)
+        again = tree.match_prefix(TOKENS)
+        assert again.needs_load and not again.pending_load and again.num_device_tokens == 0
+        tree.unlock(first.last_node)
+        assert free_counts(cache) == loading  # the second request may still read them
+        tree.unlock(second.last_node)
+        assert free_counts(cache)[:2] == (loading[0] + 4, loading[1] + 1)
+        tree.check_integrity()
+        ctrl.layer_copier = real  # type: ignore[method-assign]
+        retry = tree.match_prefix(TOKENS)
+        tree.lock(retry.last_node)
+        op2 = ctrl.load(retry)
+        assert op2 is not None
+        ctrl.start_loading()
+        await ctrl.wait_loaded(tree.match_prefix(TOKENS))
+        now = tree.match_prefix(TOKENS)
+        assert holds(cache, now, saved)
+        tree.unlock(retry.last_node)
+        settle(cache)
+    assert free_counts(cache) == before
+
+
+async def test_a_failed_load_of_a_state_alone_takes_what_was_computed_on_it_along() -> None:
+    """The KV is on the device, the state on the host only; while its load is in flight a
+    request resumes from it and inserts what it computed. The copy fails: that data would be
+    served after a state that never arrived, so it leaves with the load."""
+    cache = HybridCache(SPEC, config())
+    before = free_counts(cache)
+    async with cache:
+        ctrl, tree = cache.controller, cache.tree
+        await on_host_only(cache, TOKENS, keep_kv=True)
+
+        def failing(*args: Any, **kwargs: Any) -> Any:
+            raise TransferError("injected copy failure")
+
+        ctrl.layer_copier = failing  # type: ignore[method-assign]
+        match = tree.match_prefix(TOKENS)
+        assert match.state_tier is Tier.HOST and match.num_host_tokens == 0
+        op = ctrl.load(match)
+        assert op is not None
+        longer = TOKENS + list(range(700, 700 + 2 * PAGE))
+        assert tree.match_prefix(longer).pending_load
+        insert(cache, longer)  # computed on the pending state
+        assert ctrl.cancel(op) is False  # that data rests on it: a cancel would leave it in place
+        ctrl.start_loading()
+        with pytest.raises(TransferError):
+            async with asyncio.timeout(5):
+                await op
+        await ctrl.wait_idle()
+        assert tree.stats().num_active_plans == 0
+        again = tree.match_prefix(longer)
+        assert again.num_tokens == len(TOKENS) and again.state_tier is Tier.HOST
+        settle(cache)
+    assert free_counts(cache) == before
