@@ -333,8 +333,9 @@ class HybridCacheController(LoadWaitMixin, StorageTierMixin):
     async def wait_idle(self) -> bool:
         """Wait until no copy, no storage lookup, no split restore's tail read and no archive to
         storage is in flight; True if anything was (memory may have been freed, and nodes a
-        lookup or an archive held locked may be evictable again)."""
-        busy, tier = False, self.tiering
+        lookup or an archive held locked may be evictable again). A failed operation whose undo
+        a released lock no longer blocks is undone first."""
+        busy, tier = self._ops.undo_blocked(), self.tiering
         while self._loaders or self._prefetcher.tasks or self._load_completion.depth or self._write_completion.depth or (
             tier is not None and tier.busy
         ):

@@ -34,9 +34,12 @@ class LoadWaitMixin:
 
     def pending_ops(self, match: MatchResult) -> list[CacheOperation]:
         """The operations of the loads in flight now that write into ``match``'s usable prefix
-        (queued, issued, or failed with their undo still waiting), in the tree's plan order.
+        (queued, issued, or failed with their undo still waiting), in the tree's plan order. A
+        failed one whose undo nothing blocks any more (the lock that did was released) is undone
+        first, and is not among them.
         :class:`TreeError` for such a load that this controller does not carry (a plan begun on
         the tree directly: nothing here can complete it)."""
+        self._ops.undo_blocked()
         ops: list[CacheOperation] = []
         for plan in self.tree.pending_loads(match):
             op = self._ops.load_of(plan)

@@ -10,9 +10,11 @@ plan and what it allocated is freed.
 
 - :class:`TreeOps` — one per controller: ``load_op`` (host → device, a tree match),
   ``write_op`` (device → host backup of nodes); ``complete`` (a copy finished or failed),
-  ``cancel_queued``; ``abort`` and ``free``; ``load_of``, the operation that carries a tree load
-  still in flight (how a match that reaches another request's load finds what to await). Loads of storage tail restores
-  (``asynccache.prefetch``) and the staging writes of storage-only snapshots
+  ``cancel_queued``; ``abort`` and ``free``; ``undo_blocked``, the retry of failed operations
+  whose undo waits (for a later operation, or a lock on data computed on them: retried too once
+  the tree reports an unlock); ``load_of``, the operation that carries a tree load still in
+  flight (how a match that reaches another request's load finds what to await). Loads of
+  storage tail restores (``asynccache.prefetch``) and the staging writes of storage-only snapshots
   (``asynccache.snapshots``) have no tree plan: they are completed and undone here too, leaving
   the tree and the caller's pages alone (their host slots are freed by their owner once the
   operation is done).
@@ -62,8 +64,11 @@ class TreeOps:
         self.tree = tree
         self.pools = pools  # the controller's (device, host) pools, by name
         self._stats = stats
-        #: failed ops whose undo waits for a later op that builds on them (see ``complete``)
+        #: failed ops whose undo waits for a later op that builds on them, or for a lock on data
+        #: computed on them (see ``complete``)
         self._blocked: list[CacheOperation] = []
+        #: a retry of the blocked undos is scheduled on the loop (see ``_on_release``)
+        self._retry_scheduled = False
         #: plan id → the operation carrying that tree load, while the plan is in flight
         self._loads: dict[int, CacheOperation] = {}
 
@@ -171,28 +176,34 @@ class TreeOps:
                 self._stats.latency(op.kind.value, time.perf_counter() - op.issued_at)
             if not op.future.done():
                 op.future.set_result(None)
-            self._undo_blocked()
+            self.undo_blocked()
             return
         try:
             self.abort(op, failed=True)
         except TreeError as e:
-            # A later op still in flight builds on this one (a backup of a child, a load below):
-            # undone once that one has completed or been undone. Its waiter hears now.
-            log.warning("the undo of the failed %r waits for a later operation: %s", op, e)
+            # A later op still in flight builds on this one (a backup of a child, a load below),
+            # or data computed on it is locked: undone once that op has completed or been
+            # undone, or that lock released. Its waiter hears now.
+            log.warning("the undo of the failed %r waits for a later operation or a lock: %s", op, e)
             self._blocked.append(op)
+            self.tree.release_hook = self._on_release
         else:
-            self._undo_blocked()
+            self.undo_blocked()
         op.state = OpState.FAILED
         self._stats.count(f"{op.kind.value}_failed")
         if not op.future.done():
             op.future.set_exception(TransferError(f"{op!r} failed: {error}"))
             op.future.exception()  # mark retrieved: a failed op nobody awaits is not an error
 
-    def _undo_blocked(self) -> None:
-        """Undo the failed ops that waited for later ones, newest first, as far as the tree
-        now allows (the copies of one failed step are completed in submission order: a head's
-        undo would otherwise meet the data its tail's copy still holds below it)."""
-        progress = True
+    def undo_blocked(self) -> bool:
+        """Undo the failed ops that waited for later ones or for locks, newest first, as far as
+        the tree now allows (the copies of one failed step are completed in submission order: a
+        head's undo would otherwise meet the data its tail's copy still holds below it). True if
+        any was undone. Runs after every completion and cancel, soon after a tree unlock while
+        any waits (``_on_release``), and before the controller hands out a match's loads."""
+        if not self._blocked:
+            return False
+        undone, progress = False, True
         while progress and self._blocked:
             progress = False
             for op in sorted(self._blocked, key=lambda op: -op.op_id):
@@ -201,7 +212,26 @@ class TreeOps:
                 except TreeError:
                     continue
                 self._blocked.remove(op)
-                progress = True
+                progress = undone = True
+        if not self._blocked and self.tree.release_hook == self._on_release:
+            self.tree.release_hook = None  # nothing waits: unlocks cost nothing again
+        return undone
+
+    def _on_release(self) -> None:
+        """The tree's ``release_hook`` while an undo waits: a lock was released, so the undo may
+        go through now. Retried from the loop, not here: the unlocking caller may be in the
+        middle of its own change to the tree (``load_op`` unlocks a match it just loaded)."""
+        if self._retry_scheduled or not self._blocked:
+            return
+        loop = self._blocked[0].future.get_loop()
+        if loop.is_closed():  # the controller is gone: nothing retries any more
+            return
+        self._retry_scheduled = True
+        loop.call_soon(self._retry)
+
+    def _retry(self) -> None:
+        self._retry_scheduled = False
+        self.undo_blocked()
 
     def load_of(self, plan: Any) -> CacheOperation | None:
         """The operation carrying tree load ``plan``, while the plan is in flight (also a failed
@@ -222,7 +252,7 @@ class TreeOps:
         op.state = OpState.CANCELLED
         self._stats.count(f"{op.kind.value}_cancelled")
         op.future.cancel()
-        self._undo_blocked()
+        self.undo_blocked()
 
     def free(self, kv: torch.Tensor, slots: torch.Tensor, *, device: bool) -> None:
         """Return KV pages and state slots to the device pools (``device``) or the host pools."""

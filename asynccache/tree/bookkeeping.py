@@ -101,6 +101,10 @@ class TreeBookkeeping:
         self.write_policy = WritePolicy.parse(write_policy) if write_policy is not None else WritePolicy.write_through()
         self.write_back: WriteBackFn | None = write_back
         self.clock: Callable[[], float] = clock if clock is not None else time.monotonic
+        #: called (no arguments) after every ``unlock`` and ``unlock_host``; it must not change the
+        #: tree (the controller schedules the undo of failed operations a lock blocked, see
+        #: ``asynccache.tree_ops``)
+        self.release_hook: Callable[[], None] | None = None
         self.namespace = spec.namespace_id if model_id is None else f"{model_id}|{spec.namespace_id}"
 
         self.device_kv_lru = LRUList(0, name="device_kv", tier=Tier.DEVICE, resource=Resource.KV)

@@ -11,7 +11,7 @@ Invariants (the message of the ``AssertionError`` starts with the name in bracke
   every node of an in-flight plan is pinned on both tiers and holds what the plan attached; a
   node's device lock is the locks taken on it and below it plus the plans covering it; the
   readers of loads and of retired indices are locks still held, on live nodes, of loads in
-  flight.
+  flight, and the index of reader nodes lists exactly the records counting each.
 - ``[counters]`` the incremental totals (nodes, pages, states, locked pages, child counts).
 - ``[lru]`` each of the four lists is well linked and holds exactly the nodes with its resource.
 - ``[ownership]`` every allocated index of every pool is owned by exactly one node, one
@@ -231,6 +231,7 @@ def _check_node(tree: TreeCore, node: TreeNode) -> None:
 def _check_readers(tree: TreeCore) -> None:
     loads = {pid for pid, plan in tree._plans.items() if isinstance(plan, LoadPlan) and plan._last is not None}
     _ok(tree._pending.plan_ids == loads, "[locks] the loads whose readers are counted are not the loads in flight")
+    _ok(tree._pending.index_matches(), "[locks] the index of reader nodes does not list the records that count them")
     for plan_id, node, count in tree._pending.reader_counts():
         what = f"load plan {plan_id}" if plan_id >= 0 else "retired indices"
         _ok(node.alive, f"[locks] {what}: reader lock on deleted {node}")

@@ -7,7 +7,8 @@ Primitives:
   deleted until the matching unlock (device locks are counted on the locked node too, and the
   loads in flight on the path hear of them: ``asynccache.tree.pending``); ``check_alive``,
   before locking several nodes; ``_pin``, the per-node pin of an in-flight copy (both tiers,
-  and ``loading`` for a load);
+  and ``loading`` for a load); ``release_hook`` (set on the tree) hears of every unlock, so that
+  the controller retries the undo of a failed operation a lock blocked;
   ``claim_in_flight`` / ``release_in_flight`` / ``in_flight_owned``: the pool indices in-flight
   operations own, which ``check_integrity`` does not report as leaked. The locked-page totals
   follow every pin. Not used on its own.
@@ -15,7 +16,7 @@ Primitives:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -24,6 +25,7 @@ from asynccache.pools.base import ItemPool
 from asynccache.tree.bookkeeping import TreeBookkeeping
 from asynccache.tree.errors import TreeError
 from asynccache.tree.node import TreeNode
+from asynccache.tree.pending import Retired
 
 __all__ = ["TreeLocks"]
 
@@ -67,7 +69,8 @@ class TreeLocks(TreeBookkeeping):
     def unlock(self, node: TreeNode) -> None:
         """Undo one :meth:`lock` of ``node``. Raises :class:`TreeError` without a lock taken on
         ``node`` itself; unlocking a root (a miss's ``last_node``) does nothing, as locking it
-        does. The last reader of a failed load's retired indices releasing them frees them."""
+        does. The last reader of a failed load's retired indices releasing them frees them.
+        ``release_hook`` (when set) hears of every unlock, as of every :meth:`unlock_host`."""
         path = self.path_to(node)
         if not path:
             return
@@ -78,12 +81,23 @@ class TreeLocks(TreeBookkeeping):
             n.device_lock -= 1
             if n.device_lock == 0 and n.device_kv is not None:
                 self._device_locked_pages -= n.num_pages
-        if self._pending.active:
-            for retired in self._pending.on_unlock(node):
-                if retired.kv_indices.numel():
-                    self.device_kv.free(retired.kv_indices)
-                if retired.state_slots.numel():
-                    self.device_mamba.free(retired.state_slots)
+        freed = self._pending.on_unlock(node) if self._pending.has_readers else []
+        if self.release_hook is not None:
+            self.release_hook()
+        if freed:
+            self._free_retired(freed)
+
+    def _free_retired(self, freed: Sequence[Retired]) -> None:
+        # The records are gone from the tree already: the slots are freed even when the pages'
+        # free raises (then the pool's error propagates), so nothing stays owned by no one.
+        kv = torch.cat([r.kv_indices for r in freed])
+        slots = torch.cat([r.state_slots for r in freed])
+        try:
+            if kv.numel():
+                self.device_kv.free(kv)
+        finally:
+            if slots.numel():
+                self.device_mamba.free(slots)
 
     def lock_host(self, node: TreeNode) -> None:
         """Pin ``node`` and its ancestors on the host (host copies kept, nodes not deleted)."""
@@ -103,6 +117,8 @@ class TreeLocks(TreeBookkeeping):
             n.host_lock -= 1
             if n.host_lock == 0 and n.host_kv is not None:
                 self._host_locked_pages -= n.num_pages
+        if self.release_hook is not None:
+            self.release_hook()
 
     def _pin(self, node: TreeNode, delta: int, *, loading: bool) -> None:
         """Per-node pin of an in-flight copy: device and host lock (and ``loading``) += delta."""

@@ -17,12 +17,17 @@ on their way. While it is in flight three things may depend on it:
   is in flight (with their start page, so nodes split off them later are found too).
 - **Retired** indices: a failed load whose readers still hold its nodes leaves the tree at once
   (no match offers its pages again), but its pages and slots go back to the pools only once
-  those readers have released their locks.
+  those readers have released their locks. Until then they are the tree's: an insert that
+  passes them back (a reader's match, which never got their bytes) is refused.
 
 An unlock cannot say whose lock it releases, so a reader count is capped at the locks left on
-its node: an upper bound (a reader that leaves while an older lock on the same node stays is
-counted until that one goes too). Too many readers is the safe side: a cancel refused lets the
-load complete, and retired indices are held a little longer.
+its node: an upper bound. A reader that has left stays counted as long as its node still holds
+that many locks, whoever took them (requests that locked the node after the load failed too):
+the retired indices of a prefix whose locks keep overlapping are held until its node has no
+lock at all (followups item 20: lock identities would lift that). Too many readers is the safe
+side: a cancel refused lets the load complete, and retired indices are held longer. Each node
+counted as a reader maps to the records that count it, so an unlock of any other node costs one
+dict lookup.
 
 Primitives: :class:`PendingLoads` (one per tree; the tree's lock, insert and load protocol call
 it), :class:`Retired`. Synchronous; mutates only its own records.
@@ -41,17 +46,21 @@ from asynccache.tree.results import LoadPlan
 __all__ = ["PendingLoads", "Retired"]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Load:
     plan: LoadPlan
+    #: a load of the boundary state alone (no KV pages)
+    state_only: bool
     #: locked node → device locks taken on it since the load began (an upper bound of those held)
     readers: dict[TreeNode, int] = field(default_factory=dict)
     #: for a load of the state alone: node given device data below the state → (its start page
     #: when recorded, whether it got KV pages rather than a state only)
     dependents: dict[TreeNode, tuple[int, bool]] = field(default_factory=dict)
+    #: the highest node the load covered when last looked up (see :func:`_top`)
+    top: TreeNode | None = None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Retired:
     """Device indices of a failed load, detached from the tree and held for its ``readers``
     (locked node → locks that may still read them); freed when none is left."""
@@ -71,24 +80,17 @@ def _top(plan: LoadPlan) -> TreeNode | None:
     return node
 
 
-def _reaches(plan: LoadPlan, path_ids: set[int], end: TreeNode) -> bool:
+def _reaches(rec: _Load, path_ids: set[int], end: TreeNode) -> bool:
     """Whether a match (or a lock) whose path is ``path_ids``, ending at ``end``, reads what
-    ``plan`` brings."""
-    if plan._last is None:
-        return False
-    if plan.num_kv_pages == 0:  # the boundary state alone: read by what resumes from it
+    ``rec``'s load brings."""
+    plan = rec.plan
+    if rec.state_only:  # read by what resumes from that state
         return end is plan._last
-    top = _top(plan)
+    top = rec.top
+    # Loaded nodes are pinned (never deleted), and a split of the top moves its start down.
+    if top is None or top.start_page != plan._top_page:
+        rec.top = top = _top(plan)
     return top is not None and top.node_id in path_ids
-
-
-def _cap(readers: dict[TreeNode, int], node: TreeNode) -> None:
-    count = readers.get(node)
-    if count is not None and count > node.num_locks:
-        if node.num_locks:
-            readers[node] = node.num_locks
-        else:
-            del readers[node]
 
 
 class PendingLoads:
@@ -97,20 +99,38 @@ class PendingLoads:
     def __init__(self) -> None:
         self._loads: dict[int, _Load] = {}
         self._retired: list[Retired] = []
+        #: node → the records (loads in flight, retired indices) that count it as a reader
+        self._reader_of: dict[TreeNode, list[_Load | Retired]] = {}
 
     @property
-    def active(self) -> bool:
-        """Whether anything listens to locks and unlocks (a load in flight or retired indices)."""
-        return bool(self._loads) or bool(self._retired)
+    def has_readers(self) -> bool:
+        """Whether an unlock may lower a reader count (some node is a reader)."""
+        return bool(self._reader_of)
+
+    def _add_reader(self, rec: _Load | Retired, node: TreeNode, count: int) -> None:
+        held = rec.readers.get(node, 0)
+        if not held:
+            self._reader_of.setdefault(node, []).append(rec)
+        rec.readers[node] = held + count
+
+    def _forget_readers(self, rec: _Load | Retired) -> None:
+        for node in rec.readers:
+            recs = [r for r in self._reader_of[node] if r is not rec]
+            if recs:
+                self._reader_of[node] = recs
+            else:
+                del self._reader_of[node]
 
     # ---- the load protocol ----------------------------------------------------------------
     def begin(self, plan: LoadPlan) -> None:
         """``plan`` is in flight (a plan with nodes)."""
-        self._loads[plan.plan_id] = _Load(plan)
+        self._loads[plan.plan_id] = _Load(plan, state_only=plan.num_kv_pages == 0)
 
     def end(self, plan: LoadPlan) -> None:
         """``plan`` finished or was aborted: forget its readers and dependents."""
-        self._loads.pop(plan.plan_id, None)
+        rec = self._loads.pop(plan.plan_id, None)
+        if rec is not None:
+            self._forget_readers(rec)
 
     def num_readers(self, plan: LoadPlan) -> int:
         rec = self._loads.get(plan.plan_id)
@@ -127,7 +147,7 @@ class PendingLoads:
         if not self._loads:
             return ()
         ids = {n.node_id for n in path}
-        return tuple(rec.plan for rec in self._loads.values() if _reaches(rec.plan, ids, end))
+        return tuple(rec.plan for rec in self._loads.values() if _reaches(rec, ids, end))
 
     # ---- locks ------------------------------------------------------------------------------
     def on_lock(self, node: TreeNode, path: Sequence[TreeNode]) -> None:
@@ -135,22 +155,28 @@ class PendingLoads:
         loading node: count it as a reader of each load it reaches."""
         ids = {n.node_id for n in path}
         for rec in self._loads.values():
-            if _reaches(rec.plan, ids, node):
-                rec.readers[node] = rec.readers.get(node, 0) + 1
+            if _reaches(rec, ids, node):
+                self._add_reader(rec, node, 1)
 
     def on_unlock(self, node: TreeNode) -> list[Retired]:
         """``unlock(node)`` happened (``node.num_locks`` already lowered): cap the counts of
-        ``node``; return the retired records no reader holds any more (forgotten here; the
-        caller frees their indices)."""
-        for rec in self._loads.values():
-            _cap(rec.readers, node)
-        if not self._retired:
+        ``node`` at its locks left; return the retired records no reader holds any more
+        (forgotten here; the caller frees their indices). One lookup for a node no record
+        counts."""
+        recs = self._reader_of.get(node)
+        if recs is None:
             return []
+        limit = node.num_locks
+        if limit:
+            for rec in recs:
+                rec.readers[node] = min(rec.readers[node], limit)
+            return []
+        del self._reader_of[node]
         freed: list[Retired] = []
-        for r in self._retired:
-            _cap(r.readers, node)
-            if not r.readers:
-                freed.append(r)
+        for rec in recs:
+            del rec.readers[node]
+            if isinstance(rec, Retired) and not rec.readers:
+                freed.append(rec)
         if freed:
             self._retired = [r for r in self._retired if r.readers]
         return freed
@@ -164,7 +190,7 @@ class PendingLoads:
         kv_nodes, state_nodes = set(fresh_kv), set(fresh_states)
         for rec in self._loads.values():
             last = rec.plan._last
-            if rec.plan.num_kv_pages or last is None:
+            if not rec.state_only or last is None:
                 continue
             below = next((i + 1 for i, n in enumerate(path) if n is last), None)
             if below is None:
@@ -183,11 +209,24 @@ class PendingLoads:
     # ---- retired indices --------------------------------------------------------------------
     def retire(self, kv_indices: torch.Tensor, state_slots: torch.Tensor, readers: dict[TreeNode, int]) -> None:
         """Hold device indices a failed load detached until ``readers`` have released them."""
-        self._retired.append(Retired(kv_indices=kv_indices, state_slots=state_slots, readers=dict(readers)))
+        rec = Retired(kv_indices=kv_indices, state_slots=state_slots, readers={})
+        for node, count in readers.items():
+            self._add_reader(rec, node, count)
+        self._retired.append(rec)
 
     @property
     def retired(self) -> tuple[Retired, ...]:
         return tuple(self._retired)
+
+    def retired_among(self, kv_indices: torch.Tensor, state_slots: Iterable[int]) -> tuple[list[int], list[int]]:
+        """The retired device pages among ``kv_indices`` and the retired slots among
+        ``state_slots`` (both empty at once when nothing is retired)."""
+        if not self._retired:
+            return [], []
+        kv = torch.cat([r.kv_indices for r in self._retired])
+        slots = {int(s) for r in self._retired for s in r.state_slots.tolist()}
+        pages = kv_indices[torch.isin(kv_indices, kv)].tolist() if kv.numel() else []
+        return pages, [int(s) for s in state_slots if int(s) in slots]
 
     def reader_counts(self) -> Iterator[tuple[int, TreeNode, int]]:
         """``(plan id or -1 for retired indices, node, count)`` of every reader (integrity)."""
@@ -197,6 +236,16 @@ class PendingLoads:
         for r in self._retired:
             for node, count in r.readers.items():
                 yield -1, node, count
+
+    def index_matches(self) -> bool:
+        """Whether the node → records index lists exactly the records counting each node
+        (integrity)."""
+        want: dict[TreeNode, list[int]] = {}
+        for rec in (*self._loads.values(), *self._retired):
+            for node in rec.readers:
+                want.setdefault(node, []).append(id(rec))
+        have = {node: sorted(id(r) for r in recs) for node, recs in self._reader_of.items()}
+        return have == {node: sorted(ids) for node, ids in want.items()}
 
     @property
     def plan_ids(self) -> frozenset[int]:

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from asynccache.checks import as_int, check_int
-from asynccache.errors import ConfigError
+from asynccache.errors import ConfigError, StaleMatchError
 from asynccache.policy.base import AdmissionContext
 from asynccache.pools.base import ItemPool
 from asynccache.tree.alloc import AllocationMixin
@@ -156,13 +156,24 @@ class HybridRadixTree(MatchMixin, ByteEvictionMixin, AllocationMixin, LoadMixin)
         the one the node holds is left alone. Nodes are split so each kept state sits at a node
         end. Nodes that only had a host copy get the new device pages. Mutates the tree, the LRU
         lists (the path becomes most recent) and the device pools (frees). On ``ConfigError``
-        nothing changed and the caller still owns everything.
+        nothing changed and the caller still owns everything. :class:`StaleMatchError`, with
+        nothing changed either, when an index passed is one of a failed load's, still held for
+        the readers of its match (``asynccache.tree.pending``): the caller keeps only what it
+        allocated itself.
         """
         buf, num_pages = encode_tokens(tokens, self.page_size)
         kv = self._check_indices(kv_indices, num_pages, "kv_indices", self.device_kv)
         offered = self._check_states(states, num_pages, "states", self.device_mamba)
         if prompt_len is not None:
             prompt_len = check_int("prompt_len", prompt_len, minimum=0)
+        pages, slots = self._pending.retired_among(kv, offered.values())
+        if pages or slots:
+            what = " and ".join(f"{name} {ids}" for name, ids in (("device pages", pages), ("state slots", slots)) if ids)
+            raise StaleMatchError(
+                f"insert passes back {what} of a failed load: the match that reported them never got their "
+                "bytes, nor did what was computed on them; free this request's own pages, unlock the match "
+                "(the failed load's indices go back to the pools then) and match again"
+            )
         root = self._root_for(salt, create=True)
         if num_pages == 0:
             return InsertResult(last_node=root)

@@ -23,6 +23,7 @@ from asynccache.tree import Tier
 PAGE = 4
 SPEC = HybridSpec.preset("tiny", page_size=PAGE)
 TOKENS = list(range(1, 4 * PAGE + 1))
+LONGER = TOKENS + list(range(700, 700 + 2 * PAGE))
 
 
 def config(**overrides: Any) -> HybridCacheConfig:
@@ -93,6 +94,17 @@ def queued_load(cache: HybridCache) -> tuple[Any, Any]:
     op = cache.controller.load(first)
     assert op is not None
     return first, op
+
+
+def fail_copies(cache: HybridCache) -> Any:
+    """Every copy of the controller fails from now on; returns the real copier."""
+    real = cache.controller.layer_copier
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise TransferError("injected copy failure")
+
+    cache.controller.layer_copier = failing  # type: ignore[method-assign]
+    return real
 
 
 async def yield_a_few() -> None:
@@ -182,12 +194,7 @@ async def test_a_failed_load_another_request_holds_is_reported_and_its_pages_hel
     async with cache:
         ctrl, tree = cache.controller, cache.tree
         saved = await on_host_only(cache, TOKENS)
-        real = ctrl.layer_copier
-
-        def failing(*args: Any, **kwargs: Any) -> Any:
-            raise TransferError("injected copy failure")
-
-        ctrl.layer_copier = failing  # type: ignore[method-assign]
+        real = fail_copies(cache)
         first, op = queued_load(cache)
         second = locked_match(cache)
         waiter = asyncio.create_task(ctrl.wait_loaded(second))
@@ -232,18 +239,13 @@ async def test_a_failed_load_of_a_state_alone_takes_what_was_computed_on_it_alon
     async with cache:
         ctrl, tree = cache.controller, cache.tree
         await on_host_only(cache, TOKENS, keep_kv=True)
-
-        def failing(*args: Any, **kwargs: Any) -> Any:
-            raise TransferError("injected copy failure")
-
-        ctrl.layer_copier = failing  # type: ignore[method-assign]
+        fail_copies(cache)
         match = tree.match_prefix(TOKENS)
         assert match.state_tier is Tier.HOST and match.num_host_tokens == 0
         op = ctrl.load(match)
         assert op is not None
-        longer = TOKENS + list(range(700, 700 + 2 * PAGE))
-        assert tree.match_prefix(longer).pending_load
-        insert(cache, longer)  # computed on the pending state
+        assert tree.match_prefix(LONGER).pending_load
+        insert(cache, LONGER)  # computed on the pending state
         assert ctrl.cancel(op) is False  # that data rests on it: a cancel would leave it in place
         ctrl.start_loading()
         with pytest.raises(TransferError):
@@ -251,7 +253,71 @@ async def test_a_failed_load_of_a_state_alone_takes_what_was_computed_on_it_alon
                 await op
         await ctrl.wait_idle()
         assert tree.stats().num_active_plans == 0
-        again = tree.match_prefix(longer)
+        again = tree.match_prefix(LONGER)
         assert again.num_tokens == len(TOKENS) and again.state_tier is Tier.HOST
+        settle(cache)
+    assert free_counts(cache) == before
+
+
+async def failed_under_computed_data(cache: HybridCache) -> tuple[Any, Any]:
+    """The first request's load of ``TOKENS`` fails; meanwhile a second one read the pending
+    pages and inserted what it computed on them, which a third one holds: the failed load's
+    undo waits for that lock. Returns the first and the third request's matches, locked."""
+    ctrl, tree = cache.controller, cache.tree
+    await on_host_only(cache, TOKENS)
+    fail_copies(cache)
+    first, op = queued_load(cache)
+    second = locked_match(cache)
+    insert(cache, LONGER)  # computed on the pending pages
+    tree.unlock(second.last_node)
+    third = tree.match_prefix(LONGER)
+    tree.lock(third.last_node)
+    ctrl.start_loading()
+    with pytest.raises(TransferError):
+        async with asyncio.timeout(5):
+            await op
+    await ctrl.wait_idle()
+    assert ctrl.pending_ops(tree.match_prefix(TOKENS)) == [op]  # its undo waits
+    return first, third
+
+
+async def test_a_failed_load_whose_undo_a_lock_blocked_is_undone_once_that_lock_goes() -> None:
+    """The lock that kept a failed load from being undone is released: the undo runs on the
+    loop's next turn, without waiting for another operation to complete, and a new match
+    loads the prefix afresh."""
+    cache = HybridCache(SPEC, config())
+    before = free_counts(cache)
+    async with cache:
+        tree = cache.tree
+        first, third = await failed_under_computed_data(cache)
+        tree.unlock(third.last_node)
+        await yield_a_few()
+        assert tree.stats().num_active_plans == 0
+        again = tree.match_prefix(TOKENS)
+        assert again.needs_load and not again.pending_load and again.num_device_tokens == 0
+        tree.unlock(first.last_node)
+        settle(cache)
+    assert free_counts(cache) == before
+
+
+async def test_asking_for_a_matchs_loads_undoes_a_failed_load_no_lock_blocks_any_more() -> None:
+    """Everyone has left, and a request matches again before the loop has turned: its match
+    still reaches the failed load, but asking for the loads it waits for undoes that load
+    first. The wait reports the match stale, and the next match loads the prefix afresh."""
+    cache = HybridCache(SPEC, config())
+    before = free_counts(cache)
+    async with cache:
+        ctrl, tree = cache.controller, cache.tree
+        first, third = await failed_under_computed_data(cache)
+        tree.unlock(third.last_node)
+        tree.unlock(first.last_node)
+        again = locked_match(cache)
+        assert again.pending_load
+        assert ctrl.pending_ops(again) == []
+        with pytest.raises(StaleMatchError):
+            await ctrl.wait_loaded(again)
+        tree.unlock(again.last_node)
+        fresh = tree.match_prefix(TOKENS)
+        assert fresh.needs_load and not fresh.pending_load and fresh.num_device_tokens == 0
         settle(cache)
     assert free_counts(cache) == before

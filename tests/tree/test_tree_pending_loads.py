@@ -4,10 +4,13 @@ state (dependents), and what undoing a load does with each."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from tree_builders import PAGE, check_contents, make_tree, put, seq
 
+from asynccache.errors import AllocationError, StaleMatchError
 from asynccache.policy import EveryPageAdmission
 from asynccache.tree import (
     HybridRadixTree,
@@ -16,6 +19,7 @@ from asynccache.tree import (
     SyncTransfer,
     Tier,
     TreeError,
+    pending,
 )
 
 
@@ -40,6 +44,20 @@ def owner_load(tree: HybridRadixTree, tokens: list[int]) -> tuple[MatchResult, L
 def free(tree: HybridRadixTree, kv: torch.Tensor, slots: torch.Tensor) -> None:
     tree.device_kv.free(kv)
     tree.device_mamba.free(slots)
+
+
+def failed_under_reader(tree: HybridRadixTree, transfer: SyncTransfer, tokens: list[int]) -> tuple[MatchResult, int]:
+    """``tokens`` on the host; a load of them fails while a second request holds them (the
+    owner has left): returns that request's locked match and the state slot it was told of."""
+    on_host(tree, transfer, tokens, [len(tokens)])
+    owner, plan = owner_load(tree, tokens)
+    reader = tree.match_prefix(tokens)
+    assert reader.pending_load and reader.last_node.device_state is not None
+    tree.lock(reader.last_node)
+    slot = reader.last_node.device_state
+    assert tree.abort_load(plan, drop_below=True).kv_indices.numel() == 0
+    tree.unlock(owner.last_node)
+    return reader, slot
 
 
 def state_on_host_only(tree: HybridRadixTree, transfer: SyncTransfer) -> tuple[list[int], list[int]]:
@@ -178,4 +196,103 @@ def test_unlocking_a_node_that_was_not_locked_itself_is_refused() -> None:
     with pytest.raises(TreeError, match="without a matching lock"):
         tree.unlock(parent)
     tree.unlock(r.last_node)
+    tree.check_integrity()
+
+
+@pytest.mark.parametrize("reloaded", [False, True], ids=["nodes-empty", "reloaded-meanwhile"])
+def test_an_insert_passing_back_a_failed_loads_pages_is_refused(reloaded: bool) -> None:
+    """A request that read a failed load's pages passes its match back in an insert (as a
+    finished request does): those pages never got their bytes and the tree still holds them for
+    it, so the insert is refused and nothing changes — whether the nodes have had no device
+    pages since, or another request loaded the prefix again. Its own page freed and its lock
+    released, the failed load's pages and slot go back to the pools, once."""
+    tree, transfer = make_tree()
+    s = seq(1, 4 * PAGE)
+    reader, slot = failed_under_reader(tree, transfer, s)
+    if reloaded:
+        assert transfer.load(tree.match_prefix(s)) is not None
+    own = tree.device_kv.alloc(1)
+    fresh = tree.device_kv.alloc(4)
+    assert own is not None and fresh is not None
+    num_free = (tree.device_kv.num_free, tree.device_mamba.num_free)
+    with pytest.raises(StaleMatchError, match=r"device pages \[0, 1, 2, 3\] of a failed load"):
+        tree.insert(s + seq(9, PAGE), torch.cat([reader.device_kv_indices, own]))
+    with pytest.raises(StaleMatchError, match=rf"state slots \[{slot}\] of a failed load"):
+        tree.insert(s, fresh, states={4 * PAGE: slot})
+    assert (tree.device_kv.num_free, tree.device_mamba.num_free) == num_free
+    tree.device_kv.free(torch.cat([own, fresh]))
+    tree.check_integrity()  # the tree as it was: the failed load's pages and slot still held
+    tree.unlock(reader.last_node)
+    assert (tree.device_kv.num_free, tree.device_mamba.num_free) == (num_free[0] + 9, num_free[1] + 1)
+    tree.check_integrity()
+    if reloaded:
+        check_contents(tree, s, tree.match_prefix(s))
+
+
+def test_the_last_readers_unlock_frees_the_retired_slot_even_when_freeing_the_pages_fails() -> None:
+    """Misuse: the retired pages went back to the pool behind the tree's back. The unlock that
+    would free them reports the double free, but leaves nothing half done: its lock is gone and
+    the retired slot is back in the pool (not leaked)."""
+    tree, transfer = make_tree()
+    reader, _ = failed_under_reader(tree, transfer, seq(1, 4 * PAGE))
+    tree.device_kv.free(reader.device_kv_indices)
+    num_free_slots = tree.device_mamba.num_free
+    with pytest.raises(AllocationError, match="double free"):
+        tree.unlock(reader.last_node)
+    assert reader.last_node.num_locks == 0 and tree.device_mamba.num_free == num_free_slots + 1
+    tree.check_integrity()
+
+
+class _CountingReaders(dict[Any, int]):
+    """A load's reader counts, counting how often they are read."""
+
+    reads = 0
+
+    def get(self, *args: Any) -> Any:
+        _CountingReaders.reads += 1
+        return super().get(*args)
+
+    def __getitem__(self, key: Any) -> int:
+        _CountingReaders.reads += 1
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        _CountingReaders.reads += 1
+        return super().__contains__(key)
+
+
+def test_locks_and_unlocks_do_not_redo_per_load_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With loads in flight, each with a reader: a lock on a loading path finds each load's top
+    node once (not at every lock), and an unlock of a node no load counts as a reader reads no
+    load's reader counts."""
+    tree, transfer = make_tree(device_pages=96, device_states=24, host_pages=96, host_states=24)
+    prompts = [seq(i + 1, 4 * PAGE) for i in range(8)]
+    for tokens in prompts:
+        r = put(tree, tokens, states=[4 * PAGE])
+        assert transfer.backup(r.backup_nodes) is not None
+    tree.evict_device(num_kv_pages=100, num_states=100)
+    for tokens in prompts:
+        owner_load(tree, tokens)
+        tree.lock(tree.match_prefix(tokens).last_node)  # a reader
+    tops = 0
+    real_top = pending._top
+
+    def counting_top(plan: LoadPlan) -> Any:
+        nonlocal tops
+        tops += 1
+        return real_top(plan)
+
+    monkeypatch.setattr(pending, "_top", counting_top)
+    node = tree.match_prefix(prompts[0]).last_node
+    for _ in range(10):
+        tree.lock(node)
+        tree.unlock(node)
+    assert tops <= len(prompts)
+    for rec in tree._pending._loads.values():
+        rec.readers = _CountingReaders(rec.readers)
+    other = put(tree, seq(99, 4 * PAGE), states=[4 * PAGE]).last_node
+    for _ in range(10):
+        tree.lock(other)
+        tree.unlock(other)
+    assert _CountingReaders.reads == 0
     tree.check_integrity()
