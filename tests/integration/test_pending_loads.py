@@ -107,6 +107,14 @@ def fail_copies(cache: HybridCache) -> Any:
     return real
 
 
+async def reader_of_a_queued_load(cache: HybridCache) -> tuple[bytes, Any, Any, Any]:
+    """``TOKENS`` on the host only; the first request's locked match and its queued load; then
+    a second request's locked match of the same prefix. Returns the saved bytes and the three."""
+    saved = await on_host_only(cache, TOKENS)
+    first, op = queued_load(cache)
+    return saved, first, op, locked_match(cache)
+
+
 async def yield_a_few() -> None:
     for _ in range(5):
         await asyncio.sleep(0)
@@ -120,9 +128,7 @@ async def test_a_second_request_waits_for_the_load_another_one_queued() -> None:
     before = free_counts(cache)
     async with cache:
         ctrl, tree = cache.controller, cache.tree
-        saved = await on_host_only(cache, TOKENS)
-        first, op = queued_load(cache)
-        second = locked_match(cache)
+        saved, first, op, second = await reader_of_a_queued_load(cache)
         assert second.pending_load and not second.needs_load
         assert ctrl.pending_ops(second) == [op]
         waiter = asyncio.create_task(ctrl.wait_loaded(second))
@@ -148,9 +154,7 @@ async def test_cancelling_a_load_another_request_holds_lets_it_complete() -> Non
     before = free_counts(cache)
     async with cache:
         ctrl, tree = cache.controller, cache.tree
-        saved = await on_host_only(cache, TOKENS)
-        first, op = queued_load(cache)
-        second = locked_match(cache)
+        saved, first, op, second = await reader_of_a_queued_load(cache)
         waiter = asyncio.create_task(ctrl.wait_loaded(second))
         assert ctrl.cancel(op) is False
         assert op.state is OpState.QUEUED and tree.match_is_current(second)
