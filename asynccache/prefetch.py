@@ -141,11 +141,11 @@ class Prefetcher:
         # The KV the match holds must outlive the fetch (the fetched pages extend it): the task
         # starts later, and storage lookups take a while, during which other requests evict.
         node = held_node(match)
-        self.tree.lock(node)
+        token = self.tree.lock(node)
         self.tree.lock_host(node)
 
         def unlock(_: asyncio.Task[Any]) -> None:
-            self.tree.unlock(node)
+            self.tree.unlock(node, token)
             self.tree.unlock_host(node)
 
         probed = asyncio.Event()

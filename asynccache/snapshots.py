@@ -101,7 +101,7 @@ class _Hold:
 
     def __init__(self, tree: Any, node: Any, pools: tuple[ItemPool, ItemPool]) -> None:
         self.tree, self.node, self.pools = tree, node, pools
-        tree.lock(node)
+        self.token = tree.lock(node)
         tree.lock_host(node)
         self.device_locked = self.host_locked = True
         self.staged: tuple[torch.Tensor, torch.Tensor] | None = None  # KV pages, state slots
@@ -114,7 +114,7 @@ class _Hold:
     def unlock_device(self) -> None:
         if self.device_locked:
             self.device_locked = False
-            self.tree.unlock(self.node)
+            self.tree.unlock(self.node, self.token)
 
     def release(self) -> None:
         if self.staged is not None:

@@ -176,12 +176,12 @@ class StorageTier:
             # The lookup below awaits storage; meanwhile the KV the match holds (which the
             # fetched pages extend) must not be evicted.
             node = held_node(match)
-            self.tree.lock(node)
+            token = self.tree.lock(node)
             self.tree.lock_host(node)
             try:
                 return await self._prefetch(tokens, match, start_page, salt=salt, allow_tail=allow_tail, probed=probed)
             finally:
-                self.tree.unlock(node)
+                self.tree.unlock(node, token)
                 self.tree.unlock_host(node)
         finally:
             if probed is not None:

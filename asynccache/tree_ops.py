@@ -78,7 +78,7 @@ class TreeOps:
         """The load of a match that needs one (see ``HybridCacheController.load``); ``None``
         when the device has no room."""
         # Pin the match while allocating: eviction must not take the prefix we are loading.
-        self.tree.lock(match.last_node)
+        token = self.tree.lock(match.last_node)
         self.tree.lock_host(match.last_node)
         alloc = None
         try:
@@ -92,7 +92,7 @@ class TreeOps:
                 self.free(alloc.kv_indices, alloc.state_slots, device=True)
             raise
         finally:
-            self.tree.unlock(match.last_node)
+            self.tree.unlock(match.last_node, token)
             self.tree.unlock_host(match.last_node)
         host_state, node_state = _slot_tensor(plan.host_state_slot), _slot_tensor(plan.device_state_slot)
         deferred: tuple[PoolTransfer, ...] = ()
@@ -126,8 +126,9 @@ class TreeOps:
         num_pages, num_states = self.tree.backup_pages_needed(nodes)
         # Pin the nodes on both tiers while making room: host eviction must neither delete them
         # nor drop the host copies of their ancestors (host copies stay contiguous).
+        tokens: list[int] = []
         for node in nodes:
-            self.tree.lock(node)
+            tokens.append(self.tree.lock(node))
             self.tree.lock_host(node)
         alloc = None
         try:
@@ -141,8 +142,8 @@ class TreeOps:
                 self.free(alloc.kv_indices, alloc.state_slots, device=False)
             raise
         finally:
-            for node in nodes:
-                self.tree.unlock(node)
+            for node, token in zip(nodes, tokens, strict=True):
+                self.tree.unlock(node, token)
                 self.tree.unlock_host(node)
         return CacheOperation(
             OpKind.WRITE,

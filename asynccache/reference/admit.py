@@ -179,7 +179,7 @@ class AdmitMixin:
         # when it became the request's: not when there is no room, nothing was cached, or the
         # allocation raised.
         node = match.last_node
-        tree.lock(node)
+        token = tree.lock(node)
         tree.lock_host(node)
         try:
             return self._allocate(req, match, num_cached, tail, by_tier)
@@ -188,8 +188,10 @@ class AdmitMixin:
             raise
         finally:
             tree.unlock_host(node)
-            if req.locked_node is not node:
-                tree.unlock(node)
+            if req.locked_node is node:
+                req.lock_token = token
+            else:
+                tree.unlock(node, token)
 
     def _allocate(self, req: Request, match: Any, num_cached: int, tail: Any, by_tier: dict[str, int]) -> bool:
         """Allocate a matched request's slots and pages and queue its load (``match`` locked on

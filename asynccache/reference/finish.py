@@ -62,8 +62,8 @@ class FinishMixin:
         if tail.numel():
             self.cache.device_kv.free(tail)
         if req.locked_node is not None:
-            tree.unlock(req.locked_node)
-            req.locked_node = None
+            tree.unlock(req.locked_node, req.lock_token)
+            req.locked_node = req.lock_token = None
         if result is not None and result.backup_nodes:
             self.cache.controller.write(result.backup_nodes)
         archived = {p: s for p, s in inserted.items() if p in req.storage_only}
@@ -138,7 +138,7 @@ class FinishMixin:
             else:
                 free()
             if req.locked_node is not None:
-                self.cache.tree.unlock(req.locked_node)
+                self.cache.tree.unlock(req.locked_node, req.lock_token)
         if req.tail is not None:
             req.tail.release()
             req.tail = None

@@ -142,6 +142,7 @@ class Request:
     num_cached: int = 0
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     locked_node: Any = None
+    lock_token: int | None = None  # the tree's token of the lock on locked_node
     kv_pages: torch.Tensor | None = None  # device pages for positions [0, capacity)
     own_pages: torch.Tensor | None = None  # the part of kv_pages this request allocated
     state_slot: int = -1

@@ -195,11 +195,11 @@ class TraceReplay:
             obs.observe_match(match, prompt_len=length, now=self._now)
 
     def _insert_locked(self, tokens: np.ndarray, length: int, match: MatchResult) -> InsertResult | None:
-        self.tree.lock(match.last_node)
+        token = self.tree.lock(match.last_node)
         try:
             result = self._insert(tokens, length, match)
         finally:
-            self.tree.unlock(match.last_node)
+            self.tree.unlock(match.last_node, token)
         if result is not None:
             for obs in self._observers:
                 if hasattr(obs, "observe_insert"):

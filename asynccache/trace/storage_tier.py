@@ -230,7 +230,7 @@ class ReplayStorageTier:
         first = min(match.num_matched_tokens // page, num_pages)  # the first page read
         node = held_node(match)
         # The tree's pages are combined with the fetched ones: nothing may evict them meanwhile.
-        tree.lock(node)
+        token = tree.lock(node)
         tree.lock_host(node)
         self._deferred = []
         try:
@@ -253,7 +253,7 @@ class ReplayStorageTier:
                 salt=match.salt,
             )
         finally:
-            tree.unlock(node)
+            tree.unlock(node, token)
             tree.unlock_host(node)
             backed_up, self._deferred = self._deferred or [], None
             for n, ticket in backed_up:

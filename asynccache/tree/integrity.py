@@ -10,8 +10,9 @@ Invariants (the message of the ``AssertionError`` starts with the name in bracke
 - ``[locks]`` lock and loading counts ≥ 0; ``loading`` equals the load plans covering the node;
   every node of an in-flight plan is pinned on both tiers and holds what the plan attached; a
   node's device lock is the locks taken on it and below it plus the plans covering it; the
-  readers of loads and of retired indices are locks still held, on live nodes, of loads in
-  flight, and the index of reader nodes lists exactly the records counting each.
+  node's own locks are its live lock tokens, each mapped to it; the readers of loads and of
+  retired indices are live lock tokens of the nodes they name, of loads in flight, and the index
+  of reader tokens lists exactly the records counting each.
 - ``[counters]`` the incremental totals (nodes, pages, states, locked pages, child counts).
 - ``[lru]`` each of the four lists is well linked and holds exactly the nodes with its resource.
 - ``[ownership]`` every allocated index of every pool is owned by exactly one node, one
@@ -141,6 +142,8 @@ def check_integrity(tree: TreeCore, *, check_matches: bool = True) -> None:
                     f"[locks] {node}: {cover} in-flight plans but locks {node.device_lock}/{node.host_lock}",
                 )
                 _ok(node.num_locks >= 0, f"[locks] {node}: negative count of its own locks")
+                num_tokens = len(tree._node_locks.get(node, ()))
+                _ok(node.num_locks == num_tokens, f"[locks] {node}: {node.num_locks} locks of its own, {num_tokens} live tokens")
                 if node.num_locks:
                     up: TreeNode | None = node
                     while up is not None and up.parent is not None:
@@ -231,11 +234,16 @@ def _check_node(tree: TreeCore, node: TreeNode) -> None:
 def _check_readers(tree: TreeCore) -> None:
     loads = {pid for pid, plan in tree._plans.items() if isinstance(plan, LoadPlan) and plan._last is not None}
     _ok(tree._pending.plan_ids == loads, "[locks] the loads whose readers are counted are not the loads in flight")
-    _ok(tree._pending.index_matches(), "[locks] the index of reader nodes does not list the records that count them")
-    for plan_id, node, count in tree._pending.reader_counts():
+    _ok(tree._pending.index_matches(), "[locks] the index of reader tokens does not list the records that count them")
+    _ok(
+        all(node.alive and tree._lock_nodes.get(t) is node for node, tokens in tree._node_locks.items() for t in tokens)
+        and len(tree._lock_nodes) == sum(len(tokens) for tokens in tree._node_locks.values()),
+        "[locks] the live lock tokens and the nodes' own tokens disagree",
+    )
+    for plan_id, token, node in tree._pending.reader_locks():
         what = f"load plan {plan_id}" if plan_id >= 0 else "retired indices"
         _ok(node.alive, f"[locks] {what}: reader lock on deleted {node}")
-        _ok(0 < count <= node.num_locks, f"[locks] {what}: {count} reader locks on {node}, {node.num_locks} taken")
+        _ok(tree._lock_nodes.get(token) is node, f"[locks] {what}: reader lock {token} is not a live lock of {node}")
 
 
 def _check_ownership(tree: TreeCore, owned: dict[str, list[np.ndarray]]) -> None:

@@ -186,7 +186,7 @@ class LoadMixin(TransferMixin):
         readers = self._pending.readers(plan)
         if readers and not drop_below:
             raise TreeError(
-                f"cannot abort load {plan.plan_id}: {sum(readers.values())} lock(s) taken on its nodes since it "
+                f"cannot abort load {plan.plan_id}: {len(readers)} lock(s) taken on its nodes since it "
                 "began may read what it brings"
             )
         del self._plans[plan.plan_id]

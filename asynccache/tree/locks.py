@@ -4,8 +4,9 @@ Primitives:
 
 - :class:`TreeLocks` — ``lock`` / ``unlock`` and ``lock_host`` / ``unlock_host``: a node and its
   ancestors pinned on the device (on the host), their data never evicted and the nodes never
-  deleted until the matching unlock (device locks are counted on the locked node too, and the
-  loads in flight on the path hear of them: ``asynccache.tree.pending``); ``check_alive``,
+  deleted until the matching unlock (a device lock has a token, which ``unlock`` may name, and
+  is counted on the locked node too; the loads in flight on the path hear of it:
+  ``asynccache.tree.pending``); ``check_alive``,
   before locking several nodes; ``_pin``, the per-node pin of an in-flight copy (both tiers,
   and ``loading`` for a load); ``release_hook`` (set on the tree) hears of every unlock, so that
   the controller retries the undo of a failed operation a lock blocked;
@@ -45,15 +46,20 @@ class TreeLocks(TreeBookkeeping):
         for node in nodes:
             self._check_alive(node)
 
-    def lock(self, node: TreeNode) -> None:
+    def lock(self, node: TreeNode) -> int:
         """Pin ``node`` and its ancestors on the device: their device data is never evicted and
-        the nodes are never deleted until :meth:`unlock`. Locking a root does nothing.
+        the nodes are never deleted until :meth:`unlock`. Returns the lock's token (a unique
+        positive int) for ``unlock(node, token)``; locking a root does nothing and returns 0.
 
-        A lock taken on a path that a load is filling makes the holder a reader of that load
+        A lock taken on a path that a load is filling makes its token a reader of that load
         (``asynccache.tree.pending``): a load's owner locks its match before the load begins."""
         self._check_alive(node)
         if node.parent is None:
-            return
+            return 0
+        token = self._next_lock_token
+        self._next_lock_token += 1
+        self._lock_nodes[token] = node
+        self._node_locks.setdefault(node, {})[token] = None
         node.num_locks += 1
         loading = False
         n = node
@@ -64,28 +70,53 @@ class TreeLocks(TreeBookkeeping):
             loading = loading or n.loading > 0
             n = n.parent
         if loading:
-            self._pending.on_lock(node, self.path_to(node))
+            self._pending.on_lock(node, self.path_to(node), token)
+        return token
 
-    def unlock(self, node: TreeNode) -> None:
-        """Undo one :meth:`lock` of ``node``. Raises :class:`TreeError` without a lock taken on
-        ``node`` itself; unlocking a root (a miss's ``last_node``) does nothing, as locking it
-        does. The last reader of a failed load's retired indices releasing them frees them.
-        ``release_hook`` (when set) hears of every unlock, as of every :meth:`unlock_host`."""
+    def unlock(self, node: TreeNode, token: int | None = None) -> None:
+        """Undo one :meth:`lock` of ``node``: the lock ``token`` (what that ``lock`` returned),
+        or without one any lock taken on ``node`` itself — one that no load or retired indices
+        count as a reader when there is one, so an anonymous unlock never frees a failed load's
+        indices early. Raises :class:`TreeError` (nothing changed) without a lock on ``node``
+        itself, or for a token that is not a live lock of ``node``; unlocking a root (a miss's
+        ``last_node``) does nothing, as locking it does (its token is 0). A reader's unlock that
+        was the last lock holding a failed load's retired indices frees them. ``release_hook``
+        (when set) hears of every unlock, as of every :meth:`unlock_host`."""
         path = self.path_to(node)
         if not path:
+            if token:
+                raise TreeError(f"unlock of {node} with lock {token}, which was not taken on it")
             return
-        if node.num_locks <= 0 or any(n.device_lock <= 0 for n in path):
+        tokens = self._node_locks.get(node)
+        if not tokens or node.num_locks <= 0 or any(n.device_lock <= 0 for n in path):
             raise TreeError(f"unlock of {node} without a matching lock")
+        if token is None:
+            token = self._anonymous_lock(tokens)
+        elif self._lock_nodes.get(token) is not node:
+            raise TreeError(f"unlock of {node} with lock {token}, which is not a live lock of it")
+        del self._lock_nodes[token]
+        del tokens[token]
+        if not tokens:
+            del self._node_locks[node]
         node.num_locks -= 1
         for n in path:
             n.device_lock -= 1
             if n.device_lock == 0 and n.device_kv is not None:
                 self._device_locked_pages -= n.num_pages
-        freed = self._pending.on_unlock(node) if self._pending.has_readers else []
+        freed = self._pending.on_unlock(token) if self._pending.has_readers else []
         if self.release_hook is not None:
             self.release_hook()
         if freed:
             self._free_retired(freed)
+
+    def _anonymous_lock(self, tokens: dict[int, None]) -> int:
+        """The lock an anonymous unlock releases: the latest that reads nothing pending, else
+        the latest (the safe side: retired indices are held, never freed early)."""
+        if self._pending.has_readers:
+            for token in reversed(tokens):
+                if not self._pending.is_reader(token):
+                    return token
+        return next(reversed(tokens))
 
     def _free_retired(self, freed: Sequence[Retired]) -> None:
         # The records are gone from the tree already: the slots are freed even when the pages'

@@ -20,14 +20,13 @@ on their way. While it is in flight three things may depend on it:
   those readers have released their locks. Until then they are the tree's: an insert that
   passes them back (a reader's match, which never got their bytes) is refused.
 
-An unlock cannot say whose lock it releases, so a reader count is capped at the locks left on
-its node: an upper bound. A reader that has left stays counted as long as its node still holds
-that many locks, whoever took them (requests that locked the node after the load failed too):
-the retired indices of a prefix whose locks keep overlapping are held until its node has no
-lock at all (followups item 20: lock identities would lift that). Too many readers is the safe
-side: a cancel refused lets the load complete, and retired indices are held longer. Each node
-counted as a reader maps to the records that count it, so an unlock of any other node costs one
-dict lookup.
+Readers are lock tokens (``lock`` returns one, ``unlock(node, token)`` releases that lock):
+a reader leaves exactly when its own lock is released, so locks taken on the same node after a
+load failed (new requests of a hot prefix) never hold its retired indices. An anonymous
+``unlock(node)`` releases a lock of the node that no record counts when there is one, so it
+never frees retired indices early (too many readers is the safe side: a cancel refused lets the
+load complete, and retired indices are held longer). Each reader token maps to the records
+that count it, so an unlock of a lock no record counts costs one dict lookup.
 
 Primitives: :class:`PendingLoads` (one per tree; the tree's lock, insert and load protocol call
 it), :class:`Retired`. Synchronous; mutates only its own records.
@@ -51,8 +50,8 @@ class _Load:
     plan: LoadPlan
     #: a load of the boundary state alone (no KV pages)
     state_only: bool
-    #: locked node → device locks taken on it since the load began (an upper bound of those held)
-    readers: dict[TreeNode, int] = field(default_factory=dict)
+    #: lock token → its node, of the device locks taken on the load's path since it began
+    readers: dict[int, TreeNode] = field(default_factory=dict)
     #: for a load of the state alone: node given device data below the state → (its start page
     #: when recorded, whether it got KV pages rather than a state only)
     dependents: dict[TreeNode, tuple[int, bool]] = field(default_factory=dict)
@@ -63,11 +62,11 @@ class _Load:
 @dataclass(slots=True, eq=False)
 class Retired:
     """Device indices of a failed load, detached from the tree and held for its ``readers``
-    (locked node → locks that may still read them); freed when none is left."""
+    (lock token → its node, of the locks that may still read them); freed when none is left."""
 
     kv_indices: torch.Tensor
     state_slots: torch.Tensor
-    readers: dict[TreeNode, int]
+    readers: dict[int, TreeNode]
 
 
 def _top(plan: LoadPlan) -> TreeNode | None:
@@ -99,27 +98,30 @@ class PendingLoads:
     def __init__(self) -> None:
         self._loads: dict[int, _Load] = {}
         self._retired: list[Retired] = []
-        #: node → the records (loads in flight, retired indices) that count it as a reader
-        self._reader_of: dict[TreeNode, list[_Load | Retired]] = {}
+        #: lock token → the records (loads in flight, retired indices) that count it as a reader
+        self._reader_of: dict[int, list[_Load | Retired]] = {}
 
     @property
     def has_readers(self) -> bool:
-        """Whether an unlock may lower a reader count (some node is a reader)."""
+        """Whether an unlock may release a reader (some lock is a reader)."""
         return bool(self._reader_of)
 
-    def _add_reader(self, rec: _Load | Retired, node: TreeNode, count: int) -> None:
-        held = rec.readers.get(node, 0)
-        if not held:
-            self._reader_of.setdefault(node, []).append(rec)
-        rec.readers[node] = held + count
+    def is_reader(self, token: int) -> bool:
+        """Whether a load in flight or retired indices count the lock ``token`` as a reader."""
+        return token in self._reader_of
+
+    def _add_reader(self, rec: _Load | Retired, token: int, node: TreeNode) -> None:
+        if token not in rec.readers:
+            self._reader_of.setdefault(token, []).append(rec)
+        rec.readers[token] = node
 
     def _forget_readers(self, rec: _Load | Retired) -> None:
-        for node in rec.readers:
-            recs = [r for r in self._reader_of[node] if r is not rec]
+        for token in rec.readers:
+            recs = [r for r in self._reader_of[token] if r is not rec]
             if recs:
-                self._reader_of[node] = recs
+                self._reader_of[token] = recs
             else:
-                del self._reader_of[node]
+                del self._reader_of[token]
 
     # ---- the load protocol ----------------------------------------------------------------
     def begin(self, plan: LoadPlan) -> None:
@@ -134,10 +136,10 @@ class PendingLoads:
 
     def num_readers(self, plan: LoadPlan) -> int:
         rec = self._loads.get(plan.plan_id)
-        return sum(rec.readers.values()) if rec is not None else 0
+        return len(rec.readers) if rec is not None else 0
 
-    def readers(self, plan: LoadPlan) -> dict[TreeNode, int]:
-        """A copy of ``plan``'s reader counts."""
+    def readers(self, plan: LoadPlan) -> dict[int, TreeNode]:
+        """A copy of ``plan``'s readers (lock token → its node)."""
         rec = self._loads.get(plan.plan_id)
         return dict(rec.readers) if rec is not None else {}
 
@@ -150,31 +152,24 @@ class PendingLoads:
         return tuple(rec.plan for rec in self._loads.values() if _reaches(rec, ids, end))
 
     # ---- locks ------------------------------------------------------------------------------
-    def on_lock(self, node: TreeNode, path: Sequence[TreeNode]) -> None:
-        """``lock(node)`` happened on ``path`` (top-down, ``node`` last), which runs through a
-        loading node: count it as a reader of each load it reaches."""
+    def on_lock(self, node: TreeNode, path: Sequence[TreeNode], token: int) -> None:
+        """``lock(node)`` returned ``token`` on ``path`` (top-down, ``node`` last), which runs
+        through a loading node: count it as a reader of each load it reaches."""
         ids = {n.node_id for n in path}
         for rec in self._loads.values():
             if _reaches(rec, ids, node):
-                self._add_reader(rec, node, 1)
+                self._add_reader(rec, token, node)
 
-    def on_unlock(self, node: TreeNode) -> list[Retired]:
-        """``unlock(node)`` happened (``node.num_locks`` already lowered): cap the counts of
-        ``node`` at its locks left; return the retired records no reader holds any more
-        (forgotten here; the caller frees their indices). One lookup for a node no record
-        counts."""
-        recs = self._reader_of.get(node)
+    def on_unlock(self, token: int) -> list[Retired]:
+        """The lock ``token`` was released: it reads nothing any more. Returns the retired
+        records no reader holds any more (forgotten here; the caller frees their indices). One
+        lookup for a lock no record counts."""
+        recs = self._reader_of.pop(token, None)
         if recs is None:
             return []
-        limit = node.num_locks
-        if limit:
-            for rec in recs:
-                rec.readers[node] = min(rec.readers[node], limit)
-            return []
-        del self._reader_of[node]
         freed: list[Retired] = []
         for rec in recs:
-            del rec.readers[node]
+            del rec.readers[token]
             if isinstance(rec, Retired) and not rec.readers:
                 freed.append(rec)
         if freed:
@@ -207,11 +202,12 @@ class PendingLoads:
         return [] if rec is None else [(n, start, kv) for n, (start, kv) in rec.dependents.items()]
 
     # ---- retired indices --------------------------------------------------------------------
-    def retire(self, kv_indices: torch.Tensor, state_slots: torch.Tensor, readers: dict[TreeNode, int]) -> None:
-        """Hold device indices a failed load detached until ``readers`` have released them."""
+    def retire(self, kv_indices: torch.Tensor, state_slots: torch.Tensor, readers: dict[int, TreeNode]) -> None:
+        """Hold device indices a failed load detached until the locks ``readers`` (token → its
+        node) have been released."""
         rec = Retired(kv_indices=kv_indices, state_slots=state_slots, readers={})
-        for node, count in readers.items():
-            self._add_reader(rec, node, count)
+        for token, node in readers.items():
+            self._add_reader(rec, token, node)
         self._retired.append(rec)
 
     @property
@@ -228,24 +224,25 @@ class PendingLoads:
         pages = kv_indices[torch.isin(kv_indices, kv)].tolist() if kv.numel() else []
         return pages, [int(s) for s in state_slots if int(s) in slots]
 
-    def reader_counts(self) -> Iterator[tuple[int, TreeNode, int]]:
-        """``(plan id or -1 for retired indices, node, count)`` of every reader (integrity)."""
+    def reader_locks(self) -> Iterator[tuple[int, int, TreeNode]]:
+        """``(plan id or -1 for retired indices, lock token, its node)`` of every reader
+        (integrity)."""
         for plan_id, rec in self._loads.items():
-            for node, count in rec.readers.items():
-                yield plan_id, node, count
+            for token, node in rec.readers.items():
+                yield plan_id, token, node
         for r in self._retired:
-            for node, count in r.readers.items():
-                yield -1, node, count
+            for token, node in r.readers.items():
+                yield -1, token, node
 
     def index_matches(self) -> bool:
-        """Whether the node → records index lists exactly the records counting each node
+        """Whether the token → records index lists exactly the records counting each reader
         (integrity)."""
-        want: dict[TreeNode, list[int]] = {}
+        want: dict[int, list[int]] = {}
         for rec in (*self._loads.values(), *self._retired):
-            for node in rec.readers:
-                want.setdefault(node, []).append(id(rec))
-        have = {node: sorted(id(r) for r in recs) for node, recs in self._reader_of.items()}
-        return have == {node: sorted(ids) for node, ids in want.items()}
+            for token in rec.readers:
+                want.setdefault(token, []).append(id(rec))
+        have = {token: sorted(id(r) for r in recs) for token, recs in self._reader_of.items()}
+        return have == {token: sorted(ids) for token, ids in want.items()}
 
     @property
     def plan_ids(self) -> frozenset[int]:

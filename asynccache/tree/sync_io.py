@@ -78,12 +78,12 @@ class SyncTransfer:
         tree = self.tree
         # Pinned on both tiers while room is made: making device room may write a victim back,
         # and making host room for that must not evict what this load is about to read.
-        tree.lock(match.last_node)
+        token = tree.lock(match.last_node)
         tree.lock_host(match.last_node)
         try:
             alloc = tree.alloc_device(match.num_load_kv_pages, match.num_load_states)
         finally:
-            tree.unlock(match.last_node)
+            tree.unlock(match.last_node, token)
             tree.unlock_host(match.last_node)
         if alloc is None:
             return None

@@ -243,7 +243,7 @@ def test_the_last_readers_unlock_frees_the_retired_slot_even_when_freeing_the_pa
     tree.check_integrity()
 
 
-class _CountingReaders(dict[Any, int]):
+class _CountingReaders(dict[Any, Any]):
     """A load's reader counts, counting how often they are read."""
 
     reads = 0
@@ -252,7 +252,7 @@ class _CountingReaders(dict[Any, int]):
         _CountingReaders.reads += 1
         return super().get(*args)
 
-    def __getitem__(self, key: Any) -> int:
+    def __getitem__(self, key: Any) -> Any:
         _CountingReaders.reads += 1
         return super().__getitem__(key)
 
