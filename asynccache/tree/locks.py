@@ -59,8 +59,9 @@ class TreeLocks(TreeBookkeeping):
         token = self._next_lock_token
         self._next_lock_token += 1
         self._lock_nodes[token] = node
-        self._node_locks.setdefault(node, {})[token] = None
-        node.num_locks += 1
+        if node.lock_tokens is None:
+            node.lock_tokens = {}  # in the order taken; a dict for its O(1) removal
+        node.lock_tokens[token] = None
         loading = False
         n = node
         while n.parent is not None:
@@ -87,8 +88,8 @@ class TreeLocks(TreeBookkeeping):
             if token:
                 raise TreeError(f"unlock of {node} with lock {token}, which was not taken on it")
             return
-        tokens = self._node_locks.get(node)
-        if not tokens or node.num_locks <= 0 or any(n.device_lock <= 0 for n in path):
+        tokens = node.lock_tokens
+        if not tokens or any(n.device_lock <= 0 for n in path):
             raise TreeError(f"unlock of {node} without a matching lock")
         if token is None:
             token = self._anonymous_lock(tokens)
@@ -97,8 +98,7 @@ class TreeLocks(TreeBookkeeping):
         del self._lock_nodes[token]
         del tokens[token]
         if not tokens:
-            del self._node_locks[node]
-        node.num_locks -= 1
+            node.lock_tokens = None
         for n in path:
             n.device_lock -= 1
             if n.device_lock == 0 and n.device_kv is not None:

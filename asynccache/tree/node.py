@@ -8,8 +8,9 @@ little-endian bytes) starting at page ``start_page`` of the sequence. Independen
     device_state  device state slot                        | None     ┐ recurrent state after its
     host_state    host state slot                          | None     ┘ last token
     device_lock / host_lock   pins (path locks of requests, in-flight copies)
-    num_locks                 device locks taken on this very node (``lock(node)``), not through
-                              a descendant: what an ``unlock(node)`` may release
+    lock_tokens               tokens of the device locks taken on this very node (``lock(node)``,
+                              in the order taken; None without any), not through a descendant:
+                              what an ``unlock(node)`` may release (``num_locks``, their number)
     loading                   number of in-flight host→device loads writing into it
     hit_count, last_access    usage, for eviction and selective write-through
     archived                  its pages (and state) are in storage (L3)
@@ -81,10 +82,10 @@ class TreeNode:
         "last_access",
         "links",
         "loading",
+        "lock_tokens",
         "node_id",
         "num_device_children",
         "num_host_children",
-        "num_locks",
         "num_pages",
         "page_size",
         "parent",
@@ -118,7 +119,7 @@ class TreeNode:
         self.host_state: int | None = None
         self.device_lock = 0
         self.host_lock = 0
-        self.num_locks = 0
+        self.lock_tokens: dict[int, None] | None = None
         self.loading = 0
         self.hit_count = 0
         self.last_access = 0.0
@@ -155,6 +156,11 @@ class TreeNode:
         return self.num_pages * self.page_size
 
     # ---- contents ------------------------------------------------------------------------
+    @property
+    def num_locks(self) -> int:
+        """Device locks taken on this very node (live ``lock_tokens``)."""
+        return 0 if self.lock_tokens is None else len(self.lock_tokens)
+
     @property
     def has_state(self) -> bool:
         """A state exists on the device or the host."""

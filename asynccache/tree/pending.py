@@ -134,10 +134,6 @@ class PendingLoads:
         if rec is not None:
             self._forget_readers(rec)
 
-    def num_readers(self, plan: LoadPlan) -> int:
-        rec = self._loads.get(plan.plan_id)
-        return len(rec.readers) if rec is not None else 0
-
     def readers(self, plan: LoadPlan) -> dict[int, TreeNode]:
         """A copy of ``plan``'s readers (lock token → its node)."""
         rec = self._loads.get(plan.plan_id)
