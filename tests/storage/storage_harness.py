@@ -97,6 +97,15 @@ def pick_ports(count: int) -> list[int]:
     return ports
 
 
+def _thread_state(task: Path) -> str:
+    """A thread's state letter from ``/proc/<pid>/task/<tid>/stat`` ("T" stopped; "" gone)."""
+    try:
+        stat = (task / "stat").read_text()
+    except OSError:
+        return "T"  # the thread has exited: nothing of it runs
+    return stat[stat.rindex(")") + 2]
+
+
 def weed_binary() -> str:
     found = shutil.which("weed", path=os.path.dirname(sys.executable)) or shutil.which("weed")
     if found is None:
@@ -200,9 +209,17 @@ class SeaweedServer:
             self.proc.kill()
             self.proc.wait(10)
 
-    def pause(self) -> None:
+    def pause(self, *, deadline_s: float = 10.0) -> None:
+        """SIGSTOP the server, and return once every one of its threads is stopped (a thread
+        that was running may serve a request between the signal and its stop)."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGSTOP)
+        tasks = Path(f"/proc/{self.proc.pid}/task")
+        deadline = time.monotonic() + deadline_s
+        while not all(_thread_state(t) in "Tt" for t in tasks.iterdir()):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"weed (pid {self.proc.pid}) not stopped {deadline_s} s after SIGSTOP")
+            time.sleep(0.001)  # polling interval under the deadline above
 
     def resume(self) -> None:
         assert self.proc is not None

@@ -160,7 +160,7 @@ async def test_a_hung_server_at_first_use_costs_each_call_one_timeout(private_se
     finally:
         server.resume()
     assert max(elapsed) < 2.5 * timeout_s, elapsed
-    assert again < timeout_s / 2
+    assert again < 0.9 * timeout_s  # no second timeout: a miss at once
     stats = backend.statistics()
     assert (stats.num_failures, stats.num_misses) == (5 * 4 + 4, 4)
     backend.setup_retry_s = 0.0  # the server is back: the next call sets the backend up
