@@ -4,8 +4,8 @@ Primitives:
 
 - :class:`TreeLocks` — ``lock`` / ``unlock`` and ``lock_host`` / ``unlock_host``: a node and its
   ancestors pinned on the device (on the host), their data never evicted and the nodes never
-  deleted until the matching unlock (a device lock has a token, which ``unlock`` may name, and
-  is counted on the locked node too; the loads in flight on the path hear of it:
+  deleted until the matching unlock (a device lock has a token, which ``unlock`` takes back,
+  and is counted on the locked node too; the loads in flight on the path hear of it:
   ``asynccache.tree.pending``); ``check_alive``,
   before locking several nodes; ``_pin``, the per-node pin of an in-flight copy (both tiers,
   and ``loading`` for a load); ``release_hook`` (set on the tree) hears of every unlock, so that
@@ -60,8 +60,8 @@ class TreeLocks(TreeBookkeeping):
         self._next_lock_token += 1
         self._lock_nodes[token] = node
         if node.lock_tokens is None:
-            node.lock_tokens = {}  # in the order taken; a dict for its O(1) removal
-        node.lock_tokens[token] = None
+            node.lock_tokens = set()
+        node.lock_tokens.add(token)
         loading = False
         n = node
         while n.parent is not None:
@@ -74,15 +74,16 @@ class TreeLocks(TreeBookkeeping):
             self._pending.on_lock(node, self.path_to(node), token)
         return token
 
-    def unlock(self, node: TreeNode, token: int | None = None) -> None:
-        """Undo one :meth:`lock` of ``node``: the lock ``token`` (what that ``lock`` returned),
-        or without one any lock taken on ``node`` itself — one that no load or retired indices
-        count as a reader when there is one, so an anonymous unlock never frees a failed load's
-        indices early. Raises :class:`TreeError` (nothing changed) without a lock on ``node``
-        itself, or for a token that is not a live lock of ``node``; unlocking a root (a miss's
-        ``last_node``) does nothing, as locking it does (its token is 0). A reader's unlock that
-        was the last lock holding a failed load's retired indices frees them. ``release_hook``
-        (when set) hears of every unlock, as of every :meth:`unlock_host`."""
+    def unlock(self, node: TreeNode, token: int) -> None:
+        """Undo the :meth:`lock` of ``node`` that returned ``token``; the token is required.
+        Raises :class:`TreeError` (nothing changed) without a lock on ``node`` itself, or for a
+        token that is not a live lock of ``node``: another node's, one released already, one
+        never returned, or not an int at all (``None`` and bools included). Unlocking a root (a
+        miss's ``last_node``) with its token 0 does nothing, as locking it does. A reader's
+        unlock that was the last lock holding a failed load's retired indices frees them.
+        ``release_hook`` (when set) hears of every unlock, as of every :meth:`unlock_host`."""
+        if not isinstance(token, int) or isinstance(token, bool):
+            raise TreeError(f"unlock of {node} with {token!r}, which is not a lock token")
         path = self.path_to(node)
         if not path:
             if token:
@@ -91,12 +92,10 @@ class TreeLocks(TreeBookkeeping):
         tokens = node.lock_tokens
         if not tokens or any(n.device_lock <= 0 for n in path):
             raise TreeError(f"unlock of {node} without a matching lock")
-        if token is None:
-            token = self._anonymous_lock(tokens)
-        elif self._lock_nodes.get(token) is not node:
+        if self._lock_nodes.get(token) is not node:
             raise TreeError(f"unlock of {node} with lock {token}, which is not a live lock of it")
         del self._lock_nodes[token]
-        del tokens[token]
+        tokens.remove(token)
         if not tokens:
             node.lock_tokens = None
         for n in path:
@@ -108,15 +107,6 @@ class TreeLocks(TreeBookkeeping):
             self.release_hook()
         if freed:
             self._free_retired(freed)
-
-    def _anonymous_lock(self, tokens: dict[int, None]) -> int:
-        """The lock an anonymous unlock releases: the latest that reads nothing pending, else
-        the latest (the safe side: retired indices are held, never freed early)."""
-        if self._pending.has_readers:
-            for token in reversed(tokens):
-                if not self._pending.is_reader(token):
-                    return token
-        return next(reversed(tokens))
 
     def _free_retired(self, freed: Sequence[Retired]) -> None:
         # The records are gone from the tree already: the slots are freed even when the pages'

@@ -8,9 +8,9 @@ little-endian bytes) starting at page ``start_page`` of the sequence. Independen
     device_state  device state slot                        | None     ┐ recurrent state after its
     host_state    host state slot                          | None     ┘ last token
     device_lock / host_lock   pins (path locks of requests, in-flight copies)
-    lock_tokens               tokens of the device locks taken on this very node (``lock(node)``,
-                              in the order taken; None without any), not through a descendant:
-                              what an ``unlock(node)`` may release (``num_locks``, their number)
+    lock_tokens               tokens of the device locks taken on this very node (``lock(node)``;
+                              None without any), not through a descendant: the tokens an
+                              ``unlock(node, token)`` accepts (``num_locks``, their number)
     loading                   number of in-flight host→device loads writing into it
     hit_count, last_access    usage, for eviction and selective write-through
     archived                  its pages (and state) are in storage (L3)
@@ -119,7 +119,7 @@ class TreeNode:
         self.host_state: int | None = None
         self.device_lock = 0
         self.host_lock = 0
-        self.lock_tokens: dict[int, None] | None = None
+        self.lock_tokens: set[int] | None = None
         self.loading = 0
         self.hit_count = 0
         self.last_access = 0.0

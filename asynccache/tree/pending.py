@@ -20,13 +20,11 @@ on their way. While it is in flight three things may depend on it:
   those readers have released their locks. Until then they are the tree's: an insert that
   passes them back (a reader's match, which never got their bytes) is refused.
 
-Readers are lock tokens (``lock`` returns one, ``unlock(node, token)`` releases that lock):
-a reader leaves exactly when its own lock is released, so locks taken on the same node after a
-load failed (new requests of a hot prefix) never hold its retired indices. An anonymous
-``unlock(node)`` releases a lock of the node that no record counts when there is one, so it
-never frees retired indices early (too many readers is the safe side: a cancel refused lets the
-load complete, and retired indices are held longer). Each reader token maps to the records
-that count it, so an unlock of a lock no record counts costs one dict lookup.
+Readers are lock tokens (``lock`` returns one, ``unlock(node, token)`` releases that lock, the
+token required): a reader leaves exactly when its own lock is released, so locks taken on the
+same node after a load failed (new requests of a hot prefix) never hold its retired indices.
+Each reader token maps to the records that count it, so an unlock of a lock no record counts
+costs one dict lookup.
 
 Primitives: :class:`PendingLoads` (one per tree; the tree's lock, insert and load protocol call
 it), :class:`Retired`. Synchronous; mutates only its own records.
@@ -105,10 +103,6 @@ class PendingLoads:
     def has_readers(self) -> bool:
         """Whether an unlock may release a reader (some lock is a reader)."""
         return bool(self._reader_of)
-
-    def is_reader(self, token: int) -> bool:
-        """Whether a load in flight or retired indices count the lock ``token`` as a reader."""
-        return token in self._reader_of
 
     def _add_reader(self, rec: _Load | Retired, token: int, node: TreeNode) -> None:
         if token not in rec.readers:

@@ -276,10 +276,10 @@ async def test_many_concurrent_requests_write_and_load() -> None:
                 m = cache.tree.match_prefix(prompt(i))
                 if not m.needs_load:
                     return
-                cache.tree.lock(m.last_node)
+                token = cache.tree.lock(m.last_node)
                 op = ctrl.load(m)
                 if op is None:
-                    cache.tree.unlock(m.last_node)
+                    cache.tree.unlock(m.last_node, token)
                     await asyncio.sleep(0)
                     continue
                 counter = ctrl.start_loading()
@@ -288,7 +288,7 @@ async def test_many_concurrent_requests_write_and_load() -> None:
                 await op
                 m2 = cache.tree.match_prefix(prompt(i))
                 assert snapshot_bytes(cache, m2) == expected[i]
-                cache.tree.unlock(m.last_node)
+                cache.tree.unlock(m.last_node, token)
                 return
             pytest.fail(f"request {i} never got room to load")
 
@@ -445,7 +445,7 @@ async def test_a_load_without_device_room_returns_none_and_takes_nothing() -> No
         saved = await back_up_and_demote(cache, prompt(0))
         cache.flush_device()
         held = insert_request(cache, prompt(1)).last_node
-        tree.lock(held)
+        token = tree.lock(held)
         before = free_counts(cache)
         m = tree.match_prefix(prompt(0))
         assert ctrl.load(m) is None
@@ -453,7 +453,7 @@ async def test_a_load_without_device_room_returns_none_and_takes_nothing() -> No
         assert free_counts(cache) == before
         assert tree.match_prefix(prompt(1)).num_device_tokens == 6 * PAGE
         tree.check_integrity()
-        tree.unlock(held)
+        tree.unlock(held, token)
         op = ctrl.load(tree.match_prefix(prompt(0)))
         assert op is not None
         counter = ctrl.start_loading()

@@ -81,19 +81,19 @@ def settle(cache: HybridCache) -> None:
     cache.flush_host()
 
 
-def locked_match(cache: HybridCache) -> Any:
-    """A request's match of ``TOKENS``, locked."""
+def locked_match(cache: HybridCache) -> tuple[Any, int]:
+    """A request's match of ``TOKENS``, locked, and its lock token."""
     match = cache.tree.match_prefix(TOKENS)
-    cache.tree.lock(match.last_node)
-    return match
+    return match, cache.tree.lock(match.last_node)
 
 
-def queued_load(cache: HybridCache) -> tuple[Any, Any]:
-    """The first request: its match of ``TOKENS`` locked, then its load queued."""
-    first = locked_match(cache)
+def queued_load(cache: HybridCache) -> tuple[tuple[Any, int], Any]:
+    """The first request: its match of ``TOKENS`` locked (with its lock token), then its load
+    queued."""
+    first, token = locked_match(cache)
     op = cache.controller.load(first)
     assert op is not None
-    return first, op
+    return (first, token), op
 
 
 def fail_copies(cache: HybridCache) -> Any:
@@ -107,9 +107,12 @@ def fail_copies(cache: HybridCache) -> Any:
     return real
 
 
-async def reader_of_a_queued_load(cache: HybridCache) -> tuple[bytes, Any, Any, Any]:
+async def reader_of_a_queued_load(
+    cache: HybridCache,
+) -> tuple[bytes, tuple[Any, int], Any, tuple[Any, int]]:
     """``TOKENS`` on the host only; the first request's locked match and its queued load; then
-    a second request's locked match of the same prefix. Returns the saved bytes and the three."""
+    a second request's locked match of the same prefix. Returns the saved bytes and the three
+    (each match with its lock token)."""
     saved = await on_host_only(cache, TOKENS)
     first, op = queued_load(cache)
     return saved, first, op, locked_match(cache)
@@ -128,7 +131,7 @@ async def test_a_second_request_waits_for_the_load_another_one_queued() -> None:
     before = free_counts(cache)
     async with cache:
         ctrl, tree = cache.controller, cache.tree
-        saved, first, op, second = await reader_of_a_queued_load(cache)
+        saved, (first, first_token), op, (second, second_token) = await reader_of_a_queued_load(cache)
         assert second.pending_load and not second.needs_load
         assert ctrl.pending_ops(second) == [op]
         waiter = asyncio.create_task(ctrl.wait_loaded(second))
@@ -140,8 +143,8 @@ async def test_a_second_request_waits_for_the_load_another_one_queued() -> None:
         assert op.state is OpState.DONE and ctrl.pending_ops(second) == []
         assert holds(cache, second, saved)
         await ctrl.wait_loaded(second)  # nothing pending: at once
-        tree.unlock(second.last_node)
-        tree.unlock(first.last_node)
+        tree.unlock(second.last_node, second_token)
+        tree.unlock(first.last_node, first_token)
         settle(cache)
     assert free_counts(cache) == before
 
@@ -154,16 +157,16 @@ async def test_cancelling_a_load_another_request_holds_lets_it_complete() -> Non
     before = free_counts(cache)
     async with cache:
         ctrl, tree = cache.controller, cache.tree
-        saved, first, op, second = await reader_of_a_queued_load(cache)
+        saved, (first, first_token), op, (second, second_token) = await reader_of_a_queued_load(cache)
         waiter = asyncio.create_task(ctrl.wait_loaded(second))
         assert ctrl.cancel(op) is False
         assert op.state is OpState.QUEUED and tree.match_is_current(second)
-        tree.unlock(first.last_node)  # the first request leaves
+        tree.unlock(first.last_node, first_token)  # the first request leaves
         ctrl.start_loading()
         async with asyncio.timeout(5):
             await waiter
         assert holds(cache, second, saved)
-        tree.unlock(second.last_node)
+        tree.unlock(second.last_node, second_token)
         settle(cache)
     assert free_counts(cache) == before
 
@@ -199,8 +202,8 @@ async def test_a_failed_load_another_request_holds_is_reported_and_its_pages_hel
         ctrl, tree = cache.controller, cache.tree
         saved = await on_host_only(cache, TOKENS)
         real = fail_copies(cache)
-        first, op = queued_load(cache)
-        second = locked_match(cache)
+        (first, first_token), op = queued_load(cache)
+        second, second_token = locked_match(cache)
         waiter = asyncio.create_task(ctrl.wait_loaded(second))
         await yield_a_few()
         loading = free_counts(cache)
@@ -215,21 +218,21 @@ async def test_a_failed_load_another_request_holds_is_reported_and_its_pages_hel
             await ctrl.wait_loaded(second)
         again = tree.match_prefix(TOKENS)
         assert again.needs_load and not again.pending_load and again.num_device_tokens == 0
-        tree.unlock(first.last_node)
+        tree.unlock(first.last_node, first_token)
         assert free_counts(cache) == loading  # the second request may still read them
-        tree.unlock(second.last_node)
+        tree.unlock(second.last_node, second_token)
         assert free_counts(cache)[:2] == (loading[0] + 4, loading[1] + 1)
         tree.check_integrity()
         ctrl.layer_copier = real  # type: ignore[method-assign]
         retry = tree.match_prefix(TOKENS)
-        tree.lock(retry.last_node)
+        retry_token = tree.lock(retry.last_node)
         op2 = ctrl.load(retry)
         assert op2 is not None
         ctrl.start_loading()
         await ctrl.wait_loaded(tree.match_prefix(TOKENS))
         now = tree.match_prefix(TOKENS)
         assert holds(cache, now, saved)
-        tree.unlock(retry.last_node)
+        tree.unlock(retry.last_node, retry_token)
         settle(cache)
     assert free_counts(cache) == before
 
@@ -263,26 +266,27 @@ async def test_a_failed_load_of_a_state_alone_takes_what_was_computed_on_it_alon
     assert free_counts(cache) == before
 
 
-async def failed_under_computed_data(cache: HybridCache) -> tuple[Any, Any]:
+async def failed_under_computed_data(cache: HybridCache) -> tuple[tuple[Any, int], tuple[Any, int]]:
     """The first request's load of ``TOKENS`` fails; meanwhile a second one read the pending
     pages and inserted what it computed on them, which a third one holds: the failed load's
-    undo waits for that lock. Returns the first and the third request's matches, locked."""
+    undo waits for that lock. Returns the first and the third request's matches, locked (each
+    with its lock token)."""
     ctrl, tree = cache.controller, cache.tree
     await on_host_only(cache, TOKENS)
     fail_copies(cache)
     first, op = queued_load(cache)
-    second = locked_match(cache)
+    second, second_token = locked_match(cache)
     insert(cache, LONGER)  # computed on the pending pages
-    tree.unlock(second.last_node)
+    tree.unlock(second.last_node, second_token)
     third = tree.match_prefix(LONGER)
-    tree.lock(third.last_node)
+    third_token = tree.lock(third.last_node)
     ctrl.start_loading()
     with pytest.raises(TransferError):
         async with asyncio.timeout(5):
             await op
     await ctrl.wait_idle()
     assert ctrl.pending_ops(tree.match_prefix(TOKENS)) == [op]  # its undo waits
-    return first, third
+    return first, (third, third_token)
 
 
 async def test_a_failed_load_whose_undo_a_lock_blocked_is_undone_once_that_lock_goes() -> None:
@@ -293,13 +297,13 @@ async def test_a_failed_load_whose_undo_a_lock_blocked_is_undone_once_that_lock_
     before = free_counts(cache)
     async with cache:
         tree = cache.tree
-        first, third = await failed_under_computed_data(cache)
-        tree.unlock(third.last_node)
+        (first, first_token), (third, third_token) = await failed_under_computed_data(cache)
+        tree.unlock(third.last_node, third_token)
         await yield_a_few()
         assert tree.stats().num_active_plans == 0
         again = tree.match_prefix(TOKENS)
         assert again.needs_load and not again.pending_load and again.num_device_tokens == 0
-        tree.unlock(first.last_node)
+        tree.unlock(first.last_node, first_token)
         settle(cache)
     assert free_counts(cache) == before
 
@@ -312,15 +316,15 @@ async def test_asking_for_a_matchs_loads_undoes_a_failed_load_no_lock_blocks_any
     before = free_counts(cache)
     async with cache:
         ctrl, tree = cache.controller, cache.tree
-        first, third = await failed_under_computed_data(cache)
-        tree.unlock(third.last_node)
-        tree.unlock(first.last_node)
-        again = locked_match(cache)
+        (first, first_token), (third, third_token) = await failed_under_computed_data(cache)
+        tree.unlock(third.last_node, third_token)
+        tree.unlock(first.last_node, first_token)
+        again, again_token = locked_match(cache)
         assert again.pending_load
         assert ctrl.pending_ops(again) == []
         with pytest.raises(StaleMatchError):
             await ctrl.wait_loaded(again)
-        tree.unlock(again.last_node)
+        tree.unlock(again.last_node, again_token)
         fresh = tree.match_prefix(TOKENS)
         assert fresh.needs_load and not fresh.pending_load and fresh.num_device_tokens == 0
         settle(cache)

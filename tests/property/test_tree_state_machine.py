@@ -100,7 +100,8 @@ class TreeMachine(RuleBasedStateMachine):
             write_policy=policy,
             write_back=self.write_back,
         )
-        self.locks: list[tuple[TreeNode, bool]] = []
+        # (node, the device lock's token; None for a host lock)
+        self.locks: list[tuple[TreeNode, int | None]] = []
         self.loads: list[LoadPlan] = []
         self.backups: list[BackupPlan] = []
         self.claims: list[torch.Tensor] = []
@@ -237,15 +238,21 @@ class TreeMachine(RuleBasedStateMachine):
         _, tokens, salt = self.pick(data)
         m = self.tree.match_prefix(tokens, salt=salt)
         if m.num_tokens:
-            (self.tree.lock_host if host else self.tree.lock)(m.last_node)
-            self.locks.append((m.last_node, host))
+            if host:
+                self.tree.lock_host(m.last_node)
+                self.locks.append((m.last_node, None))
+            else:
+                self.locks.append((m.last_node, self.tree.lock(m.last_node)))
 
     @rule(data=st.data())
     def unlock(self, data: st.DataObject) -> None:
         self.step()
         if self.locks:
-            node, host = self.locks.pop(data.draw(st.integers(0, len(self.locks) - 1)))
-            (self.tree.unlock_host if host else self.tree.unlock)(node)
+            node, token = self.locks.pop(data.draw(st.integers(0, len(self.locks) - 1)))
+            if token is None:
+                self.tree.unlock_host(node)
+            else:
+                self.tree.unlock(node, token)
 
     @rule(pages=st.integers(0, 10), states=st.integers(0, 3), defer=st.booleans())
     def evict_device(self, pages: int, states: int, defer: bool) -> None:
@@ -365,12 +372,12 @@ class TreeMachine(RuleBasedStateMachine):
             return
         # Both locks, as the controller takes them: making device room may demote to a full
         # host, whose eviction must not take the host copy this load reads.
-        tree.lock(m.last_node)
+        owner_token = tree.lock(m.last_node)
         tree.lock_host(m.last_node)
         try:
             alloc = tree.alloc_device(m.num_load_kv_pages, m.num_load_states)
         finally:
-            tree.unlock(m.last_node)
+            tree.unlock(m.last_node, owner_token)
             tree.unlock_host(m.last_node)
         if alloc is None:
             return
@@ -380,8 +387,7 @@ class TreeMachine(RuleBasedStateMachine):
         assert again.pending_load and plan in tree.pending_loads(again)
         if data.draw(st.booleans()):
             # A second request reaches the pending data and holds it: a reader of the load.
-            tree.lock(again.last_node)
-            self.locks.append((again.last_node, False))
+            self.locks.append((again.last_node, tree.lock(again.last_node)))
         if data.draw(st.integers(0, 2)) == 0:
             # A request computes past the pending data: what it inserts rests on the load.
             ext = tree.token_ids(again.last_node).tolist() + tokens_of([data.draw(st.integers(0, 4))], 0)

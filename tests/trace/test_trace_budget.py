@@ -76,11 +76,11 @@ def test_count_states_false_budgets_pages_only() -> None:
 def test_stuck_when_only_locked_data_is_left() -> None:
     tree = make_tree()
     node = insert(tree, 1, 2)
-    tree.lock(node)
+    token = tree.lock(node)
     budget = ByteBudget(tree=tree, tier=Tier.DEVICE, budget_bytes=1)
     budget.enforce()
     assert node.alive and (budget.counts.calls, budget.counts.stuck, budget.counts.kv_pages) == (1, 1, 0)
-    tree.unlock(node)
+    tree.unlock(node, token)
     budget.enforce()
     assert not node.alive and (budget.counts.calls, budget.counts.stuck, budget.counts.kv_pages) == (2, 1, 2)
 

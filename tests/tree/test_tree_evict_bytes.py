@@ -212,7 +212,7 @@ def test_locked_nodes_are_never_evicted(monkeypatch: pytest.MonkeyPatch) -> None
     tree = device_only()
     a = put(tree, seq(1, 2 * PAGE)).last_node
     b = put(tree, seq(2, PAGE)).last_node
-    tree.lock(a)
+    token = tree.lock(a)
     calls = record_device_calls(tree, monkeypatch)
     res = tree.evict_bytes(Tier.DEVICE, 1)
     assert calls == [(1, 0)]  # the locked, least recently used leaf is not even counted on
@@ -222,7 +222,7 @@ def test_locked_nodes_are_never_evicted(monkeypatch: pytest.MonkeyPatch) -> None
     assert calls == [(1, 0)]  # nothing left to try: no call at all
     assert res == EvictResult(tier=Tier.DEVICE)
     assert a.alive and a.device_kv is not None and a.device_state is not None
-    tree.unlock(a)
+    tree.unlock(a, token)
     tree.check_integrity()
 
 

@@ -1,6 +1,6 @@
-"""Lock tokens: ``lock`` returns one, ``unlock(node, token)`` releases exactly that lock, and a
-failed load's retired indices are held for its readers' own locks, not for whoever locks the
-node after it failed; an anonymous ``unlock(node)`` never frees them early."""
+"""Lock tokens: ``lock`` returns one, ``unlock(node, token)`` releases exactly that lock (an
+unlock without a live token of the node is refused), and a failed load's retired indices are
+held for its readers' own locks, not for whoever locks the node after it failed."""
 
 from __future__ import annotations
 
@@ -57,48 +57,57 @@ def test_locks_taken_after_a_failure_do_not_hold_its_retired_pages() -> None:
     tree.check_integrity()
 
 
-def test_an_anonymous_unlock_releases_a_lock_that_reads_nothing_first() -> None:
-    """The owner's lock (taken before its load began) and a later request's are no readers:
-    anonymous unlocks release those first, whichever was taken last, and the retired pages stay
-    held until only the reader's lock is left and goes."""
+def test_an_unlock_without_a_token_is_refused() -> None:
+    """Holders of a failed load's node (the owner, two readers, a request after the failure):
+    an unlock that names no lock — the token left out, ``None``, a bool, not an int — is
+    refused and changes nothing: no lock released, the readers still counted, the retired
+    pages still held. Each holder's own token then releases its lock, the last reader's
+    freeing them."""
     tree, transfer = make_tree()
     s = seq(1, 4 * PAGE)
     on_host(tree, transfer, s, [4 * PAGE])
-    owner, plan = owner_load(tree, s)
+    owner, plan, owner_token = owner_load(tree, s)
     node = owner.last_node
-    reader = tree.match_prefix(s)
-    assert reader.pending_load and reader.last_node is node
-    tree.lock(node)  # the reader, taken after the owner's
+    readers = [tree.lock(node), tree.lock(node)]
     assert tree.abort_load(plan, drop_below=True).kv_indices.numel() == 0
-    tree.lock(tree.match_prefix(s).last_node)  # a request after the failure
-    num_free = pool_free(tree)
-    for num_left in (2, 1):
-        tree.unlock(node)
-        assert node.num_locks == num_left and pool_free(tree) == num_free, "freed while the reader holds them"
+    later = tree.lock(tree.match_prefix(s).last_node)
+
+    def state() -> tuple[object, ...]:
+        retired = [(r.kv_indices.tolist(), r.state_slots.tolist(), dict(r.readers)) for r in tree._pending.retired]
+        return (
+            set(node.lock_tokens or ()),
+            [n.device_lock for n in tree.path_to(node)],
+            dict(tree._lock_nodes),
+            retired,
+            pool_free(tree),
+            tree.stats(),
+        )
+
+    before = state()
+    assert node.num_locks == 4 and len(tree._pending.retired) == 1
+    assert sorted(tree._pending.retired[0].readers) == readers
+    with pytest.raises(TypeError):
+        tree.unlock(node)  # type: ignore[call-arg]
+    assert state() == before
+    for token in (None, True, False, float(readers[0]), str(readers[0]), [readers[0]]):
+        with pytest.raises(TreeError, match="not a lock token"):
+            tree.unlock(node, token)  # type: ignore[arg-type]
+        assert state() == before and node.num_locks == 4
         tree.check_integrity()
-    tree.unlock(node)
-    assert pool_free(tree) == (num_free[0] + 4, num_free[1] + 1) and not tree._pending.retired
-    tree.check_integrity()
-
-
-def test_anonymous_unlocks_of_readers_alone_free_with_the_last() -> None:
-    """Two readers hold a failed load's pages, unlocking anonymously: the first leaving frees
-    nothing, the second frees them."""
-    tree, transfer = make_tree()
-    s = seq(1, 4 * PAGE)
-    on_host(tree, transfer, s, [4 * PAGE])
-    owner, plan = owner_load(tree, s)
-    node = owner.last_node
-    tree.lock(node)
-    tree.lock(node)
-    assert tree.abort_load(plan, drop_below=True).kv_indices.numel() == 0
-    tree.unlock(node)  # the owner's, though taken first
+    root = tree.match_prefix(seq(9, PAGE)).last_node
+    assert root.parent is None
+    for token in (None, False):
+        with pytest.raises(TreeError, match="not a lock token"):
+            tree.unlock(root, token)  # type: ignore[arg-type]
+        assert state() == before
     num_free = pool_free(tree)
-    tree.unlock(node)
-    assert pool_free(tree) == num_free and len(tree._pending.retired) == 1
-    tree.check_integrity()
-    tree.unlock(node)
-    assert pool_free(tree) == (num_free[0] + 4, num_free[1] + 1) and node.device_lock == 0
+    for token in (owner_token, later, readers[0]):
+        tree.unlock(node, token)
+        assert pool_free(tree) == num_free and len(tree._pending.retired) == 1, "freed while a reader holds them"
+        tree.check_integrity()
+    tree.unlock(node, readers[1])
+    assert pool_free(tree) == (num_free[0] + 4, num_free[1] + 1) and not tree._pending.retired
+    assert node.device_lock == 0
     tree.check_integrity()
 
 

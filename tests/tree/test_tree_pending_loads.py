@@ -30,15 +30,15 @@ def on_host(tree: HybridRadixTree, transfer: SyncTransfer, tokens: list[int], st
     tree.evict_device(num_kv_pages=100, num_states=100)
 
 
-def owner_load(tree: HybridRadixTree, tokens: list[int]) -> tuple[MatchResult, LoadPlan]:
+def owner_load(tree: HybridRadixTree, tokens: list[int]) -> tuple[MatchResult, LoadPlan, int]:
     """A request matches ``tokens``, locks its match (before its load, as an owner does) and
-    begins the load it needs."""
+    begins the load it needs: returns the match, the load and the owner's lock token."""
     m = tree.match_prefix(tokens)
     assert m.needs_load
-    tree.lock(m.last_node)
+    token = tree.lock(m.last_node)
     alloc = tree.alloc_device(m.num_load_kv_pages, m.num_load_states)
     assert alloc is not None
-    return m, tree.begin_load(m, alloc.kv_indices, alloc.state_slot)
+    return m, tree.begin_load(m, alloc.kv_indices, alloc.state_slot), token
 
 
 def free(tree: HybridRadixTree, kv: torch.Tensor, slots: torch.Tensor) -> None:
@@ -46,18 +46,21 @@ def free(tree: HybridRadixTree, kv: torch.Tensor, slots: torch.Tensor) -> None:
     tree.device_mamba.free(slots)
 
 
-def failed_under_reader(tree: HybridRadixTree, transfer: SyncTransfer, tokens: list[int]) -> tuple[MatchResult, int]:
+def failed_under_reader(
+    tree: HybridRadixTree, transfer: SyncTransfer, tokens: list[int]
+) -> tuple[MatchResult, int, int]:
     """``tokens`` on the host; a load of them fails while a second request holds them (the
-    owner has left): returns that request's locked match and the state slot it was told of."""
+    owner has left): returns that request's locked match, the state slot it was told of and
+    its lock token."""
     on_host(tree, transfer, tokens, [len(tokens)])
-    owner, plan = owner_load(tree, tokens)
+    owner, plan, owner_token = owner_load(tree, tokens)
     reader = tree.match_prefix(tokens)
     assert reader.pending_load and reader.last_node.device_state is not None
-    tree.lock(reader.last_node)
+    reader_token = tree.lock(reader.last_node)
     slot = reader.last_node.device_state
     assert tree.abort_load(plan, drop_below=True).kv_indices.numel() == 0
-    tree.unlock(owner.last_node)
-    return reader, slot
+    tree.unlock(owner.last_node, owner_token)
+    return reader, slot, reader_token
 
 
 def state_on_host_only(tree: HybridRadixTree, transfer: SyncTransfer) -> tuple[list[int], list[int]]:
@@ -80,18 +83,18 @@ def test_a_cancel_is_refused_while_another_request_holds_what_the_load_brings() 
     upper = seq(1, 2 * PAGE)
     s = upper + seq(2, 2 * PAGE)
     on_host(tree, transfer, s, [2 * PAGE, 4 * PAGE])
-    owner, plan = owner_load(tree, s)  # the KV of both nodes and the deep state
+    owner, plan, owner_token = owner_load(tree, s)  # the KV of both nodes and the deep state
     second = tree.match_prefix(upper)
     assert second.pending_load and tree.pending_loads(second) == (plan,)
-    tree.lock(second.last_node)
+    second_token = tree.lock(second.last_node)
     with pytest.raises(TreeError, match="may read what it brings"):
         tree.abort_load(plan)
     assert tree.active_plans == (plan,) and second.last_node.device_kv is not None
     tree.check_integrity()
-    tree.unlock(second.last_node)
+    tree.unlock(second.last_node, second_token)
     released = tree.abort_load(plan)  # only the owner holds the nodes now
     free(tree, released.kv_indices, released.state_slots)
-    tree.unlock(owner.last_node)
+    tree.unlock(owner.last_node, owner_token)
     assert tree.match_prefix(s).num_device_tokens == 0
     tree.check_integrity()
 
@@ -102,10 +105,10 @@ def test_a_failed_load_keeps_its_pages_from_the_pool_until_its_readers_unlock() 
     tree, transfer = make_tree()
     s = seq(1, 4 * PAGE)
     on_host(tree, transfer, s, [4 * PAGE])
-    owner, plan = owner_load(tree, s)
+    owner, plan, owner_token = owner_load(tree, s)
     second = tree.match_prefix(s)
     assert second.pending_load and tree.match_is_current(second)
-    tree.lock(second.last_node)
+    second_token = tree.lock(second.last_node)
     num_free = (tree.device_kv.num_free, tree.device_mamba.num_free)
     released = tree.abort_load(plan, drop_below=True)
     assert released.kv_indices.numel() == 0 and released.state_slots.numel() == 0
@@ -113,9 +116,9 @@ def test_a_failed_load_keeps_its_pages_from_the_pool_until_its_readers_unlock() 
     assert again.needs_load and not again.pending_load and again.num_device_tokens == 0
     assert not tree.match_is_current(second)
     tree.check_integrity()
-    tree.unlock(owner.last_node)
+    tree.unlock(owner.last_node, owner_token)
     assert (tree.device_kv.num_free, tree.device_mamba.num_free) == num_free  # the second one still holds them
-    tree.unlock(second.last_node)
+    tree.unlock(second.last_node, second_token)
     assert (tree.device_kv.num_free, tree.device_mamba.num_free) == (num_free[0] + 4, num_free[1] + 1)
     tree.check_integrity()
     # Loaded afresh, it serves the right bytes.
@@ -129,18 +132,18 @@ def test_a_load_of_a_state_alone_is_pending_only_for_what_resumes_from_that_stat
     state): nothing of it is pending, and its lock does not hold the load up."""
     tree, transfer = make_tree()
     upper, deep = state_on_host_only(tree, transfer)
-    owner, plan = owner_load(tree, upper)
+    owner, plan, owner_token = owner_load(tree, upper)
     assert plan.num_kv_pages == 0 and plan.num_states == 1
     below = tree.match_prefix(deep)
     assert not below.pending_load and tree.pending_loads(below) == ()
     check_contents(tree, deep, below)
     at = tree.match_prefix(upper)
     assert at.pending_load and tree.pending_loads(at) == (plan,)
-    tree.lock(below.last_node)
+    below_token = tree.lock(below.last_node)
     released = tree.abort_load(plan)
     free(tree, released.kv_indices, released.state_slots)
-    tree.unlock(below.last_node)
-    tree.unlock(owner.last_node)
+    tree.unlock(below.last_node, below_token)
+    tree.unlock(owner.last_node, owner_token)
     tree.check_integrity()
 
 
@@ -152,7 +155,7 @@ def test_what_was_computed_on_a_pending_state_goes_when_its_load_fails() -> None
     before the load stays."""
     tree, transfer = make_tree(admission=EveryPageAdmission())
     upper, deep = state_on_host_only(tree, transfer)
-    owner, plan = owner_load(tree, upper)
+    owner, plan, owner_token = owner_load(tree, upper)
     branch = upper + seq(3, 2 * PAGE)
     computed = put(tree, branch, states=[4 * PAGE]).last_node
     deep_node = tree.match_prefix(deep).last_node
@@ -168,10 +171,10 @@ def test_what_was_computed_on_a_pending_state_goes_when_its_load_fails() -> None
     alloc = tree.alloc_host(4, 1)
     assert alloc is not None and alloc.state_slot is not None
     tree.insert_host(stored, alloc.kv_indices, host_states={4 * PAGE: alloc.state_slot})
-    tree.lock(computed)
+    computed_token = tree.lock(computed)
     with pytest.raises(TreeError, match="in use"):
         tree.abort_load(plan, drop_below=True)
-    tree.unlock(computed)
+    tree.unlock(computed, computed_token)
     released = tree.abort_load(plan, drop_below=True)
     free(tree, released.kv_indices, released.state_slots)
     assert not computed.alive and split.alive and split.device_kv is None
@@ -181,7 +184,7 @@ def test_what_was_computed_on_a_pending_state_goes_when_its_load_fails() -> None
     before = tree.match_prefix(deep)
     assert before.num_device_tokens == 4 * PAGE and before.state_tier is Tier.DEVICE
     check_contents(tree, deep, before)
-    tree.unlock(owner.last_node)
+    tree.unlock(owner.last_node, owner_token)
     tree.check_integrity()
 
 
@@ -192,10 +195,10 @@ def test_unlocking_a_node_that_was_not_locked_itself_is_refused() -> None:
     r = put(tree, seq(1, 4 * PAGE), states=[2 * PAGE, 4 * PAGE])
     parent = r.last_node.parent
     assert parent is not None and parent.parent is not None
-    tree.lock(r.last_node)
+    token = tree.lock(r.last_node)
     with pytest.raises(TreeError, match="without a matching lock"):
-        tree.unlock(parent)
-    tree.unlock(r.last_node)
+        tree.unlock(parent, token)
+    tree.unlock(r.last_node, token)
     tree.check_integrity()
 
 
@@ -208,7 +211,7 @@ def test_an_insert_passing_back_a_failed_loads_pages_is_refused(reloaded: bool) 
     released, the failed load's pages and slot go back to the pools, once."""
     tree, transfer = make_tree()
     s = seq(1, 4 * PAGE)
-    reader, slot = failed_under_reader(tree, transfer, s)
+    reader, slot, reader_token = failed_under_reader(tree, transfer, s)
     if reloaded:
         assert transfer.load(tree.match_prefix(s)) is not None
     own = tree.device_kv.alloc(1)
@@ -222,7 +225,7 @@ def test_an_insert_passing_back_a_failed_loads_pages_is_refused(reloaded: bool) 
     assert (tree.device_kv.num_free, tree.device_mamba.num_free) == num_free
     tree.device_kv.free(torch.cat([own, fresh]))
     tree.check_integrity()  # the tree as it was: the failed load's pages and slot still held
-    tree.unlock(reader.last_node)
+    tree.unlock(reader.last_node, reader_token)
     assert (tree.device_kv.num_free, tree.device_mamba.num_free) == (num_free[0] + 9, num_free[1] + 1)
     tree.check_integrity()
     if reloaded:
@@ -234,11 +237,11 @@ def test_the_last_readers_unlock_frees_the_retired_slot_even_when_freeing_the_pa
     would free them reports the double free, but leaves nothing half done: its lock is gone and
     the retired slot is back in the pool (not leaked)."""
     tree, transfer = make_tree()
-    reader, _ = failed_under_reader(tree, transfer, seq(1, 4 * PAGE))
+    reader, _, reader_token = failed_under_reader(tree, transfer, seq(1, 4 * PAGE))
     tree.device_kv.free(reader.device_kv_indices)
     num_free_slots = tree.device_mamba.num_free
     with pytest.raises(AllocationError, match="double free"):
-        tree.unlock(reader.last_node)
+        tree.unlock(reader.last_node, reader_token)
     assert reader.last_node.num_locks == 0 and tree.device_mamba.num_free == num_free_slots + 1
     tree.check_integrity()
 
@@ -285,14 +288,12 @@ def test_locks_and_unlocks_do_not_redo_per_load_work(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(pending, "_top", counting_top)
     node = tree.match_prefix(prompts[0]).last_node
     for _ in range(10):
-        tree.lock(node)
-        tree.unlock(node)
+        tree.unlock(node, tree.lock(node))
     assert tops <= len(prompts)
     for rec in tree._pending._loads.values():
         rec.readers = _CountingReaders(rec.readers)
     other = put(tree, seq(99, 4 * PAGE), states=[4 * PAGE]).last_node
     for _ in range(10):
-        tree.lock(other)
-        tree.unlock(other)
+        tree.unlock(other, tree.lock(other))
     assert _CountingReaders.reads == 0
     tree.check_integrity()

@@ -44,10 +44,10 @@ def test_release_frees_host_copies_and_skips_locked_roots_and_dead_nodes() -> No
     assert transfer.backup(r.backup_nodes) is not None
     node = r.last_node
     assert node.device_state is not None and node.host_state is not None
-    tree.lock(node)
+    token = tree.lock(node)
     assert tree.release_states([node, tree.root]).num_states == 1  # host copy only: device is pinned
     assert node.device_state is not None and node.host_state is None
-    tree.unlock(node)
+    tree.unlock(node, token)
     result = tree.release_states([node])
     assert result.num_states == 1 and not node.alive  # leaf without state: deleted on both tiers
     assert tree.release_states([node]).num_states == 0  # already gone

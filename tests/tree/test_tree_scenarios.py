@@ -237,9 +237,10 @@ def test_unlocking_a_root_does_nothing_as_locking_it_does() -> None:
     tree, _ = make_tree()
     m = tree.match_prefix(seq(1, 2 * PAGE))
     assert m.num_tokens == 0 and m.last_node.parent is None
-    tree.lock(m.last_node)
-    tree.unlock(m.last_node)
-    tree.unlock(m.last_node)
+    token = tree.lock(m.last_node)
+    assert token == 0
+    tree.unlock(m.last_node, token)
+    tree.unlock(m.last_node, token)
     tree.check_integrity()
 
 
@@ -525,15 +526,15 @@ def test_locked_nodes_are_never_evicted() -> None:
     a, b = seq(1, 3 * PAGE), seq(2, 3 * PAGE)
     ra = put(tree, a)
     put(tree, b)
-    tree.lock(ra.last_node)
+    token = tree.lock(ra.last_node)
     assert tree.stats().device_locked_pages == 3
     ev = tree.evict_device(num_kv_pages=100, num_states=100)
     assert ev.num_kv_pages == 3  # only b
     assert tree.match_prefix(a).num_tokens == 3 * PAGE
     tree.check_integrity()
-    tree.unlock(ra.last_node)
+    tree.unlock(ra.last_node, token)
     with pytest.raises(TreeError):
-        tree.unlock(ra.last_node)
+        tree.unlock(ra.last_node, token)
     assert tree.evict_device(num_kv_pages=100).num_kv_pages == 3
     assert tree.stats().num_nodes == 0
     tree.check_integrity()
@@ -543,14 +544,14 @@ def test_pool_exhaustion_returns_none_and_leaks_nothing() -> None:
     tree, transfer = make_tree(device_pages=8, device_states=2, host_pages=4, host_states=1)
     s = seq(1, 6 * PAGE)
     r = put(tree, s)
-    tree.lock(r.last_node)
+    token = tree.lock(r.last_node)
     free = (tree.device_kv.num_free, tree.device_mamba.num_free)
     assert tree.alloc_device(4, 0) is None
     assert tree.alloc_device(2, 2) is None  # pages fit, states do not: nothing taken
     assert (tree.device_kv.num_free, tree.device_mamba.num_free) == free
     assert transfer.backup(r.backup_nodes) is None  # 6 pages do not fit in a 4-page host pool
     tree.check_integrity()
-    tree.unlock(r.last_node)
+    tree.unlock(r.last_node, token)
     alloc = tree.alloc_device(4, 2)  # evicts the request now
     assert alloc is not None and alloc.kv_indices.numel() == 4
     tree.claim_in_flight("device_kv", alloc.kv_indices)
@@ -570,12 +571,12 @@ def test_sync_load_returns_none_without_device_room() -> None:
     transfer.backup(r.backup_nodes)
     tree.evict_device(num_kv_pages=4)
     other = put(tree, seq(2, 6 * PAGE), states=[6 * PAGE])
-    tree.lock(other.last_node)
+    token = tree.lock(other.last_node)
     m = tree.match_prefix(s)
     assert m.needs_load
     assert transfer.load(m) is None
     tree.check_integrity()
-    tree.unlock(other.last_node)
+    tree.unlock(other.last_node, token)
     assert transfer.load(tree.match_prefix(s)) is not None
     check_contents(tree, s, tree.match_prefix(s))
     tree.check_integrity()
@@ -700,10 +701,10 @@ def test_abort_load_drops_what_was_inserted_below_it_unless_that_is_in_use() -> 
         with pytest.raises(TreeError, match="already uses"):
             tree.abort_load(plan)  # a plain abort (a cancel) refuses: the load completes instead
         if in_use:
-            tree.lock(below)
+            token = tree.lock(below)
             with pytest.raises(TreeError, match="in use"):
                 tree.abort_load(plan, drop_below=True)
-            tree.unlock(below)
+            tree.unlock(below, token)
         released = tree.abort_load(plan, drop_below=True)
         tree.device_kv.free(released.kv_indices)
         tree.device_mamba.free(released.state_slots)

@@ -37,7 +37,7 @@ def test_host_gap_splits_the_node_it_ends_in_and_a_backup_fills_it() -> None:
     top = tree.path_to(r.last_node)[0]
     assert transfer.backup([top]) is not None  # [0, 2) on the host too; [2, 6) on the device only
     node = r.last_node
-    tree.lock(node)
+    token = tree.lock(node)
     tree.lock_host(node)
     gap = tree.host_gap(node, 4)
     assert [(n.start_page, n.end_page) for n in gap] == [(2, 4)]  # split at page 4: nothing past it
@@ -52,7 +52,7 @@ def test_host_gap_splits_the_node_it_ends_in_and_a_backup_fills_it() -> None:
     slot = int(tree.host_mamba.alloc(1)[0])
     res = tree.insert_host(a[: 4 * PAGE], [], host_states={4 * PAGE: slot}, start_page=4)
     assert res.num_new_pages == 0 and res.num_new_states == 1 and res.last_node is gap[0]
-    tree.unlock(node)
+    tree.unlock(node, token)
     tree.unlock_host(node)
     m = tree.match_prefix(a[: 5 * PAGE])
     assert m.num_tokens == 4 * PAGE and m.state_tier is Tier.HOST
