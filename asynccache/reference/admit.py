@@ -8,8 +8,10 @@ Primitives:
   made, then the working and snapshot slots, the host → device load and the request's own pages.
   Without room everything is undone and the request waits. The storage lookups of the requests
   the device could take start side by side; with nothing running the step waits for them (one
-  batched prefill), otherwise at most ``lookup_wait_s`` for the next request's probe — a
-  restore's read goes on while the running requests compute. The lookups of requests further
+  batched prefill) until a submission or a cancellation, otherwise at most ``lookup_wait_s`` for
+  the next request's probe — a restore's read goes on while the running requests compute. A
+  cancelled request is never admitted. The tokens a hit found count on the tier they came from:
+  on storage only what its own lookup brought. The lookups of requests further
   back start while requests run and none of the former reads, as long as what they may bring
   fits in ``lookahead_host_fraction`` of the host KV pool (docs/architecture.md). A base of
   :class:`~asynccache.reference.scheduler.Scheduler`; not used on its own.
@@ -22,7 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asynccache.reference.requests import Phase, Request, SchedulerConfig
+from asynccache.errors import CapacityError
+from asynccache.reference.requests import (
+    Phase,
+    Request,
+    SchedulerConfig,
+    device_pages_needed,
+)
 from asynccache.tree import Tier
 
 if TYPE_CHECKING:
@@ -43,6 +51,16 @@ def _path_device_pages(node: Any) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
 
+def _cached_by_tier(num_cached: int, num_loaded: int, stored: range) -> dict[str, int]:
+    """A hit's ``num_cached`` tokens by the tier they came from: the positions ``stored`` (within
+    them) from storage, which the request's lookup brought; of the others, those among the last
+    ``num_loaded`` (which a host load brings) from the host, the rest from the device."""
+    loaded = range(num_cached - num_loaded, num_cached)
+    both = range(max(loaded.start, stored.start), min(loaded.stop, stored.stop))
+    host = len(loaded) - len(both)
+    return {"device": num_cached - host - len(stored), "host": host, "storage": len(stored)}
+
+
 class AdmitMixin:
     """The admission of :class:`~asynccache.reference.scheduler.Scheduler` (see the module
     docstring); not used on its own."""
@@ -54,9 +72,19 @@ class AdmitMixin:
     _waiting: list[Request]
     _running: list[Request]
     _loading_slots: dict[int, int]
+    _wakeup: asyncio.Event
+
+    if TYPE_CHECKING:
+
+        def _cancel(self, req: Request) -> None: ...
 
     # ---- admission ---------------------------------------------------------------------
-    async def _admit(self) -> None:
+    async def _admit(self) -> bool:
+        """Admit the waiting requests the device has room for, oldest first (see the module
+        docstring). False when, with nothing running, a submission or a cancellation came while
+        the step waited for their lookups, or a request moved up past a cancelled one before
+        its lookup was waited for: the step ends there, and the next one drops the cancelled
+        request (its lookup abandoned) and waits for the lookups of those in its place."""
         room = max(0, self.config.max_running - len(self._running))
         window = self._waiting[:room]
         now = asyncio.get_running_loop().time()
@@ -69,16 +97,22 @@ class AdmitMixin:
             # Reads ahead overlap the running requests' steps; they never compete with the
             # reads of the requests next in line (with nothing running, those are the step's).
             self._start_lookups_ahead(self._waiting[room:])
-        if window and not self._running:
-            await self._lookups_of(window)
+        if window and not self._running and not await self._lookups_of(window):
+            return False
         while self._waiting and len(self._running) < self.config.max_running:
             req = self._waiting[0]
+            if not self._running and req not in window:
+                return False  # moved up past a cancelled one: the next step waits for its lookup
             if not await self._lookup_over(req):
-                return  # its storage lookup reads on while the running requests compute
+                return True  # its storage lookup reads on while the running requests compute
+            if req.cancelled:  # cancelled while this loop awaited: dropped, never computed
+                self._cancel(req)
+                continue
             if not self._try_admit(req):
-                return
+                return True
             self._waiting.pop(0)
             self._running.append(req)
+        return True
 
     def _start_lookup(self, req: Request, match: Any = None) -> None:
         """Start ``req``'s storage lookup if it has had none (one per request: one that waits
@@ -118,17 +152,31 @@ class AdmitMixin:
                 req.lookahead_pages = pages
                 budget -= pages
 
-    async def _lookups_of(self, reqs: list[Request]) -> None:
+    async def _lookups_of(self, reqs: list[Request]) -> bool:
         """With nothing running, wait for the lookups of the requests the device can take now
         (they read side by side) up to the policy's deadline, so they start together — one
-        batched prefill — rather than one a step."""
-        ctrl, now = self.cache.controller, asyncio.get_running_loop().time()
-        pending = [r for r in reqs if r.lookup is not None and not r.lookup.done()]
+        batched prefill — rather than one a step. False when a submission or a cancellation
+        comes first (a cancelled request's lookup, unbounded under ``wait_complete``, holds up
+        nobody): the caller ends the step."""
+        loop = asyncio.get_running_loop()
+        ctrl, now = self.cache.controller, loop.time()
+        pending = {r.lookup for r in reqs if r.lookup is not None and not r.lookup.done()}
         if not pending:
-            return
-        limits = [ctrl.prefetch_time_left(len(r.prompt) - 1, now - r.lookup_started) for r in pending]
-        timeout = None if None in limits else max(t for t in limits if t is not None)
-        await asyncio.wait([r.lookup for r in pending if r.lookup is not None], timeout=timeout)
+            return True
+        limits = [ctrl.prefetch_time_left(len(r.prompt) - 1, now - r.lookup_started) for r in reqs if r.lookup in pending]
+        deadline = None if None in limits else now + max(t for t in limits if t is not None)
+        self._wakeup.clear()
+        woken = asyncio.ensure_future(self._wakeup.wait())
+        try:
+            while pending and not woken.done():
+                timeout = None if deadline is None else max(0.0, deadline - loop.time())
+                done, _ = await asyncio.wait({woken, *pending}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    break  # the deadline
+                pending -= done
+            return not woken.done()
+        finally:
+            woken.cancel()
 
     async def _lookup_over(self, req: Request) -> bool:
         """True once ``req``'s storage lookup is over — its result taken within the prefetch
@@ -154,25 +202,25 @@ class AdmitMixin:
         req.lookup = None  # taken from here on (a cancellation meanwhile abandons it in the wait)
         res = await ctrl.wait_prefetch(task, len(key), elapsed_s=elapsed)
         req.lookup_tail = res.tail if res is not None else None
-        req.lookup_taken = True  # what it brought is counted from the admission's match
+        # What it restored past the tree's match at its start; not what the tree gained meanwhile
+        # from other requests. A split restore's tail counts once applied.
+        req.storage_tokens = max(0, res.num_tokens - req.lookup_from) if res is not None else 0
         return True
 
     def _try_admit(self, req: Request) -> bool:
         tree = self.cache.tree
         key = req.prompt[:-1]
         match = tree.match_prefix(key, salt=req.salt) if self.config.use_cache else None
-        by_tier = {"device": 0, "host": 0, "storage": 0}
         tail, req.lookup_tail = req.lookup_tail, None
-        if req.lookup_taken and match is not None:  # the lookup just ended: what it brought
-            req.lookup_taken = False
-            req.storage_tokens = max(0, match.num_tokens - req.lookup_from)
         if tail is not None and match is not None and tail.begin_tokens <= match.num_tokens:
             tail.release()  # the tree caught up meanwhile (another request restored it)
             tail = None
         num_cached = match.num_tokens if match is not None else 0
-        by_tier["storage"] = min(req.storage_tokens or 0, num_cached)
+        # What the lookup brought, as far as the match still holds it (eviction may have taken
+        # some since).
+        stored = range(req.lookup_from, min(req.lookup_from + (req.storage_tokens or 0), num_cached))
         if match is None:
-            return self._allocate(req, None, num_cached, tail, by_tier)
+            return self._allocate(req, None, num_cached, tail, stored)
         # Pin the match on both tiers while making room: under write_back, allocating device
         # slots writes device states back to the host, which may evict host copies — the
         # match's own included, unless it is locked there too. The device lock stays only
@@ -182,7 +230,7 @@ class AdmitMixin:
         token = tree.lock(node)
         tree.lock_host(node)
         try:
-            return self._allocate(req, match, num_cached, tail, by_tier)
+            return self._allocate(req, match, num_cached, tail, stored)
         except BaseException:
             req.locked_node = None
             raise
@@ -193,18 +241,21 @@ class AdmitMixin:
             else:
                 tree.unlock(node, token)
 
-    def _allocate(self, req: Request, match: Any, num_cached: int, tail: Any, by_tier: dict[str, int]) -> bool:
+    def _allocate(self, req: Request, match: Any, num_cached: int, tail: Any, stored: range) -> bool:
         """Allocate a matched request's slots and pages and queue its load (``match`` locked on
         the device by the caller, which releases the lock unless ``req.locked_node`` took it);
         False, with everything else undone, when there is no room; when it raises, nothing it
-        took stays taken either."""
+        took stays taken either. ``stored``: the positions of the match its lookup brought."""
         tree, ctrl, page = self.cache.tree, self.cache.controller, self.spec.page_size
         # Pages for every position this request will compute: [num_cached, total_len - 1).
-        last_pos = req.total_len - 1
-        num_pages_total = -(-last_pos // page)
+        num_pages_total = device_pages_needed(req.total_len, page)
         snap_positions = self._snapshot_positions(req, num_cached, tail, match)
         storage_only = self._storage_only_positions(req, num_cached, tail, snap_positions, match)
         snap_positions = sorted(snap_positions + storage_only)
+        if 1 + len(snap_positions) > self.cache.device_mamba.num_items:
+            # More than the device holds: never all of them (and asking would evict for nothing).
+            snap_positions = self._fewer_snapshots(snap_positions, tail, self.cache.device_mamba.num_items - 1)
+            storage_only = [p for p in storage_only if p in snap_positions]
         # The working and snapshot slots first, then the load's pages, then the request's own:
         # the load's pages come off the free list in one piece (one copy a layer) when they
         # were freed together.
@@ -213,11 +264,12 @@ class AdmitMixin:
             # Snapshots are states kept for later requests, not what this one needs to run. With
             # nothing running no slot will come back by waiting: as many as the slots the
             # failed allocation left (it evicted what it could).
-            snap_positions = self._fewer_snapshots(snap_positions, tail)
+            snap_positions = self._fewer_snapshots(snap_positions, tail, self.cache.device_mamba.num_free - 1)
             storage_only = [p for p in storage_only if p in snap_positions]
             slot_alloc = tree.alloc_device(0, 1 + len(snap_positions))
         op = page_alloc = None
         state_to: tuple[int, ...] = ()
+        by_tier = {"device": 0, "host": 0, "storage": 0}
         try:
             if slot_alloc is not None:
                 if match is not None and match.needs_load:
@@ -244,10 +296,9 @@ class AdmitMixin:
                     req.seed_slot = node.device_state
                 req.kv_pages = torch.cat([prefix_pages, own])
                 # A hit that needed any host load (KV pages, or only the boundary state) counts on
-                # the host tier; what the prefetch brought counts on storage.
+                # the host tier; what the request's lookup brought counts on storage.
                 loaded = num_cached if match.state_tier is Tier.HOST else match.num_host_tokens
-                by_tier["host"] = max(0, loaded - by_tier["storage"])
-                by_tier["device"] = num_cached - by_tier["host"] - by_tier["storage"]
+                by_tier = _cached_by_tier(num_cached, loaded, stored)
                 req.locked_node = node
             else:
                 req.kv_pages = own
@@ -267,6 +318,31 @@ class AdmitMixin:
             tail.head_started()
         req.phase = Phase.PREFILL
         return True
+
+    def _check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """A :class:`CapacityError` for a request the device pools could not hold even empty —
+        the pages of every position it computes or finds cached (its working state slot is the
+        least a slot pool holds): admission would evict the whole device tier at each attempt
+        before failing it."""
+        kv, states = self.cache.device_kv, self.cache.device_mamba
+        pages = device_pages_needed(prompt_len + max_new_tokens, self.spec.page_size)
+        if pages > kv.num_items:
+            raise CapacityError(
+                f"a request of {prompt_len} prompt + {max_new_tokens} new tokens needs {pages} device KV pages "
+                f"({self.spec.page_size} tokens each) and 1 state slot; the device pools hold {kv.num_items} pages "
+                f"and {states.num_items} slots in all"
+            )
+
+    def _no_room(self, req: Request) -> CapacityError:
+        """The error of a request that admission found no room for, with nothing running and no
+        copy in flight to free any: what it needs, and what the device pools have free."""
+        kv, states = self.cache.device_kv, self.cache.device_mamba
+        pages = device_pages_needed(req.total_len, self.spec.page_size)
+        return CapacityError(
+            f"request does not fit in the device pools: {len(req.prompt)} prompt + {req.max_new_tokens} new tokens "
+            f"need {pages} KV pages (a cached prefix's included) and 1 state slot; {kv.num_free} of {kv.num_items} "
+            f"pages and {states.num_free} of {states.num_items} slots are free, the rest held"
+        )
 
     def _undo_allocation(self, req: Request, slot_alloc: Any, page_alloc: Any, op: Any, tail: Any) -> None:
         """Give back what :meth:`_allocate` took when it finds no room or raises: the queued load,
@@ -308,11 +384,11 @@ class AdmitMixin:
         positions = set(storage_positions(len(req.prompt), page_size=self.spec.page_size, match=match)) - set(kept)
         return self._computed_here(positions, num_cached, req.total_len - 1, tail)
 
-    def _fewer_snapshots(self, snapshots: list[int], tail: Any) -> list[int]:
-        """``snapshots`` (sorted) cut to the device's free state slots besides the working one.
+    @staticmethod
+    def _fewer_snapshots(snapshots: list[int], tail: Any, room: int) -> list[int]:
+        """``snapshots`` (sorted) cut to ``room`` slots (the device's besides the working one).
         Kept first: the deepest (the prompt's or the output's end) and a tail restore's end
         (its state arrives with the restore), then the deeper the sooner."""
-        room = self.cache.device_mamba.num_free - 1
         if room <= 0:
             return []
         first = [p for p in (snapshots[-1], tail.end_tokens if tail is not None else None) if p in snapshots]

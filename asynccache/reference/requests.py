@@ -5,7 +5,8 @@
   output, TTFT, latency, the first token's logits);
 - :class:`Phase` and :class:`Request`: a request's place in the scheduler's loop and everything
   the loop holds for it (its pages, working slot, snapshots, pending load or tail restore);
-- :func:`prompt_token_ids`: a submitted prompt as an int64 array of token ids, checked.
+- :func:`prompt_token_ids`: a submitted prompt as an int64 array of token ids, checked;
+- :func:`device_pages_needed`: the device KV pages a request holds while it runs.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from asynccache.checks import as_int, check_int
 from asynccache.errors import ConfigError
 
-__all__ = ["Phase", "Prompt", "Request", "RequestResult", "SchedulerConfig", "prompt_token_ids"]
+__all__ = ["Phase", "Prompt", "Request", "RequestResult", "SchedulerConfig", "device_pages_needed", "prompt_token_ids"]
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
@@ -73,6 +74,13 @@ def prompt_token_ids(prompt: Prompt, vocab_size: int) -> np.ndarray:
     if vocab_size and not 0 <= int(ids.min()) <= int(ids.max()) < vocab_size:
         raise ConfigError(f"prompt token ids must lie in [0, {vocab_size})")
     return ids
+
+
+def device_pages_needed(total_len: int, page_size: int) -> int:
+    """Device KV pages a request of ``total_len`` tokens (prompt + ``max_new_tokens``) holds
+    while it runs, its cached prefix's included: one per page of the positions it computes or
+    finds cached, ``[0, total_len - 1)`` (the last sampled token is never computed)."""
+    return -(-(total_len - 1) // page_size)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -157,14 +165,15 @@ class Request:
     first_token_at: float | None = None
     first_logits: torch.Tensor | None = None
     cancelled: bool = False
-    #: tokens its storage lookup brought (None: not looked up yet; one lookup per request, so a
-    #: request that waits for room does not repeat it every step)
+    #: tokens its storage lookup brought past ``lookup_from`` — what the prefetch's result
+    #: restored, 0 for a miss, a split restore (counted when applied) or a passed deadline (None:
+    #: not looked up yet; one lookup per request, so a request that waits for room does not
+    #: repeat it every step)
     storage_tokens: int | None = None
     lookup: asyncio.Task[Any] | None = None  # its storage lookup while it runs, not yet taken
     lookup_from: int = 0  # tokens the tree matched when the lookup started
     lookup_started: float = 0.0  # the event loop's time then
     lookup_tail: Any = None  # a split restore the lookup brought, until admission takes it
-    lookup_taken: bool = False  # its result taken, not yet counted in storage_tokens
     lookahead_pages: int = 0  # host pages its lookup may bring, while it started ahead of room
 
     @property

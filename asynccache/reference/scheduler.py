@@ -50,7 +50,7 @@ import torch
 
 from asynccache.cache import HybridCache
 from asynccache.checks import check_int
-from asynccache.errors import CapacityError, ConfigError, SchedulerError
+from asynccache.errors import ConfigError, SchedulerError
 from asynccache.layer_counter import LayerTransferCounter
 from asynccache.reference.admit import AdmitMixin
 from asynccache.reference.finish import FinishMixin
@@ -156,7 +156,9 @@ class Scheduler(AdmitMixin, FinishMixin):
         :class:`ConfigError` before anything is queued: a prompt that is empty or holds a token
         id that is not an integer (a float, a bool, a floating-point tensor) or lies outside
         ``[0, vocab_size)``, a ``max_new_tokens`` that is not an int >= 1, a ``salt`` that is
-        not a ``str``.
+        not a ``str``. A request the device pools could not hold even empty (its prompt and
+        ``max_new_tokens`` need more KV pages than they have) is a :class:`CapacityError`, the
+        error admission would fail it with, naming what it needs and what the pools hold.
         """
         tokens = prompt_token_ids(prompt, self.spec.vocab_size)
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=1)
@@ -168,6 +170,7 @@ class Scheduler(AdmitMixin, FinishMixin):
             raise SchedulerError(f"the scheduler's loop stopped: {self._failure!r}") from self._failure
         if self._closed:
             raise SchedulerError("the scheduler is closed")
+        self._check_fits(len(tokens), max_new_tokens)
         fut: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
         req = Request(
             request_id=next(_ids),
@@ -214,13 +217,14 @@ class Scheduler(AdmitMixin, FinishMixin):
     async def _step(self) -> None:
         self.num_steps += 1
         self._reap_cancelled()
-        await self._admit()
+        if not await self._admit():
+            return  # a request came or went while the step waited for lookups: the next step sees it
         if not self._running:
             if self._waiting and not await self.cache.controller.wait_idle():
                 # Nothing could be admitted and no copy in flight will free memory.
                 req = self._waiting.pop(0)
                 if not req.future.done():  # (it may have been cancelled meanwhile)
-                    req.future.set_exception(CapacityError("request does not fit in the device pools"))
+                    req.future.set_exception(self._no_room(req))
             return
         ctrl = self.cache.controller
         if not await self._resume_tails():

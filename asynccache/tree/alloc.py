@@ -2,7 +2,8 @@
 
 Primitives: :class:`AllocationMixin` — ``alloc_device``, ``alloc_host``: take pages and state
 slots of one tier, evicting (:mod:`asynccache.tree.evict`) for what its pools lack. ``None`` when
-there is still no room; nothing is taken then, and what eviction freed stays free.
+there is still no room; nothing is taken then, and what eviction freed stays free. ``None`` at
+once, nothing evicted, for more than a pool holds in all: eviction cannot make that room.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ class AllocationMixin(EvictionMixin):
     def alloc_device(self, num_kv_pages: int = 0, num_states: int = 0) -> Allocation | None:
         """``num_kv_pages`` device pages and ``num_states`` device state slots, evicting through
         the tree for what the pools lack; ``None`` when there is still no room (nothing is
-        taken then; what eviction freed stays free). The caller owns the indices."""
+        taken then; what eviction freed stays free), and at once, with nothing evicted, when
+        either count exceeds its pool's ``num_items``. The caller owns the indices."""
         return self._alloc(self.device_kv, self.device_mamba, num_kv_pages, num_states, self.evict_device)
 
     def alloc_host(self, num_kv_pages: int = 0, num_states: int = 0) -> Allocation | None:
@@ -40,8 +42,13 @@ class AllocationMixin(EvictionMixin):
         num_states: int,
         evict: Callable[..., EvictResult],
     ) -> Allocation | None:
+        """Take ``num_kv_pages`` of ``kv_pool`` and ``num_states`` of ``state_pool``, all or
+        nothing, after ``evict`` for what they lack; ``None`` without evicting anything when a
+        count exceeds its pool's ``num_items`` (no eviction could make that room)."""
         num_kv_pages = check_int("num_kv_pages", num_kv_pages, minimum=0)
         num_states = check_int("num_states", num_states, minimum=0)
+        if num_kv_pages > kv_pool.num_items or (state_pool is not None and num_states > state_pool.num_items):
+            return None  # more than the pool holds even when empty: evicting would only lose the cache
         short_kv = num_kv_pages - kv_pool.num_free
         short_states = num_states - state_pool.num_free if state_pool is not None else 0
         if short_kv > 0 or short_states > 0:

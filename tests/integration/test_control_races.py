@@ -189,9 +189,9 @@ async def test_a_request_cancelled_while_its_lookup_runs_does_not_stop_the_sched
         slow_backend(cache, "batch_exists_v2", 0.05)
         async with Scheduler(model, cache, SchedulerConfig(chunk_size=16)) as sched:
             first = await sched.generate(list(range(1, 20)), 2)
-            too_big = sched.submit(list(range(1, 101)), 2)  # 25 pages: never fits in 16
+            doomed = sched.submit(list(range(1, 41)), 2)  # 10 of the 16 pages
             await asyncio.sleep(0.01)
-            too_big.cancel()  # while its storage lookup is awaited
+            doomed.cancel()  # while its storage lookup is awaited
             await asyncio.sleep(0.1)
             again = await asyncio.wait_for(sched.generate(list(range(1, 20)), 2), 10)
             assert again.output_ids == first.output_ids

@@ -165,8 +165,9 @@ async def test_a_flushed_prefix_loads_into_one_piece_of_device_pages(setup: tupl
 
 
 async def test_a_load_admitted_without_room_for_the_own_pages_is_cancelled(setup: tuple[HybridSpec, HybridModel]) -> None:
-    # Room for the cached prefix but not for the pages after it: the queued load is cancelled,
-    # its pages and the request's slots go back, and the request fails with CapacityError.
+    # Room for the cached prefix but not for the pages after it (two of the pool's pages are held
+    # outside the tree): the queued load is cancelled, its pages and the request's slots go back,
+    # and the request fails with CapacityError.
     spec, model = setup
     prefix = [(11 * t) % 250 + 1 for t in range(40)]
     cfg = HybridCacheConfig(
@@ -179,9 +180,12 @@ async def test_a_load_admitted_without_room_for_the_own_pages_is_cancelled(setup
         await ctrl.wait_idle()
         cache.flush_device()
         assert cache.device_kv.num_free == cache.device_kv.num_items
+        held = cache.tree.alloc_device(2, 0)
+        assert held is not None
         with pytest.raises(CapacityError):
-            await sched.generate(prefix + list(range(1, 11)), 2)  # 40 cached + 10 new pages > 44
+            await sched.generate(prefix + [1, 2, 3], 2)  # 40 cached + 4 new pages > 42 free
         await ctrl.wait_idle()
+        cache.device_kv.free(held.kv_indices)
         assert ctrl.statistics().counts.get("load_cancelled", 0) >= 1
         assert cache.device_kv.num_free == cache.device_kv.num_items
         assert cache.device_mamba.num_free == cache.device_mamba.num_items
