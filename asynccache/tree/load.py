@@ -161,10 +161,13 @@ class LoadMixin(TransferMixin):
           taken on the loaded nodes since it began (the owner's was taken before). The load
           must complete for them.
 
-        With ``drop_below`` and such readers, the nodes lose the failed copy at once (no match
-        offers it again) but its pages and slot, and a state attached to the loaded nodes
-        meanwhile, stay the tree's until the last of those locks is released (``unlock`` frees
-        them then), and the indices returned are empty.
+        With ``drop_below``, while such readers or any lock taken on the loaded nodes themselves
+        are held — the owner's included: it locked its match before the load began, and may
+        have computed on the pages already (a copy that fails after the step's last layer was
+        issued leaves the forward running) and pass them back in its insert — the nodes lose
+        the failed copy at once (no match offers it again) but its pages and slot, and a state
+        attached to the loaded nodes meanwhile, stay the tree's until the last of those locks is
+        released (``unlock`` frees them then), and the indices returned are empty.
         """
         self._check_plan(plan)
         released = ReleasedIndices(kv_indices=plan.device_kv_indices, state_slots=plan.device_state_slots)
@@ -189,6 +192,14 @@ class LoadMixin(TransferMixin):
                 f"cannot abort load {plan.plan_id}: {len(readers)} lock(s) taken on its nodes since it "
                 "began may read what it brings"
             )
+        if drop_below:
+            # A failed copy: the locks on the loaded nodes themselves hold its indices too. The
+            # owner's, taken before the load began, is no reader of it, but its holder computes
+            # on those pages (a forward that passed every layer's wait before the copy after the
+            # last layer failed) and passes them back in its insert.
+            for n in segment:
+                for token in n.lock_tokens or ():
+                    readers.setdefault(token, n)
         del self._plans[plan.plan_id]
         self._pending.end(plan)
         for n in segment:
@@ -205,10 +216,11 @@ class LoadMixin(TransferMixin):
                 self._clear_device_kv(n)
         if readers:
             # Held, not freed: the copy never landed, so the pages cannot stay in the tree as
-            # valid, but a reader may have launched a read of them already or pass them back
-            # (an insert of its match's pages); freed now, they could go to another request and
-            # be written under that read, or be owned twice. They leave the tree at once (a new
-            # match loads the prefix afresh) and return to the pools when the readers unlock.
+            # valid, but a holder of those locks (a reader, the owner) may have launched a read
+            # of them already or pass them back (an insert of its match's pages); freed now,
+            # they could go to another request and be written under that read, or be owned
+            # twice. They leave the tree at once (a new match loads the prefix afresh) and
+            # return to the pools when those locks are released.
             slots = released.state_slots
             if meanwhile:
                 slots = torch.cat([slots, torch.tensor(meanwhile, dtype=torch.int64)])

@@ -9,16 +9,18 @@ on their way. While it is in flight three things may depend on it:
   loading path belongs to another holder, a *reader* of each load in flight there: for a load
   of KV pages, any lock at or below the load's top node (the holder's match reads those pages);
   for a load of the boundary state alone, a lock on that very node (only a match ending there
-  resumes from the state). The owner's own lock is never among them; ``abort_load`` compares
-  against them.
+  resumes from the state). The owner's own lock is never among them: a cancel
+  (``abort_load`` without ``drop_below``) is refused only for readers.
 - **Dependents** of a load that brings the boundary state alone. Such a load leaves the KV where
   it was, so the tree cannot tell from the device copies what was computed on the pending
   state: it records the nodes an ``insert`` gives device data below that state while the load
   is in flight (with their start page, so nodes split off them later are found too).
-- **Retired** indices: a failed load whose readers still hold its nodes leaves the tree at once
-  (no match offers its pages again), but its pages and slots go back to the pools only once
-  those readers have released their locks. Until then they are the tree's: an insert that
-  passes them back (a reader's match, which never got their bytes) is refused.
+- **Retired** indices: a failed load whose nodes are still held leaves the tree at once (no
+  match offers its pages again), but its pages and slots go back to the pools only once the
+  locks that hold them have been released: its readers', and every lock on the loaded nodes
+  themselves — the owner's among them, since a copy that fails after the step's last layer was
+  issued leaves the owner computing on the pages. Until then they are the tree's: an insert
+  that passes them back (a match that never got their bytes) is refused.
 
 Readers are lock tokens (``lock`` returns one, ``unlock(node, token)`` releases that lock, the
 token required): a reader leaves exactly when its own lock is released, so locks taken on the

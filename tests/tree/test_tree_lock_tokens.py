@@ -61,8 +61,8 @@ def test_an_unlock_without_a_token_is_refused() -> None:
     """Holders of a failed load's node (the owner, two readers, a request after the failure):
     an unlock that names no lock — the token left out, ``None``, a bool, not an int — is
     refused and changes nothing: no lock released, the readers still counted, the retired
-    pages still held. Each holder's own token then releases its lock, the last reader's
-    freeing them."""
+    pages still held. Each holder's own token then releases its lock, the last of those that
+    hold the retired pages (the readers and the owner) freeing them."""
     tree, transfer = make_tree()
     s = seq(1, 4 * PAGE)
     on_host(tree, transfer, s, [4 * PAGE])
@@ -85,7 +85,7 @@ def test_an_unlock_without_a_token_is_refused() -> None:
 
     before = state()
     assert node.num_locks == 4 and len(tree._pending.retired) == 1
-    assert sorted(tree._pending.retired[0].readers) == readers
+    assert sorted(tree._pending.retired[0].readers) == sorted([owner_token, *readers])
     with pytest.raises(TypeError):
         tree.unlock(node)  # type: ignore[call-arg]
     assert state() == before
