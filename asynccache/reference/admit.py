@@ -210,8 +210,11 @@ class AdmitMixin:
     def _try_admit(self, req: Request) -> bool:
         tree = self.cache.tree
         key = req.prompt[:-1]
-        match = tree.match_prefix(key, salt=req.salt) if self.config.use_cache else None
+        match = tree.match_prefix(key, salt=req.salt) if self.config.use_cache and not req.cold else None
         tail, req.lookup_tail = req.lookup_tail, None
+        if req.cold and tail is not None:
+            tail.release()  # computed cold: what its lookup brought is not used
+            tail = None
         if tail is not None and match is not None and tail.begin_tokens <= match.num_tokens:
             tail.release()  # the tree caught up meanwhile (another request restored it)
             tail = None
@@ -252,9 +255,12 @@ class AdmitMixin:
         snap_positions = self._snapshot_positions(req, num_cached, tail, match)
         storage_only = self._storage_only_positions(req, num_cached, tail, snap_positions, match)
         snap_positions = sorted(snap_positions + storage_only)
-        if 1 + len(snap_positions) > self.cache.device_mamba.num_items:
+        # The load of a boundary state from the host takes a slot too (the node's), after these.
+        load_states = match.num_load_states if match is not None and match.needs_load else 0
+        if 1 + len(snap_positions) + load_states > self.cache.device_mamba.num_items:
             # More than the device holds: never all of them (and asking would evict for nothing).
-            snap_positions = self._fewer_snapshots(snap_positions, tail, self.cache.device_mamba.num_items - 1)
+            room = self.cache.device_mamba.num_items - 1 - load_states
+            snap_positions = self._fewer_snapshots(snap_positions, tail, room)
             storage_only = [p for p in storage_only if p in snap_positions]
         # The working and snapshot slots first, then the load's pages, then the request's own:
         # the load's pages come off the free list in one piece (one copy a layer) when they
@@ -264,7 +270,8 @@ class AdmitMixin:
             # Snapshots are states kept for later requests, not what this one needs to run. With
             # nothing running no slot will come back by waiting: as many as the slots the
             # failed allocation left (it evicted what it could).
-            snap_positions = self._fewer_snapshots(snap_positions, tail, self.cache.device_mamba.num_free - 1)
+            room = self.cache.device_mamba.num_free - 1 - load_states
+            snap_positions = self._fewer_snapshots(snap_positions, tail, room)
             storage_only = [p for p in storage_only if p in snap_positions]
             slot_alloc = tree.alloc_device(0, 1 + len(snap_positions))
         op = page_alloc = None

@@ -175,6 +175,9 @@ class Request:
     lookup_started: float = 0.0  # the event loop's time then
     lookup_tail: Any = None  # a split restore the lookup brought, until admission takes it
     lookahead_pages: int = 0  # host pages its lookup may bring, while it started ahead of room
+    #: admitted without its cached prefix: with nothing running and no copy in flight, there was
+    #: no room for the prefix's load beside its own pages and slots (it is computed cold instead)
+    cold: bool = False
 
     @property
     def total_len(self) -> int:

@@ -221,8 +221,15 @@ class Scheduler(AdmitMixin, FinishMixin):
             return  # a request came or went while the step waited for lookups: the next step sees it
         if not self._running:
             if self._waiting and not await self.cache.controller.wait_idle():
-                # Nothing could be admitted and no copy in flight will free memory.
-                req = self._waiting.pop(0)
+                # Nothing could be admitted and no copy in flight will free memory. A request
+                # whose cached prefix needs a load is tried once more without it (the load's
+                # pages and slot may be what the device lacks beside its own): a cache never
+                # fails a request that it could serve cold.
+                req = self._waiting[0]
+                if not req.cold and self.config.use_cache:
+                    req.cold = True
+                    return
+                self._waiting.pop(0)
                 if not req.future.done():  # (it may have been cancelled meanwhile)
                     req.future.set_exception(self._no_room(req))
             return

@@ -196,6 +196,58 @@ async def test_snapshots_beyond_the_slot_pool_still_take_every_slot_eviction_fre
         cache.tree.check_integrity()
 
 
+async def test_a_host_hit_keeps_a_slot_for_its_state_beside_the_snapshots() -> None:
+    """Every-page admission asks for a state at each page past a host hit; the hit's state,
+    loaded from the host, needs the node's slot too. The snapshots leave it one: the request is
+    served with its hit rather than found without room."""
+    prefix = arith_prompt(6 * PAGE, 7, 3)
+    config = config_with(SPEC, device_state_slots=4)
+    async with HybridCache(SPEC, config, admission=EveryPageAdmission()) as cache:
+        async with Scheduler(MODEL, cache, SchedulerConfig(chunk_size=64)) as sched:
+            await sched.generate(prefix, 1)
+            await cache.controller.wait_idle()
+            cache.flush_device()  # the prefix and its states on the host only
+            match = cache.tree.match_prefix(prefix)
+            assert match.num_tokens == len(prefix) and match.num_device_tokens == 0
+            longer = [*prefix, *arith_prompt(5 * PAGE, 5, 1)]  # 5 pages past the hit: 5 states asked
+            result = await asyncio.wait_for(sched.generate(longer, 2), 30)
+        assert result.cached_by_tier == {"device": 0, "host": len(prefix), "storage": 0}
+        await settled(cache)
+
+
+async def test_a_hit_the_device_cannot_load_beside_the_request_is_computed_cold() -> None:
+    """One device state slot: a host hit's state needs the node's slot besides the request's
+    working slot, which the device never has. The request is served cold, as without the cache,
+    rather than failed."""
+    prefix = arith_prompt(6 * PAGE, 7, 3)
+    config = config_with(SPEC, device_state_slots=1)
+    async with HybridCache(SPEC, config) as cache:
+        tree = cache.tree
+        alloc = tree.alloc_device(len(prefix) // PAGE, 1)
+        assert alloc is not None
+        inserted = tree.insert(prefix, alloc.kv_indices, states={len(prefix): int(alloc.state_slots[0])})
+        op = cache.controller.write(inserted.backup_nodes)
+        assert op is not None
+        cache.controller.start_writing()
+        await op
+        cache.flush_device()  # the prefix and its state on the host only
+        assert tree.match_prefix(prefix).num_host_tokens == len(prefix)
+        longer = [*prefix, 9, 9, 9]
+        async with Scheduler(MODEL, cache, SchedulerConfig(chunk_size=64)) as sched:
+            result = await asyncio.wait_for(sched.generate(longer, 3), 30)
+        assert result.cached_tokens == 0
+        async with (
+            HybridCache(SPEC, config_with(SPEC)) as cold_cache,
+            Scheduler(MODEL, cold_cache, SchedulerConfig(use_cache=False, chunk_size=64)) as cold,
+        ):
+            assert (await cold.generate(longer, 3)).output_ids == result.output_ids
+        await cache.controller.wait_idle()
+        cache.flush_device()
+        cache.flush_host()
+        tree.check_integrity()
+        assert free_counts(cache)[:2] == (config.device_kv_pages, 1)
+
+
 async def test_a_request_without_room_fails_with_what_it_needs_and_what_is_free() -> None:
     config = config_with(SPEC, device_kv_pages=16, device_state_slots=8)
     async with HybridCache(SPEC, config) as cache, Scheduler(MODEL, cache) as sched:
