@@ -65,9 +65,17 @@ async def store_only(cache: HybridCache, tokens: list[int], *, grid: int) -> Non
     assert cache.tree.match_prefix(tokens).num_tokens == 0
 
 
-def slow_backend(cache: HybridCache, method: str, seconds: float, during: Callable[[], None] | None = None) -> list[int]:
-    """Make the storage backend's ``method`` (a coroutine) wait ``seconds`` before each call,
-    then run ``during`` (if given); returns a one-item list counting the calls."""
+def slow_backend(
+    cache: HybridCache,
+    method: str,
+    seconds: float,
+    during: Callable[[], None] | None = None,
+    *,
+    first_only: bool = False,
+) -> list[int]:
+    """Make the storage backend's ``method`` (a coroutine) wait ``seconds`` before each call
+    (only the first with ``first_only``), then run ``during`` (if given); returns a one-item
+    list counting the calls."""
     tier = cache.controller.tiering
     assert tier is not None
     real = getattr(tier.backend, method)
@@ -75,7 +83,8 @@ def slow_backend(cache: HybridCache, method: str, seconds: float, during: Callab
 
     async def slow(*args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
-        await asyncio.sleep(seconds)
+        if calls[0] == 1 or not first_only:
+            await asyncio.sleep(seconds)
         if during is not None:
             during()
         return await real(*args, **kwargs)

@@ -46,24 +46,6 @@ def _lookups(cache: HybridCache) -> list[asyncio.Task[Any]]:
     return tasks
 
 
-def _slow_first_call(cache: HybridCache, method: str, seconds: float) -> list[int]:
-    """Make the first call of the storage backend's ``method`` wait ``seconds`` first; returns
-    a one-item list counting the calls."""
-    tier = cache.controller.tiering
-    assert tier is not None
-    real = getattr(tier.backend, method)
-    calls = [0]
-
-    async def slow(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        if calls[0] == 1:
-            await asyncio.sleep(seconds)
-        return await real(*args, **kwargs)
-
-    setattr(tier.backend, method, slow)
-    return calls
-
-
 def _forwards(sched: Scheduler) -> list[tuple[int, list[int]]]:
     """Record each sequence the model computes from here on: its start and token ids."""
     forward = sched.model.forward
@@ -279,7 +261,7 @@ async def test_a_request_cancelled_during_its_lookup_holds_up_nothing(tmp_path: 
         async with Scheduler(MODEL, cache, SchedulerConfig(chunk_size=64)) as sched:
             await sched.generate(arith_prompt(8, 1, 1), 1)
             lookups = _lookups(cache)
-            calls = _slow_first_call(cache, "batch_exists_v2" if slow == "probe" else "batch_get_v2", 3.0)
+            calls = slow_backend(cache, "batch_exists_v2" if slow == "probe" else "batch_get_v2", 3.0, first_only=True)
             seen = _forwards(sched)
             first = sched.submit(doomed, 2)
             async with asyncio.timeout(10):
