@@ -219,6 +219,10 @@ class AdmitMixin:
             tail.release()  # the tree caught up meanwhile (another request restored it)
             tail = None
         num_cached = match.num_tokens if match is not None else 0
+        if self._running and not self._fits_beside_running(req, match):
+            if tail is not None:
+                tail.release()  # as when an allocation finds no room
+            return False  # eviction could not make the room: it would only empty the cache
         # What the lookup brought, as far as the match still holds it (eviction may have taken
         # some since).
         stored = range(req.lookup_from, min(req.lookup_from + (req.storage_tokens or 0), num_cached))
@@ -325,6 +329,25 @@ class AdmitMixin:
             tail.head_started()
         req.phase = Phase.PREFILL
         return True
+
+    def _fits_beside_running(self, req: Request, match: Any) -> bool:
+        """False when the device could not take ``req`` even with everything evicted that the
+        running requests do not hold: its new pages (those of its match already on the device
+        are not new) beyond the pages outside the running requests' page tables, or its working
+        slot (and a host hit's state slot) beyond the slots outside their working and snapshot
+        slots. Allocating then would evict every cached prefix the tree can give up, for
+        nothing; the request waits for a running one to end instead. (Pages and slots pinned
+        otherwise — a copy in flight — are not counted: True does not promise room.)"""
+        page = self.spec.page_size
+        held = [r.kv_pages for r in self._running if r.kv_pages is not None]
+        held_pages = int(torch.unique(torch.cat(held)).numel()) if held else 0
+        on_device = match.num_device_tokens // page if match is not None else 0
+        new_pages = device_pages_needed(req.total_len, page) - on_device
+        if new_pages > self.cache.device_kv.num_items - held_pages:
+            return False
+        held_slots = sum(1 + len(r.snapshots) for r in self._running)
+        load_states = match.num_load_states if match is not None and match.needs_load else 0
+        return 1 + load_states <= self.cache.device_mamba.num_items - held_slots
 
     def _check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         """A :class:`CapacityError` for a request the device pools could not hold even empty —

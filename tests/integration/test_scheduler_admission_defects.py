@@ -178,6 +178,34 @@ async def test_snapshots_beyond_the_slot_pool_still_take_every_slot_eviction_fre
         cache.tree.check_integrity()
 
 
+async def test_a_request_that_fits_only_an_emptier_device_waits_without_evicting() -> None:
+    """A request the empty device could hold, but not beside a running one's pages: its
+    admission attempts, once per step while that one runs, leave the cached prefixes alone
+    (before, each evicted every prefix the tree could give up, for nothing); it runs once the
+    other has finished."""
+    config = config_with(SPEC, device_kv_pages=32, device_state_slots=8, host_kv_bytes=0, host_state_bytes=0)
+    async with HybridCache(SPEC, config) as cache, Scheduler(MODEL, cache, SchedulerConfig(chunk_size=64)) as sched:
+        cached = arith_prompt(6 * PAGE, 5, 1)
+        await sched.generate(cached, 1)
+        await cache.controller.wait_idle()
+        assert cache.tree.match_prefix(cached).num_device_tokens == len(cached)
+        running = sched.submit(arith_prompt(12 * PAGE, 7, 3), 40)  # 22 of the 32 pages while it runs
+        async with asyncio.timeout(30):
+            while not sched._running:
+                await asyncio.sleep(0)
+        steps = sched.num_steps
+        big = sched.submit(arith_prompt(20 * PAGE, 9, 2), 4)  # 21 pages: only beside nothing
+        async with asyncio.timeout(30):
+            while sched.num_steps < steps + 5:
+                await asyncio.sleep(0)
+        assert not big.done()
+        assert cache.tree.match_prefix(cached).num_device_tokens == len(cached)  # nothing evicted
+        async with asyncio.timeout(30):
+            assert len((await big).output_ids) == 4
+            await running
+        await settled(cache)
+
+
 async def test_a_host_hit_keeps_a_slot_for_its_state_beside_the_snapshots() -> None:
     """Every-page admission asks for a state at each page past a host hit; the hit's state,
     loaded from the host, needs the node's slot too. The snapshots leave it one: the request is
