@@ -10,7 +10,8 @@ Primitives:
   the device could take start side by side; with nothing running the step waits for them (one
   batched prefill) until a submission or a cancellation, otherwise at most ``lookup_wait_s`` for
   the next request's probe — a restore's read goes on while the running requests compute. A
-  cancelled request is never admitted. The tokens a hit found count on the tier they came from:
+  cancelled request is never admitted (nor computed: the step drops one cancelled after its
+  admission before its forward). The tokens a hit found count on the tier they came from:
   on storage only what its own lookup brought. The lookups of requests further
   back start while requests run and none of the former reads, as long as what they may bring
   fits in ``lookahead_host_fraction`` of the host KV pool (docs/architecture.md). A base of

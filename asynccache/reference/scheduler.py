@@ -236,6 +236,9 @@ class Scheduler(AdmitMixin, FinishMixin):
         ctrl = self.cache.controller
         if not await self._resume_tails():
             return  # a request came or went while every running one waited for its tail
+        self._reap_cancelled()  # cancelled while this step awaited: not computed
+        if not self._running:
+            return
         counter = ctrl.start_loading()
         seqs, reqs = self._build_batch()
         seeds = self._seed_working_slots(reqs)

@@ -334,6 +334,32 @@ async def test_a_request_cancelled_while_its_probe_is_awaited_is_never_computed(
         assert await settled(cache) == full
 
 
+async def test_a_request_cancelled_while_its_step_awaits_is_not_computed() -> None:
+    """A request admitted in a step and cancelled while that step still awaits (here: the
+    running requests' tail restores) is dropped before the step's forward, not computed once;
+    the one beside it is served, and nothing stays held."""
+    doomed, kept = arith_prompt(10 * PAGE, 7, 3), arith_prompt(6 * PAGE, 5, 1)
+    async with HybridCache(SPEC, config_with(SPEC)) as cache:
+        async with Scheduler(MODEL, cache, SchedulerConfig(chunk_size=64)) as sched:
+            seen = _forwards(sched)
+            resume = sched._resume_tails
+            futs: list[asyncio.Future[Any]] = []
+
+            async def cancel_meanwhile() -> bool:
+                if futs and not futs[0].done():
+                    futs[0].cancel()  # as if it came while the step awaited
+                    await asyncio.sleep(0)
+                return await resume()
+
+            sched._resume_tails = cancel_meanwhile  # type: ignore[method-assign]
+            futs += [sched.submit(doomed, 4), sched.submit(kept, 2)]
+            async with asyncio.timeout(30):
+                assert len((await futs[1]).output_ids) == 2
+            assert futs[0].cancelled()
+        assert not _computed(seen, doomed) and _computed(seen, kept)
+        await settled(cache)
+
+
 async def test_a_request_cancelled_as_its_lookup_is_taken_is_dropped_and_the_next_looked_up(tmp_path: Path) -> None:
     """Cancelled while admission takes its lookup's result (nothing running, ``max_running=1``):
     it is dropped, never computed, and the request moving up into its place is admitted only
