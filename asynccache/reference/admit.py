@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asynccache.errors import CapacityError
 from asynccache.reference.requests import (
     Phase,
     Request,
     SchedulerConfig,
     device_pages_needed,
 )
+from asynccache.reference.room import fits_beside, load_states
 from asynccache.tree import Tier
 
 if TYPE_CHECKING:
@@ -220,7 +220,7 @@ class AdmitMixin:
             tail.release()  # the tree caught up meanwhile (another request restored it)
             tail = None
         num_cached = match.num_tokens if match is not None else 0
-        if self._running and not self._fits_beside_running(req, match):
+        if self._running and not fits_beside(self.cache, self._running, req, match):
             if tail is not None:
                 tail.release()  # as when an allocation finds no room
             return False  # eviction could not make the room: it would only empty the cache
@@ -261,10 +261,10 @@ class AdmitMixin:
         storage_only = self._storage_only_positions(req, num_cached, tail, snap_positions, match)
         snap_positions = sorted(snap_positions + storage_only)
         # The load of a boundary state from the host takes a slot too (the node's), after these.
-        load_states = match.num_load_states if match is not None and match.needs_load else 0
-        if 1 + len(snap_positions) + load_states > self.cache.device_mamba.num_items:
+        num_load_states = load_states(match)
+        if 1 + len(snap_positions) + num_load_states > self.cache.device_mamba.num_items:
             # More than the device holds: never all of them (and asking would evict for nothing).
-            room = self.cache.device_mamba.num_items - 1 - load_states
+            room = self.cache.device_mamba.num_items - 1 - num_load_states
             snap_positions = self._fewer_snapshots(snap_positions, tail, room)
             storage_only = [p for p in storage_only if p in snap_positions]
         # The working and snapshot slots first, then the load's pages, then the request's own:
@@ -275,7 +275,7 @@ class AdmitMixin:
             # Snapshots are states kept for later requests, not what this one needs to run. With
             # nothing running no slot will come back by waiting: as many as the slots the
             # failed allocation left (it evicted what it could).
-            room = self.cache.device_mamba.num_free - 1 - load_states
+            room = self.cache.device_mamba.num_free - 1 - num_load_states
             snap_positions = self._fewer_snapshots(snap_positions, tail, room)
             storage_only = [p for p in storage_only if p in snap_positions]
             slot_alloc = tree.alloc_device(0, 1 + len(snap_positions))
@@ -330,50 +330,6 @@ class AdmitMixin:
             tail.head_started()
         req.phase = Phase.PREFILL
         return True
-
-    def _fits_beside_running(self, req: Request, match: Any) -> bool:
-        """False when the device could not take ``req`` even with everything evicted that the
-        running requests do not hold: its new pages (those of its match already on the device
-        are not new) beyond the pages outside the running requests' page tables, or its working
-        slot (and a host hit's state slot) beyond the slots outside their working and snapshot
-        slots. Allocating then would evict every cached prefix the tree can give up, for
-        nothing; the request waits for a running one to end instead. (Pages and slots pinned
-        otherwise — a copy in flight — are not counted: True does not promise room.)"""
-        page = self.spec.page_size
-        held = [r.kv_pages for r in self._running if r.kv_pages is not None]
-        held_pages = int(torch.unique(torch.cat(held)).numel()) if held else 0
-        on_device = match.num_device_tokens // page if match is not None else 0
-        new_pages = device_pages_needed(req.total_len, page) - on_device
-        if new_pages > self.cache.device_kv.num_items - held_pages:
-            return False
-        held_slots = sum(1 + len(r.snapshots) for r in self._running)
-        load_states = match.num_load_states if match is not None and match.needs_load else 0
-        return 1 + load_states <= self.cache.device_mamba.num_items - held_slots
-
-    def _check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
-        """A :class:`CapacityError` for a request the device pools could not hold even empty —
-        the pages of every position it computes or finds cached (its working state slot is the
-        least a slot pool holds): admission would evict the whole device tier at each attempt
-        before failing it."""
-        kv, states = self.cache.device_kv, self.cache.device_mamba
-        pages = device_pages_needed(prompt_len + max_new_tokens, self.spec.page_size)
-        if pages > kv.num_items:
-            raise CapacityError(
-                f"a request of {prompt_len} prompt + {max_new_tokens} new tokens needs {pages} device KV pages "
-                f"({self.spec.page_size} tokens each) and 1 state slot; the device pools hold {kv.num_items} pages "
-                f"and {states.num_items} slots in all"
-            )
-
-    def _no_room(self, req: Request) -> CapacityError:
-        """The error of a request that admission found no room for, with nothing running and no
-        copy in flight to free any: what it needs, and what the device pools have free."""
-        kv, states = self.cache.device_kv, self.cache.device_mamba
-        pages = device_pages_needed(req.total_len, self.spec.page_size)
-        return CapacityError(
-            f"request does not fit in the device pools: {len(req.prompt)} prompt + {req.max_new_tokens} new tokens "
-            f"need {pages} KV pages (a cached prefix's included) and 1 state slot; {kv.num_free} of {kv.num_items} "
-            f"pages and {states.num_free} of {states.num_items} slots are free, the rest held"
-        )
 
     def _undo_allocation(self, req: Request, slot_alloc: Any, page_alloc: Any, op: Any, tail: Any) -> None:
         """Give back what :meth:`_allocate` took when it finds no room or raises: the queued load,

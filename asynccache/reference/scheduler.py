@@ -63,6 +63,7 @@ from asynccache.reference.requests import (
     SchedulerConfig,
     prompt_token_ids,
 )
+from asynccache.reference.room import check_fits, no_room_error
 from asynccache.reference.warm_up import warm_up_first_passes
 
 __all__ = ["RequestResult", "Scheduler", "SchedulerConfig"]
@@ -170,7 +171,7 @@ class Scheduler(AdmitMixin, FinishMixin):
             raise SchedulerError(f"the scheduler's loop stopped: {self._failure!r}") from self._failure
         if self._closed:
             raise SchedulerError("the scheduler is closed")
-        self._check_fits(len(tokens), max_new_tokens)
+        check_fits(self.cache, len(tokens), max_new_tokens)
         fut: asyncio.Future[RequestResult] = asyncio.get_running_loop().create_future()
         req = Request(
             request_id=next(_ids),
@@ -231,7 +232,7 @@ class Scheduler(AdmitMixin, FinishMixin):
                     return
                 self._waiting.pop(0)
                 if not req.future.done():  # (it may have been cancelled meanwhile)
-                    req.future.set_exception(self._no_room(req))
+                    req.future.set_exception(no_room_error(self.cache, req))
             return
         ctrl = self.cache.controller
         if not await self._resume_tails():

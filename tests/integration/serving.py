@@ -116,6 +116,11 @@ def free_counts(cache: HybridCache) -> tuple[int, ...]:
     return tuple(p.num_free for p in pools if p is not None)
 
 
+def held_nodes(cache: HybridCache) -> list[Any]:
+    """The tree's nodes still locked on either tier or pinned by a load (none once idle)."""
+    return [n for n in cache.tree.iter_nodes() if n.device_lock or n.host_lock or n.loading]
+
+
 async def settled(cache: HybridCache) -> tuple[int, ...]:
     """Wait for the copies and archives in flight, flush device and host, check the tree (no
     lock left) and return :func:`free_counts` (a leak shows as a smaller count)."""

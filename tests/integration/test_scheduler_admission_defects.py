@@ -13,6 +13,7 @@ from serving import (
     arith_prompt,
     config_with,
     free_counts,
+    held_nodes,
     settled,
     slow_backend,
     store_only,
@@ -304,7 +305,7 @@ async def test_a_request_cancelled_during_its_lookup_holds_up_nothing(tmp_path: 
             await asyncio.wait_for(lookups[0], 10)
             if slow == "read":
                 assert lookups[0].result().num_pages_fetched == 10  # landed on the host for later requests
-        assert not [n for n in cache.tree.iter_nodes() if n.device_lock or n.host_lock or n.loading]
+        assert not held_nodes(cache)
         assert await settled(cache) == full
 
 

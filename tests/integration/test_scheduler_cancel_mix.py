@@ -14,6 +14,7 @@ import pytest
 from serving import (
     arith_prompt,
     config_with,
+    held_nodes,
     settled,
     slow_backend,
     split_cost,
@@ -96,7 +97,7 @@ async def _serve_mix(seed: int, tmp_path: Path) -> list[tuple[list[int], int, li
                     cache.flush_host()
         full = (cfg.device_kv_pages, cfg.device_state_slots, 48, 8)
         assert await settled(cache) == full, f"seed {seed}: a pool lost indices"
-        locked = [n for n in cache.tree.iter_nodes() if n.device_lock or n.host_lock or n.loading]
+        locked = held_nodes(cache)
         assert not locked, f"seed {seed}: nodes still locked: {locked}"
     return finished
 

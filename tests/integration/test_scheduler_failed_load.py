@@ -13,7 +13,14 @@ from typing import Any
 
 import pytest
 import torch
-from serving import arith_prompt, config_with, free_counts, tiny_model, tiny_spec
+from serving import (
+    arith_prompt,
+    config_with,
+    free_counts,
+    held_nodes,
+    tiny_model,
+    tiny_spec,
+)
 
 import asynccache.copy_issue
 from asynccache.cache import HybridCache
@@ -46,7 +53,7 @@ def assert_nothing_held(cache: HybridCache, before: tuple[int, ...]) -> None:
     cache.flush_host()
     cache.tree.check_integrity()
     assert free_counts(cache) == before
-    assert not [n for n in cache.tree.iter_nodes() if n.device_lock or n.host_lock or n.loading]
+    assert not held_nodes(cache)
 
 
 async def prefix_on_host(cache: HybridCache) -> None:

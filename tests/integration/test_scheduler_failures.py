@@ -12,6 +12,7 @@ import pytest
 from serving import (
     arith_prompt,
     config_with,
+    held_nodes,
     slow_backend,
     tiny_model,
     tiny_spec,
@@ -53,7 +54,7 @@ def assert_nothing_held(cache: HybridCache) -> None:
     cache.tree.check_integrity()
     for pool in (cache.device_kv, cache.device_mamba, cache.host_kv, cache.host_mamba):
         assert pool is not None and pool.num_free == pool.num_items
-    assert not [n for n in cache.tree.iter_nodes() if n.device_lock or n.host_lock or n.loading]
+    assert not held_nodes(cache)
 
 
 async def test_a_host_hit_admitted_under_write_back_keeps_its_host_state() -> None:

@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from serving import arith_prompt, config_with, free_counts, tiny_model, tiny_spec
+from serving import (
+    arith_prompt,
+    config_with,
+    free_counts,
+    held_nodes,
+    tiny_model,
+    tiny_spec,
+)
 
 from asynccache.cache import HybridCache
 from asynccache.errors import SchedulerError
@@ -42,7 +49,7 @@ async def assert_nothing_held(cache: HybridCache, before: tuple[int, ...]) -> No
     cache.flush_host()
     cache.tree.check_integrity()
     assert free_counts(cache) == before
-    assert not [n for n in cache.tree.iter_nodes() if n.device_lock or n.host_lock or n.loading]
+    assert not held_nodes(cache)
 
 
 @pytest.mark.parametrize("where", ["write", "archive_snapshots", "model"])
