@@ -129,8 +129,7 @@ class TreeBookkeeping:
         self._next_plan_id = 0
         # Readers and dependents of the loads in flight, and what failed ones left to free.
         self._pending = PendingLoads()
-        # The live device locks: token → locked node (the node keeps its own: ``lock_tokens``).
-        self._lock_nodes: dict[int, TreeNode] = {}
+        # The next device lock's token (each locked node keeps its live ones: ``lock_tokens``).
         self._next_lock_token = 1
         self._in_flight: dict[str, set[int]] = {name: set() for name in POOL_NAMES}
         self._evict_listeners: list[EvictListener] = []

@@ -10,7 +10,7 @@ Invariants (the message of the ``AssertionError`` starts with the name in bracke
 - ``[locks]`` lock and loading counts ≥ 0; ``loading`` equals the load plans covering the node;
   every node of an in-flight plan is pinned on both tiers and holds what the plan attached; a
   node's device lock is the locks taken on it and below it plus the plans covering it; the
-  node's own locks are its live lock tokens, each mapped to it; the readers of loads and of
+  node's own locks are lock tokens handed out, none held by two nodes; the readers of loads and of
   retired indices are live lock tokens of the nodes they name, of loads in flight, and the index
   of reader tokens lists exactly the records counting each.
 - ``[counters]`` the incremental totals (nodes, pages, states, locked pages, child counts).
@@ -232,15 +232,15 @@ def _check_readers(tree: TreeCore) -> None:
     loads = {pid for pid, plan in tree._plans.items() if isinstance(plan, LoadPlan) and plan._last is not None}
     _ok(tree._pending.plan_ids == loads, "[locks] the loads whose readers are counted are not the loads in flight")
     _ok(tree._pending.index_matches(), "[locks] the index of reader tokens does not list the records that count them")
+    tokens = [t for n in tree.iter_nodes() for t in (n.lock_tokens or ())]
     _ok(
-        all(node.alive and token in (node.lock_tokens or ()) for token, node in tree._lock_nodes.items())
-        and len(tree._lock_nodes) == sum(n.num_locks for n in tree.iter_nodes()),
-        "[locks] the live lock tokens and the nodes' own tokens disagree",
+        len(tokens) == len(set(tokens)) and all(0 < t < tree._next_lock_token for t in tokens),
+        "[locks] a lock token is held by two nodes, or was never handed out",
     )
     for plan_id, token, node in tree._pending.reader_locks():
         what = f"load plan {plan_id}" if plan_id >= 0 else "retired indices"
         _ok(node.alive, f"[locks] {what}: reader lock on deleted {node}")
-        _ok(tree._lock_nodes.get(token) is node, f"[locks] {what}: reader lock {token} is not a live lock of {node}")
+        _ok(token in (node.lock_tokens or ()), f"[locks] {what}: reader lock {token} is not a live lock of {node}")
 
 
 def _check_ownership(tree: TreeCore, owned: dict[str, list[np.ndarray]]) -> None:

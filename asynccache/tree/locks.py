@@ -58,7 +58,6 @@ class TreeLocks(TreeBookkeeping):
             return 0
         token = self._next_lock_token
         self._next_lock_token += 1
-        self._lock_nodes[token] = node
         if node.lock_tokens is None:
             node.lock_tokens = set()
         node.lock_tokens.add(token)
@@ -92,9 +91,8 @@ class TreeLocks(TreeBookkeeping):
         tokens = node.lock_tokens
         if not tokens or any(n.device_lock <= 0 for n in path):
             raise TreeError(f"unlock of {node} without a matching lock")
-        if self._lock_nodes.get(token) is not node:
+        if token not in tokens:
             raise TreeError(f"unlock of {node} with lock {token}, which is not a live lock of it")
-        del self._lock_nodes[token]
         tokens.remove(token)
         if not tokens:
             node.lock_tokens = None

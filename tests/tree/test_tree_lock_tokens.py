@@ -77,7 +77,7 @@ def test_an_unlock_without_a_token_is_refused() -> None:
         return (
             set(node.lock_tokens or ()),
             [n.device_lock for n in tree.path_to(node)],
-            dict(tree._lock_nodes),
+            {t: n for n in tree.iter_nodes() for t in (n.lock_tokens or ())},
             retired,
             pool_free(tree),
             tree.stats(),
