@@ -2,14 +2,17 @@
 
 Primitives:
 
-- :class:`StateComponent` — one tensor of a Mamba / linear-attention layer's recurrent state
-  (conv state, SSM / temporal state), per TP rank.
-- :class:`LinearGeometry` — the dimensions of the recurrent layers (Gated DeltaNet, Mamba2,
-  Mamba1) from which the state components are derived.
 - :class:`HybridSpec` — which global layer ids are attention and which are recurrent, the KV page
   geometry and the state geometry, with derived byte sizes. ``HybridSpec.from_hf_config`` reads
   Hugging Face ``config.json`` files of the Qwen3-Next / Qwen3.5, Nemotron-H, Bamba /
   Granite-4.0-H, Jamba and Falcon-H1 families.
+- :data:`STATE_ALIGN_BYTES` — the alignment of the components inside one state item (its
+  ``state_component_offsets``).
+
+Its parts, importable from here too: :class:`StateComponent`, :class:`LinearGeometry` and
+:func:`shard_kv_heads` (``asynccache.layer_geometry``: one recurrent layer's state, the
+recurrent dimensions, the KV heads per TP rank), :func:`dtype_from_name`
+(``asynccache.dtype_names``) and :data:`PRESETS` (``asynccache.presets``).
 
 Layer ids are *global*: layer ``i`` of the model, whatever its kind. Attention and recurrent ids
 may interleave, leave gaps (MLP-only layers) or coincide (Falcon-H1 runs both in one layer).
@@ -18,7 +21,6 @@ may interleave, leave gaps (MLP-only layers) or coincide (Falcon-H1 runs both in
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from os import PathLike
@@ -28,7 +30,9 @@ from typing import Any
 import torch
 
 from asynccache.checks import as_int
+from asynccache.dtype_names import dtype_from_name
 from asynccache.errors import SpecError
+from asynccache.layer_geometry import LinearGeometry, StateComponent, shard_kv_heads
 from asynccache.presets import PRESETS
 
 __all__ = ["PRESETS", "HybridSpec", "LinearGeometry", "StateComponent", "dtype_from_name", "shard_kv_heads"]
@@ -37,170 +41,9 @@ __all__ = ["PRESETS", "HybridSpec", "LinearGeometry", "StateComponent", "dtype_f
 #: the byte buffer are legal and copies can use wide words.
 STATE_ALIGN_BYTES = 16
 
-_DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "fp8": torch.float8_e4m3fn,
-}
-
-
-def dtype_from_name(name: str | torch.dtype) -> torch.dtype:
-    """Map ``"bfloat16"``, ``"fp32"``, ``torch.float16`` … to a torch dtype."""
-    if isinstance(name, torch.dtype):
-        return name
-    key = str(name).removeprefix("torch.").lower()
-    try:
-        return _DTYPES[key]
-    except KeyError:
-        raise SpecError(f"unknown dtype {name!r}; known: {sorted(_DTYPES)}") from None
-
 
 def _align(n: int, a: int = STATE_ALIGN_BYTES) -> int:
     return (n + a - 1) // a * a
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StateComponent:
-    """One tensor of a recurrent layer's state, per TP rank (e.g. ``conv`` or ``ssm``)."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def size_bytes(self) -> int:
-        return self.numel * self.dtype.itemsize
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LinearGeometry:
-    """Dimensions of the recurrent layers, unsharded (tp=1).
-
-    ``kind`` is ``"gated_deltanet"`` (Qwen3-Next / Qwen3.5), ``"mamba2"`` (Nemotron-H, Bamba,
-    Granite-4.0-H, Falcon-H1) or ``"mamba1"`` (Jamba).
-
-    - gated_deltanet: conv over q,k,v channels ``2·k_heads·k_dim + v_heads·v_dim``; recurrent
-      state ``[v_heads, k_dim, v_dim]``.
-    - mamba2: conv over ``heads·head_dim + 2·groups·state_size``; SSM state
-      ``[heads, head_dim, state_size]``. Heads shard over TP ranks; groups shard too when
-      ``n_groups`` divides by ``tp_size``, and a single group (``n_groups == 1``) is replicated
-      on every rank (vLLM's ``extra_groups_for_head_shards``); anything else does not shard.
-    - mamba1: conv over ``d_inner``; SSM state ``[d_inner, state_size]`` (``heads`` = 1,
-      ``head_dim`` = d_inner).
-    """
-
-    kind: str
-    num_heads: int  # v heads (GDN) / SSM heads (mamba2) / 1 (mamba1)
-    head_dim: int  # v head dim (GDN) / SSM head dim (mamba2) / d_inner (mamba1)
-    num_k_heads: int = 0  # GDN only
-    head_k_dim: int = 0  # GDN only
-    n_groups: int = 0  # mamba2 only
-    state_size: int = 0  # mamba1/2 d_state
-    conv_kernel: int = 4
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("gated_deltanet", "mamba2", "mamba1"):
-            raise SpecError(f"unknown linear layer kind {self.kind!r}")
-        for name in ("num_heads", "head_dim", "num_k_heads", "head_k_dim", "n_groups", "state_size", "conv_kernel"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise SpecError(f"{self.kind} geometry: {name} must be an int, got {value!r}")
-        if self.conv_kernel < 2:
-            raise SpecError(f"conv_kernel must be >= 2, got {self.conv_kernel}")
-        needed = {"num_heads": self.num_heads, "head_dim": self.head_dim}
-        if self.kind == "gated_deltanet":
-            needed |= {"num_k_heads": self.num_k_heads, "head_k_dim": self.head_k_dim}
-        else:
-            needed["state_size"] = self.state_size
-        if self.kind == "mamba2":
-            needed["n_groups"] = self.n_groups
-        for name, value in needed.items():
-            if value <= 0:
-                raise SpecError(f"{self.kind} geometry needs a positive {name}, got {value}")
-        # Heads in whole groups: each key head (GDN) or B/C group (Mamba2) serves as many heads.
-        if self.kind == "gated_deltanet" and self.num_heads % self.num_k_heads:
-            raise SpecError(
-                f"gated_deltanet geometry: num_heads={self.num_heads} value heads (linear_num_value_heads) are "
-                f"not a multiple of num_k_heads={self.num_k_heads} key heads (linear_num_key_heads)"
-            )
-        if self.kind == "mamba2" and self.num_heads % self.n_groups:
-            raise SpecError(
-                f"mamba2 geometry: num_heads={self.num_heads} SSM heads are not a multiple of "
-                f"n_groups={self.n_groups} B/C groups"
-            )
-
-    def conv_dim(self, tp_size: int = 1) -> int:
-        if self.kind == "gated_deltanet":
-            k = _shard(self.num_k_heads, tp_size, "linear_num_key_heads")
-            v = _shard(self.num_heads, tp_size, "linear_num_value_heads")
-            return 2 * k * self.head_k_dim + v * self.head_dim
-        if self.kind == "mamba2":
-            h = _shard(self.num_heads, tp_size, "mamba_num_heads")
-            return h * self.head_dim + 2 * self.groups_per_rank(tp_size) * self.state_size
-        return _shard(self.head_dim, tp_size, "mamba d_inner")
-
-    def groups_per_rank(self, tp_size: int = 1) -> int:
-        """Mamba2 B/C groups held by one TP rank: ``n_groups / tp_size``, or 1 when a single
-        group is replicated on every rank. Other non-divisible counts raise :class:`SpecError`."""
-        if tp_size <= 0:
-            raise SpecError(f"tp_size must be positive, got {tp_size}")
-        if self.n_groups % tp_size == 0:
-            return self.n_groups // tp_size
-        if self.n_groups == 1:
-            return 1
-        raise SpecError(
-            f"n_groups={self.n_groups} is not divisible by tp_size={tp_size} "
-            "(only a single group can be replicated across ranks)"
-        )
-
-    def ssm_shape(self, tp_size: int = 1) -> tuple[int, ...]:
-        if self.kind == "gated_deltanet":
-            v = _shard(self.num_heads, tp_size, "linear_num_value_heads")
-            return (v, self.head_k_dim, self.head_dim)
-        if self.kind == "mamba2":
-            h = _shard(self.num_heads, tp_size, "mamba_num_heads")
-            return (h, self.head_dim, self.state_size)
-        return (_shard(self.head_dim, tp_size, "mamba d_inner"), self.state_size)
-
-
-def _shard(n: int, tp_size: int, what: str) -> int:
-    if tp_size <= 0:
-        raise SpecError(f"tp_size must be positive, got {tp_size}")
-    if n % tp_size:
-        raise SpecError(f"{what}={n} is not divisible by tp_size={tp_size}")
-    return n // tp_size
-
-
-def shard_kv_heads(num_kv_heads: int, tp_size: int) -> int:
-    """KV heads held by one TP rank.
-
-    Heads divide over ranks when ``num_kv_heads`` is a multiple of ``tp_size``; when ``tp_size``
-    is a multiple of ``num_kv_heads`` each rank holds one replicated head (vLLM and SGLang do
-    the same for GQA models with few KV heads). Anything else raises :class:`SpecError`.
-    """
-    if tp_size <= 0:
-        raise SpecError(f"tp_size must be positive, got {tp_size}")
-    if num_kv_heads % tp_size == 0:
-        return num_kv_heads // tp_size
-    if tp_size % num_kv_heads == 0:
-        return 1
-    raise SpecError(
-        f"num_key_value_heads={num_kv_heads} is not divisible by tp_size={tp_size} "
-        "(nor tp_size by it, which would replicate one head per rank)"
-    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

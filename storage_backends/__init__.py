@@ -3,7 +3,8 @@
 - ``memory://[name]`` — :mod:`storage_backends.memory` (tests, the fastest conformance target)
 - ``file:///path`` — :mod:`storage_backends.local_disk` (preadv/pwritev straight into host slots;
   its worker jobs' work in :mod:`~storage_backends.disk_jobs`, its reader processes in
-  :mod:`~storage_backends.reader_processes` and :mod:`~storage_backends.reader_child`)
+  :mod:`~storage_backends.reader_processes`, :mod:`~storage_backends.reader_batches` and
+  :mod:`~storage_backends.reader_child`)
 - ``s3://bucket/prefix?endpoint_url=…&region=…`` — :mod:`storage_backends.object_store` (obstore;
   its bucket requests in :mod:`~storage_backends.s3_requests`, the URI and endpoint in
   :mod:`~storage_backends.s3_location`, its errors' messages in :mod:`~storage_backends.s3_errors`)

@@ -12,7 +12,8 @@ Primitives:
   in flight (its replies come in their order), the read chunks it may hold, the memories it has
   mapped, and whether it is up or dead.
 - :class:`ReaderChannels` — the requests of
-  :class:`~storage_backends.reader_processes.ReaderProcesses` (its base) to its children:
+  :class:`~storage_backends.reader_processes.ReaderProcesses` (its base, through
+  :class:`~storage_backends.reader_batches.ReaderBatches`) to its children:
   ``_send`` (a future of the reply), ``_request`` (the reply, awaited), each reply taken when the
   child's socket is readable, and a child's end: ``_lost`` (it exited: its requests fail) or
   ``_abandon`` (its socket failed while it may still run: killed, its requests failed once it
@@ -142,6 +143,7 @@ def spawn_child(init: tuple[Any, ...], *, room: int) -> ReaderChild:
 
 class ReaderChannels:
     """Requests to the children and their replies (see the module docstring); the base of
+    :class:`~storage_backends.reader_batches.ReaderBatches` and so of
     :class:`~storage_backends.reader_processes.ReaderProcesses`, not used on its own."""
 
     #: each read unit's time, by which a child's replies are due (see :meth:`_send`)

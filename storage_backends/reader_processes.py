@@ -12,25 +12,18 @@ Primitives:
 
 - :class:`ReaderProcesses` — the ``n`` children: the shared memories they map (``memory_id``,
   ``pieces``), their starts in the background (``start``, ``available``), a batch's units spread
-  over them (``read``), and their close (``aclose``).
-- :func:`deal_by_bytes` — a batch's units cut into chunks of nearly equal bytes.
+  over them (``read``, from :class:`~storage_backends.reader_batches.ReaderBatches`, its base),
+  and their close (``aclose``).
+- :func:`deal_by_bytes` — a batch's units cut into chunks of nearly equal bytes (from
+  :mod:`storage_backends.reader_batches`, where a batch is dealt over the children).
 - :func:`clock_shared` — whether a child's clock is this process's (asked at its start): only
   then do its replies' stamps report when a read landed (``read(landed=)``).
 - :class:`ReaderLost` — a unit no child read (from :mod:`storage_backends.reader_child`, where a
   child is started, sent its requests and stopped).
 
-The event loop sends each child chunks of work units (the object's path, geometry, key,
-payload range and the slot's pieces as offsets into a mapped pool), ``CHUNKS_IN_FLIGHT`` ahead
-of its replies, and takes each reply when the child's socket is readable — no thread of this
-process waits. A batch is cut into that many chunks per child, of nearly equal bytes, so a
-batch that is not too large goes out at once and the children read it whether or not the loop
-is free meanwhile. A caller cancelled meanwhile still waits for the chunks in flight (a child
-must not write into a slot after the call that named it has returned); each unit has its own
-deadline, ``timeout_s`` from its start, and a child that has not replied in time is killed (see
-``storage_backends.reader_child``).
-A child that dies fails its chunks' units with :class:`ReaderLost` — the local disk reads those
-with its threads — only once it has exited; a child whose socket fails while it may still run
-is killed first.
+How a batch's chunks go out to the children and their replies come back (no thread of this
+process waits; a child that dies fails its chunks' units with :class:`ReaderLost` once it has
+exited): see ``storage_backends.reader_batches``.
 
 A read uses the children that are up when it starts and never waits for a start: a child that
 is not up (dead, or never started) is started in the background, in a task of its own that
@@ -51,23 +44,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import itertools
 import logging
-import math
 import time
 import weakref
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from asynccache.errors import BackendError
 from asynccache.pools.memory import SharedHostMemory
-from storage_backends.object_reads import RangeResult, ReadUnit, reply_outcome
+from storage_backends.reader_batches import (
+    CHUNK_UNITS_MAX,
+    CHUNKS_IN_FLIGHT,
+    ReaderBatches,
+    deal_by_bytes,
+)
 from storage_backends.reader_child import (
-    ReaderChannels,
     ReaderChild,
     ReaderLost,
     kill_child,
@@ -79,6 +73,8 @@ from storage_backends.workers import drain_future
 log = logging.getLogger("asynccache.storage")
 
 __all__ = [
+    "CHUNKS_IN_FLIGHT",
+    "CHUNK_UNITS_MAX",
     "CLOSE_GRACE_S",
     "RETRY_START_S",
     "START_TIMEOUT_S",
@@ -87,19 +83,6 @@ __all__ = [
     "clock_shared",
     "deal_by_bytes",
 ]
-
-#: Units per message, at most: enough to keep a child's pipe round trip small against its reads
-#: (a 32k-token prefix of hybrid-3b, 525 units, goes out in one round to 8 children).
-CHUNK_UNITS_MAX = 32
-#: Chunks sent to a child ahead of its replies. A batch is cut into this many chunks per child
-#: (more rounds of as many where a chunk would exceed ``CHUNK_UNITS_MAX`` units), of nearly
-#: equal bytes (:func:`deal_by_bytes`), so a batch of up to ``CHUNKS_IN_FLIGHT · n ·
-#: CHUNK_UNITS_MAX`` units goes out at once and the children finish together. A forward pass may
-#: hold the event loop for most of its GPU time (its launches wait for the device's queue: ~160
-#: ms for a 2,112-token pass of hybrid-3b on an H200); children that had to wait for the loop to
-#: take a reply before they got more work sat idle meanwhile (a split restore's tail read at up
-#: to 2.3 × its estimate with two chunks ahead).
-CHUNKS_IN_FLIGHT = 4
 
 #: After a child failed to start, its slot is left empty for this long before a start is tried
 #: again (the other children, or the threads, read meanwhile).
@@ -113,20 +96,6 @@ START_TIMEOUT_S = 30.0
 CLOSE_GRACE_S = 5.0
 
 
-def deal_by_bytes(sizes: Sequence[int], num_chunks: int) -> list[list[int]]:
-    """The indices of ``sizes`` dealt into at most ``num_chunks`` chunks of nearly equal bytes:
-    the largest first, each to the chunk with the fewest bytes so far (a state's 4 MiB ranges,
-    first in a batch, spread over the children instead of filling one child's first chunk).
-    Each chunk's indices ascend; empty chunks are left out."""
-    heap = [(0, k) for k in range(max(1, num_chunks))]
-    chunks: list[list[int]] = [[] for _ in heap]
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        nbytes, k = heapq.heappop(heap)
-        chunks[k].append(i)
-        heapq.heappush(heap, (nbytes + sizes[i], k))
-    return [sorted(chunk) for chunk in chunks if chunk]
-
-
 def clock_shared(asked: float, reply: tuple[Any, ...], answered: float) -> bool:
     """Whether a child's ``ping`` reply, stamped with its ``time.perf_counter()``, fell between
     this process's clock when the ping was sent (``asked``) and when the reply was taken
@@ -135,7 +104,7 @@ def clock_shared(asked: float, reply: tuple[Any, ...], answered: float) -> bool:
     return len(reply) == 2 and isinstance(reply[1], float) and asked <= reply[1] <= answered
 
 
-class ReaderProcesses(ReaderChannels):
+class ReaderProcesses(ReaderBatches):
     """``n`` child processes that read plain objects into shared host memory (see the module
     docstring). :meth:`read` takes the units of one batch and returns each unit's result — what
     :func:`~storage_backends.object_reads.read_object_range` returns, or the exception it raised."""
@@ -210,94 +179,7 @@ class ReaderProcesses(ReaderChannels):
                 self._start_soon(slot)
         return up
 
-    # ---- reading ----
-    async def read(
-        self,
-        units: Sequence[ReadUnit],
-        *,
-        stopping: Callable[[], bool] = lambda: False,
-        landed: Callable[[float], None] | None = None,
-    ) -> list[RangeResult | BaseException]:
-        """Each unit's result; once ``stopping()`` says so (its backend is closing), no more
-        chunks are sent and the units not sent stay :class:`ReaderLost`. ``landed(t)`` gets,
-        for each chunk a child answered, the time the child was done with it, stamped in the
-        child (only from children whose clock is this process's): when the bytes were in,
-        however late the loop took the reply."""
-        if self._closed:
-            raise BackendError("the backend was closed")
-        results: list[RangeResult | BaseException] = [ReaderLost("not read")] * len(units)
-        slots = self._up_slots()  # a child being started takes no part: no read waits for a start
-        if not slots or not units:
-            return results
-        rounds = max(CHUNKS_IN_FLIGHT, math.ceil(len(units) / (CHUNK_UNITS_MAX * len(slots))))
-        dealt = deal_by_bytes([sum(n for _, _, n in unit.pieces) for unit in units], rounds * len(slots))
-        chunks = iter(dealt)
-
-        async def drive(slot: int) -> None:
-            try:
-                maybe_child = await self._ready(slot)
-            except Exception as e:  # noqa: BLE001 (cannot map: the others take the chunks)
-                log.warning("reader process %d unavailable: %s", slot, e)
-                return  # chunks no child takes stay ReaderLost (the threads read them)
-            if maybe_child is None:  # died meanwhile
-                return
-            child = maybe_child
-            inflight: deque[tuple[list[int], asyncio.Future[Any]]] = deque()
-
-            # A child holds at most CHUNKS_IN_FLIGHT chunks of all batches together (its
-            # ``room``), so a slow or stuck one never fills its socket, where a send would block
-            # the loop. A drive waits for room only while it holds none: no drive holds room
-            # while it waits for more.
-            def take_chunk() -> bool:  # with a unit of room held
-                if not stopping():
-                    for indices in chunks:
-                        part = [units[i] for i in indices]
-                        inflight.append((indices, self._send(child, ("read", part))))
-                        return True
-                child.room.release()  # nothing (more) to send
-                return False
-
-            async def send_more() -> None:
-                while len(inflight) < CHUNKS_IN_FLIGHT and not child.dead and not child.room.locked():
-                    await child.room.acquire()  # free: returns at once
-                    if not take_chunk():
-                        return
-
-            try:
-                await child.room.acquire()
-                if take_chunk():
-                    await send_more()
-                while inflight:
-                    indices, fut = inflight[0]
-                    try:
-                        replies, done_at = await asyncio.shield(fut)
-                        for i, reply in zip(indices, replies, strict=True):
-                            results[i] = reply_outcome(reply)
-                        if landed is not None and child.clock_shared:
-                            landed(done_at)
-                    except BackendError as e:
-                        for i in indices:
-                            results[i] = e
-                    inflight.popleft()
-                    child.room.release()
-                    if child.dead:
-                        continue
-                    if not inflight:
-                        await child.room.acquire()
-                        if not take_chunk():
-                            break
-                    await send_more()
-            except BaseException:
-                for _, fut in inflight:  # the child may be writing into their slots
-                    await drain_future(fut)
-                    child.room.release()
-                raise
-
-        async with asyncio.TaskGroup() as tg:
-            for slot in slots[: len(dealt)]:
-                tg.create_task(drive(slot))
-        return results
-
+    # ---- a child's mappings, start and close ----
     async def _ready(self, slot: int, *, own_s: float | None = None) -> ReaderChild | None:
         """Child ``slot`` with every memory mapped, if it is up; else ``None`` (it is started in
         the background). ``own_s``: each mapping's own deadline (see :meth:`_map`)."""
