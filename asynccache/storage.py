@@ -42,6 +42,7 @@ __all__ = [
     "PoolTransfer",
     "PoolTransferResult",
     "StorageBackend",
+    "check_exists_call",
     "known_schemes",
     "longest_hit",
     "open_backend",
@@ -123,9 +124,19 @@ class PoolTransferResult:
     exists: dict[PoolName, tuple[bool, ...]] = field(default_factory=dict)
 
 
+def check_exists_call(num_keys: int, transfers: Sequence[PoolTransfer]) -> None:
+    """``batch_exists_v2`` of keys needs at least one transfer (a pool and its hit policy): with
+    none, nothing says what a hit is, and every key would be one (a :class:`ConfigError`). No
+    keys and no transfers asks nothing (a backend's first use, set up ahead)."""
+    if num_keys and not transfers:
+        raise ConfigError(f"batch_exists_v2 of {num_keys} key(s) names no pool transfer")
+
+
 def longest_hit(num_keys: int, transfers: Sequence[PoolTransfer], exists: dict[PoolName, Sequence[bool]]) -> int:
     """The deepest ``n`` ≤ ``num_keys`` such that every ALL_PAGES pool has keys ``[0, n)`` and
-    every TRAILING_PAGES pool has keys ``[n - num_trailing, n)``. Shared by every backend."""
+    every TRAILING_PAGES pool has keys ``[n - num_trailing, n)``. Shared by every backend.
+    Keys without a transfer are a malformed call (:func:`check_exists_call`)."""
+    check_exists_call(num_keys, transfers)
     n = num_keys
     for t in transfers:
         if t.hit_policy is PoolHitPolicy.ALL_PAGES:
@@ -158,7 +169,8 @@ class StorageBackend(Protocol):
     - ``register_host_pool_v2`` gives the backend the host pool whose slots ``batch_get_v2``
       writes into and ``batch_set_v2`` reads from (``page_first`` pools need no repacking).
     - ``batch_exists_v2(keys, transfers)`` answers for the page-hash ``keys`` of one prefix: each
-      transfer names a pool and hit policy (its own ``keys`` are ignored).
+      transfer names a pool and hit policy (its own ``keys`` are ignored); keys without any
+      transfer are a malformed call (``ConfigError``).
     - ``batch_get_v2`` reads ``keys[i]`` into ``host_indices[i]`` per transfer; returns success per
       item. A missing, truncated, corrupted or foreign object is a miss (``False``), never data.
     - ``batch_set_v2`` writes ``host_indices[i]`` under ``keys[i]`` (put-if-absent: an existing

@@ -154,7 +154,10 @@ class ObjectBackend(ExistsSearchMixin, BatchIOMixin):
     # ---- V2 protocol -----------------------------------------------------------------------
     async def register_host_pool_v2(self, pool_name: PoolName, host_pool: ItemPool) -> None:
         """Register the host pool of ``pool_name``. Registering the same geometry again
-        replaces the pool; a different geometry under a registered name raises."""
+        replaces the pool; a different geometry under a registered name raises, and so does a
+        closed backend."""
+        if self._closed:
+            raise self._closed_error()
         geometry = ObjectGeometry.of_pool(pool_name, host_pool)
         known = self._pools.get(geometry.pool_name)
         if known is not None and known[1] != geometry:

@@ -24,6 +24,7 @@ from asynccache.storage import (
     PoolHitPolicy,
     PoolTransfer,
     PoolTransferResult,
+    check_exists_call,
     longest_hit,
 )
 from storage_backends.backend_core import BackendCore, pool_value
@@ -44,6 +45,7 @@ class ExistsSearchMixin(BackendCore):
         asks. ALL_PAGES pools are probed window by window up to their first miss; TRAILING_PAGES
         pools downwards from there (first only the keys their policy needs there, then window
         by window). ``exists`` flags are ``False`` for keys not probed."""
+        check_exists_call(len(keys), transfers)
         for key in keys:
             validate_key(key)
         pool_names = [pool_value(t.pool_name) for t in transfers]

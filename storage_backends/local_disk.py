@@ -79,6 +79,7 @@ import asyncio
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
@@ -225,6 +226,8 @@ class LocalDiskBackend(DiskJobsMixin):
             else None
         )
         self._readers_start: asyncio.Task[None] | None = None
+        if self._readers is not None:  # dropped unclosed: its children are killed, not left running
+            weakref.finalize(self, self._readers.kill_children)
 
     def _make_codec(self, namespace: str) -> ObjectCodec:
         return ObjectCodec(

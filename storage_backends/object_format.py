@@ -321,20 +321,28 @@ class ObjectCodec:
         self,
         data: bytes | bytearray | memoryview,
         payload_offset: int,
+        payload_end: int,
         buffers: Sequence[np.ndarray],
         stop: threading.Event | None = None,
         *,
         piece_bytes: int | None = None,
     ) -> int:
-        """Copy ``data``, the payload bytes from ``payload_offset`` on (a multiple of
-        ``CHECKSUM_BLOCK_BYTES``), into their place in ``buffers``; return the range's partial
-        checksum (the partial checksums of a payload's ranges add up to its checksum, mod 2⁶⁴).
-        Each piece is checksummed where it landed, as in :meth:`decode_into`."""
+        """Copy ``data``, the payload bytes ``[payload_offset, payload_end)`` (the offset a
+        multiple of ``CHECKSUM_BLOCK_BYTES``), into their place in ``buffers``; return the
+        range's partial checksum (the partial checksums of a payload's ranges add up to its
+        checksum, mod 2⁶⁴). Each piece is checksummed where it landed, as in
+        :meth:`decode_into`. ``data`` of another length than the range asked for is an
+        :class:`ObjectFormatError`: a short body would leave the rest of the range's bytes as
+        they were, and a stretch of zero bytes adds nothing to the checksum."""
         self._whole_objects_only()
         if payload_offset % CHECKSUM_BLOCK_BYTES:
             raise ValueError(f"a payload range starts on a {CHECKSUM_BLOCK_BYTES}-byte block, not at {payload_offset}")
         src = np.frombuffer(memoryview(data), dtype=np.uint8)
-        dest = payload_range(buffers, payload_offset, payload_offset + src.nbytes)
+        if src.nbytes != payload_end - payload_offset:
+            raise ObjectFormatError(
+                f"range [{payload_offset}, {payload_end}) of the payload came back as {src.nbytes} bytes"
+            )
+        dest = payload_range(buffers, payload_offset, payload_end)
         if sum(d.nbytes for d in dest) != src.nbytes:
             raise ObjectFormatError("object longer than its payload")
         check = PayloadChecksum(first_block=payload_offset // CHECKSUM_BLOCK_BYTES)

@@ -205,6 +205,7 @@ class ObjectStoreBackend(S3RequestsMixin):
         data, meta = first
         if int(meta["size"]) != hlen + total:
             raise ObjectFormatError(f"object of {meta['size']} bytes, expected {hlen + total} (truncated or foreign)")
+        _check_body(data, hlen + min(step, total))
         want = self.codec.verify_header(memoryview(data)[:hlen], geometry, key)
         etag = meta.get("e_tag")
         buffers = item.buffers()
@@ -215,12 +216,13 @@ class ObjectStoreBackend(S3RequestsMixin):
                 got = await self._get_range(name, hlen + offset, hlen + min(offset + step, total), etag)
             if got is None:
                 raise BackendError("object removed while it was being read")
-            return await self._workers.run(self._decode_range, got[0], offset, buffers)
+            _check_body(got[0], min(offset + step, total) - offset)
+            return await self._workers.run(self._decode_range, got[0], offset, min(offset + step, total), buffers)
 
         try:
             async with asyncio.TaskGroup() as tg:
                 rest = [tg.create_task(one(off)) for off in range(step, total, step)]
-                head = await self._workers.run(self._decode_range, memoryview(data)[hlen:], 0, buffers)
+                head = await self._workers.run(self._decode_range, memoryview(data)[hlen:], 0, min(step, total), buffers)
         except BaseExceptionGroup as group:  # report one error as the item's outcome: corruption first
             errors = _leaves(group)
             raise next((e for e in errors if isinstance(e, ObjectFormatError)), errors[0]) from None
@@ -229,8 +231,8 @@ class ObjectStoreBackend(S3RequestsMixin):
             raise ObjectFormatError("payload checksum mismatch")
         return True
 
-    def _decode_range(self, stop: threading.Event, data: Any, offset: int, buffers: list[Any]) -> int:
-        return self.codec.decode_range_into(data, offset, buffers, stop, piece_bytes=WORKER_PIECE_BYTES)
+    def _decode_range(self, stop: threading.Event, data: Any, offset: int, end: int, buffers: list[Any]) -> int:
+        return self.codec.decode_range_into(data, offset, end, buffers, stop, piece_bytes=WORKER_PIECE_BYTES)
 
     def _decode(self, stop: threading.Event, data: Any, item: BatchItem) -> None:
         self.codec.decode_into(data, item.geometry, item.key, item.buffers(), stop, piece_bytes=WORKER_PIECE_BYTES)
@@ -293,6 +295,13 @@ async def _on_loop(steps: Generator[None, None, T]) -> T:
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
         await asyncio.sleep(0)
+
+
+def _check_body(data: Any, expected: int) -> None:
+    """A ranged GET's body of another length than the range asked for is a failed read (the
+    object may be whole; a short body would leave the rest of the slot's range as it was)."""
+    if len(data) != expected:
+        raise BackendError(f"a ranged read returned {len(data)} bytes, {expected} asked for")
 
 
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:

@@ -267,6 +267,16 @@ class ReaderProcesses(ReaderBatches):
         """A new child, sent its init (see :func:`~storage_backends.reader_child.spawn_child`)."""
         return spawn_child(("init", *self._codec_args, self._timeout_s), room=CHUNKS_IN_FLIGHT)
 
+    def kill_children(self) -> None:
+        """Kill every child now and take no new one: what a backend dropped unclosed does from
+        its finalizer (signals only, from whatever thread collects it). The loop's watch of each
+        child's socket then sees its end and reaps it; without this the watches keep the
+        children alive until the loop closes."""
+        self._closed = True
+        for child in self._children:
+            if child is not None:
+                kill_child(child)
+
     async def aclose(self) -> None:
         """Stop the children: each finishes the requests it holds and exits; one that has not
         within ``CLOSE_GRACE_S`` (a stopped or wedged child) is killed. Starts in progress end

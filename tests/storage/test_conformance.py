@@ -600,9 +600,15 @@ async def test_malformed_calls_raise(harness: Harness) -> None:
     with pytest.raises(ConfigError, match="already registered"):
         await backend.register_host_pool_v2(PoolName.KV, mamba)
     await backend.register_host_pool_v2(PoolName.KV, make_pools()[0])  # same geometry: fine
+    # Keys without a transfer: nothing says what a hit is (every key was one).
+    with pytest.raises(ConfigError, match="no pool transfer"):
+        await backend.batch_exists_v2(keys, [])
+    assert (await backend.batch_exists_v2([], [])).num_hit_pages == 0  # asks nothing
     await backend.aclose()
     with pytest.raises(BackendError, match="closed"):
         await backend.batch_get_v2([kv_transfer(keys, [0, 1])])
+    with pytest.raises(BackendError, match="closed"):  # was accepted silently
+        await backend.register_host_pool_v2(PoolName.KV, make_pools()[0])
     with pytest.raises(ConfigError, match="namespace"):
         harness.open(namespace="")
 

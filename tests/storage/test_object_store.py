@@ -300,6 +300,47 @@ async def test_a_large_object_replaced_while_read_is_a_failure_not_corruption(s3
 
 # ---- plain HTTP endpoints ----------------------------------------------------------------------
 @pytest.mark.s3
+@pytest.mark.parametrize("cut", ["first_range", "later_range"])
+async def test_a_ranged_read_whose_body_comes_back_short_is_a_failure_never_served(
+    s3_env: SeaweedServer, cut: str
+) -> None:
+    """A range's body shorter than asked for (a faulty gateway) fails the read: the slot's bytes
+    past the body were never written, and a stretch of zero bytes adds nothing to the checksum,
+    so a mostly-zero state would otherwise pass as a hit with the slot's old bytes. The object
+    itself is whole: it is not counted corrupt, and a later read serves it."""
+    import torch
+
+    from asynccache.pools.base import ItemPool
+
+    options = {"multipart_threshold_bytes": 8 << 20, "multipart_part_bytes": 5 << 20}
+    backend = ObjectStoreBackend(s3_env.uri(f"ranges-short-{cut}"), namespace=NAMESPACE, **options)
+    pool = ItemPool(name="big", layer_ids=(0, 1), num_items=3, item_bytes=6 << 20, layout="layer_first", pin=False)
+    assert pool.buffer is not None
+    pool.buffer.zero_()
+    pool.index_bytes(0).reshape(-1)[:4096] = 7  # a mostly-zero state
+    await backend.register_host_pool_v2(PoolName.KV, pool)
+    keys = make_keys(1, seed=f"ranges-short-{cut}")
+    assert await backend.batch_set_v2([kv_transfer(keys, [0])]) == [[True]]
+    real = backend._get_range
+
+    async def short(name: str, start: int, end: int, etag: object) -> object:
+        got = await real(name, start, end, etag)
+        if got is not None and (start > 0) == (cut == "later_range"):
+            return got[0][: 4096 if start > 0 else end - start - 4096], got[1]
+        return got
+
+    backend._get_range = short  # type: ignore[method-assign]
+    pool.index_bytes(1).fill_(0xEE)  # a reused slot's old bytes
+    assert await backend.batch_get_v2([kv_transfer(keys, [1])]) == [[False]]
+    stats = backend.statistics()
+    assert stats.num_corrupt == 0 and stats.num_failures == 1
+    backend._get_range = real  # type: ignore[method-assign]
+    assert await backend.batch_get_v2([kv_transfer(keys, [2])]) == [[True]]
+    assert torch.equal(pool.index_bytes(2), pool.index_bytes(0))
+    await backend.aclose()
+
+
+@pytest.mark.s3
 @pytest.mark.parametrize("given", ["uri-uppercase-scheme", "env-endpoint-url", "env-endpoint", "env-allow-http"])
 async def test_a_plain_http_endpoint_works_however_it_is_given(s3_env: SeaweedServer, monkeypatch: pytest.MonkeyPatch,
                                                                given: str) -> None:

@@ -93,6 +93,24 @@ async def test_reads_land_exactly_and_run_in_the_children(tmp_path: Path) -> Non
     assert all(p.poll() is not None for p in children)  # stopped with the backend
 
 
+async def test_a_backend_dropped_unclosed_kills_its_children(tmp_path: Path) -> None:
+    """The loop's watch of a child's socket kept the children running after their backend was
+    collected, until the loop closed: the backend's finalizer kills them, and the watch reaps
+    them."""
+    backend, kv, _ = await open_procs(tmp_path)
+    await reads_back(backend, kv, await stored(backend, 2, "dropped"))
+    procs = [c.process for c in backend._readers._children if c is not None]
+    assert procs and all(p.poll() is None for p in procs)
+    ref = weakref.ref(backend)
+    del backend
+    gc.collect()
+    assert ref() is None
+    deadline = time.monotonic() + 10
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert all(p.poll() is not None for p in procs)
+
+
 async def test_pools_outside_shared_memory_are_read_by_the_threads(tmp_path: Path) -> None:
     backend, kv, _ = await open_procs(tmp_path, shared=False)
     keys = await stored(backend, 4, "threads")
