@@ -15,7 +15,8 @@ The tree decides what moves; the controller moves it without blocking the event 
   for all layers** per pool on the write stream, after waiting on the compute stream.
 - Completion is bridged from CUDA events to asyncio futures (``asynccache.completion``); only
   then are nodes unlocked (``finish_load`` / ``finish_backup``) and, for backups, archived to
-  the storage tier in the background (``asynccache.tiering``).
+  the storage tier in the background (``asynccache.tiering``). A load whose copy failed at
+  issue leaves the tree at once, its memory held until then (``TreeOps.fail_issued``).
 
 Background work lives in one ``TaskGroup``: use ``async with HybridCacheController(...)``.
 Without CUDA the same code runs on CPU tensors: copies are synchronous, events complete at once.
@@ -35,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Self
@@ -46,7 +46,7 @@ from asynccache.completion import CompletionQueue, drop_done
 from asynccache.config import HybridCacheConfig
 from asynccache.controller_storage import StorageTierMixin
 from asynccache.copy_issue import LoadIssuer, WriteIssuer
-from asynccache.errors import ClosedError, ConfigError, TransferError, TreeError
+from asynccache.errors import ClosedError, ConfigError, TreeError
 from asynccache.layer_counter import LayerTransferCounter
 from asynccache.load_wait import LoadWaitMixin
 from asynccache.ops import CacheOperation, OpKind, OpState
@@ -61,8 +61,6 @@ from kernels import LayerCopy, PoolPair, copy_items
 
 if TYPE_CHECKING:
     from asynccache.tree import HybridRadixTree
-
-log = logging.getLogger("asynccache.controller")
 
 __all__ = ["HybridCacheController"]
 
@@ -360,24 +358,19 @@ class HybridCacheController(LoadWaitMixin, StorageTierMixin):
         *,
         error: BaseException | None,
     ) -> None:
+        if error is not None:
+            # Failed at issue: the loads' nodes stop offering what never arrived at once; what
+            # they allocated and read stays held until the copies enqueued before the failure
+            # have run (``event``).
+            self._ops.fail_issued(ops)
+
         # `merged` (the merged transfers) is captured so its index tensors live until the copy
         # has completed.
         def done(sync_error: BaseException | None) -> None:
             del_merged = merged  # noqa: F841 - keeps the index tensors alive until here
             # A copy that issued fine can still fail on the stream (the event's synchronize
             # raised: a CUDA fault); its ops are undone like those of a failed issue.
-            failed = error if error is not None else sync_error
-            # A failed step is undone newest first (by submission, not by the priority order
-            # it was issued in): a later op's nodes may hang below an earlier op's.
-            for op in ops if failed is None else sorted(ops, key=lambda op: -op.op_id):
-                try:
-                    self._ops.complete(op, failed, tiering=self.tiering)
-                except Exception as e:  # noqa: BLE001 - every op of the step must still resolve
-                    log.error("completing %r raised: %s", op, e)
-                    op.state = OpState.FAILED
-                    if not op.future.done():
-                        op.future.set_exception(TransferError(f"{op!r} could not be completed: {e}"))
-                        op.future.exception()  # retrieved: a failed op nobody awaits is no error
+            self._ops.complete_step(ops, error if error is not None else sync_error, tiering=self.tiering)
 
         completion.submit(event, done)
 

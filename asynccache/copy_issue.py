@@ -135,7 +135,10 @@ class LoadIssuer(_Issuer):
 
         The ``deferred`` copies (all layers at once) follow the last layer's: after its event
         when the loop thread issues them (the next ``start_loading`` orders the caller's stream
-        after theirs), before it when the worker does.
+        after theirs), before it when the worker does (the forward's wait for the last layer
+        orders it after them). Either way every layer is marked before they are issued, so a
+        deferred copy that raises leaves the forward intact: the step's operations fail with it
+        (the counter fails only when a layer was left unmarked).
         """
         loop = asyncio.get_running_loop()
         stream = self.stream
@@ -158,12 +161,24 @@ class LoadIssuer(_Issuer):
                 steps.append((lids, [(name, copiers[name], li, count) for name, li, count in copies]))
             after.extend((name, copier(name, m), 0, self.pools[name][0].num_layers) for name, m in deferred.items())
 
-        def issue_step(copies: list[_StepCopy]) -> None:
+        def run(copies: Sequence[_StepCopy]) -> None:
+            for name, copy, li, count in copies:
+                total = issued[name]
+                total[0] += copy(li, count)
+                total[1] += 1
+
+        def issue_step(copies: Sequence[_StepCopy], then: Sequence[_StepCopy] = ()) -> Exception | None:
+            """Enqueue ``copies``, then ``then`` (deferred copies), and record the event after
+            them. A failing copy of ``copies`` raises; the error of a failing one of ``then`` is
+            returned, so that the step's layers, whose copies are all enqueued, are marked
+            before it fails the operations."""
             try:
-                for name, copy, li, count in copies:
-                    total = issued[name]
-                    total[0] += copy(li, count)
-                    total[1] += 1
+                run(copies)
+                try:
+                    run(then)
+                except Exception as e:  # noqa: BLE001 — raised by the caller once the layers are marked
+                    return e
+                return None
             finally:
                 # Also after a failing copy: the step's earlier copies are enqueued, and nothing
                 # may be freed before they ran (completion waits for this event).
@@ -178,17 +193,21 @@ class LoadIssuer(_Issuer):
 
         def issue(begin: int, *, yield_gil: bool, budget_s: float | None = None) -> int:
             """Enqueue ``steps[begin:]`` in order; returns where it stopped (early once
-            ``budget_s`` of host time is spent, after at least one layer)."""
+            ``budget_s`` of host time is spent, after at least one layer). The worker
+            (``yield_gil``) issues the deferred copies with the last step, before its event,
+            and raises their error once that step's layers are marked."""
             start = time.perf_counter()
             with on_device():
                 for k in range(begin, len(steps)):
                     if budget_s is not None and k > begin and time.perf_counter() - start > budget_s:
                         return k
                     lids, copies = steps[k]
-                    issue_step(copies)
+                    failed = issue_step(copies, after if yield_gil and k == len(steps) - 1 else ())
                     if yield_gil:
                         for lid in lids:
                             loop.call_soon_threadsafe(counter.mark_enqueued, lid, last[0])
+                        if failed is not None:
+                            raise failed
                         time.sleep(0)  # let the loop thread take the GIL between steps
                     else:
                         for lid in lids:
@@ -210,13 +229,15 @@ class LoadIssuer(_Issuer):
             if done == len(steps):
                 if after:
                     with on_device():
-                        issue_step(after)
+                        failed = issue_step([], after)
                     if last[0] is not None:
+                        # Also after a failure: what the copies that ran wrote is ordered too.
                         self._deferred_events.append(last[0])
+                    if failed is not None:
+                        raise failed
                 worker = loop.create_future()
                 worker.set_result(None)
-            else:
-                steps[-1][1].extend(after)  # the worker's last step carries them
+            else:  # the worker's last step carries the deferred copies
                 worker = loop.run_in_executor(None, functools.partial(issue, done, yield_gil=True))
         except Exception as e:  # noqa: BLE001 — handed to the waiters through the worker future
             worker = loop.create_future()
@@ -250,13 +271,17 @@ class LoadIssuer(_Issuer):
             error = e
             with contextlib.suppress(Exception):
                 await worker  # let the worker finish enqueuing before anything is released
-        except Exception as e:  # noqa: BLE001 — failed into the counter: every layer waiter gets it
+        except Exception as e:  # noqa: BLE001 — the ops fail with it (and the counter, a layer unmarked)
             error = e
         for name, (nbytes, launches) in issued.items():
             self._stats.bytes_moved("h2d", name, nbytes)
             self._stats.count(f"h2d_launches_{name.value}", launches)
         if error is not None:
-            counter.fail(error)
+            if not all(counter.is_enqueued(lid) for lid in counter.layer_ids):
+                # A layer left unmarked: its waiters fail. A step whose layers are all marked
+                # failed in its deferred copies, after them: the forward reads only copies that
+                # were enqueued, and goes on (the operations fail below).
+                counter.fail(error)
             self._finish(ops, merged, last[0], error=error)
             if isinstance(error, Exception):
                 log.warning("load of %d operation(s) failed: %s", len(ops), error)

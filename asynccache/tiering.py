@@ -20,6 +20,8 @@
   asked for what lies past them: ``batch_exists_v2`` with KV ``ALL_PAGES`` and the state
   ``TRAILING_PAGES`` over the pages past the tree's gives the deepest page whose state is
   stored; failing that, a stored state within the tree's pages (state ``TRAILING_PAGES`` alone).
+  Keys of objects computed on a load that failed (the tree reports them) are never restored
+  from (:mod:`asynccache.stored_lookup`).
   The pages the tree holds stay locked (device and host) from the start to the end of the
   prefetch, so evictions meanwhile cannot take them. Only the pages past the tree's are read,
   with the state, into fresh host slots, which become host-only tree nodes below the tree's
@@ -70,8 +72,9 @@ from asynccache.restore_cost import (
     plan_restore,
 )
 from asynccache.snapshots import SnapshotArchiver
-from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer, StorageBackend
+from asynccache.storage import PoolName, PoolTransfer, StorageBackend
 from asynccache.storage_admission import ArchiveAdmission
+from asynccache.stored_lookup import UnservableKeys, deepest_stored
 
 if TYPE_CHECKING:
     from asynccache.controller import HybridCacheController
@@ -114,6 +117,9 @@ class StorageTier:
         #: which of them a storage that evicts takes (:mod:`asynccache.storage_admission`;
         #: None: all of them)
         self.admission: ArchiveAdmission | None = None
+        #: keys of objects computed on a failed load, never restored (the tree reports them)
+        self.unservable = UnservableKeys()
+        self.tree.stale_hook = self.unservable.add
 
     async def register(self) -> None:
         for name, (_, host) in self.controller.pools.items():
@@ -195,7 +201,7 @@ class StorageTier:
         # ``start_page``): storage is asked for what lies past them.
         held = max(start_page, min(match.num_matched_tokens // self.tree.spec.page_size, len(keys)))
         try:
-            n = await self._deepest_stored(keys, start_page, held)
+            n = await deepest_stored(self.backend, keys, start_page, held, self.unservable)
         except Exception as e:  # noqa: BLE001 — a storage failure is a miss, logged and counted
             self.counts["prefetch_failed"] += 1
             log.warning("storage lookup failed: %s", e)
@@ -234,28 +240,6 @@ class StorageTier:
         if probed is not None:
             probed.set()  # reading from here on
         return await self._fetch(tokens, match, keys, first, n, salt=salt)
-
-    async def _deepest_stored(self, keys: list[str], start_page: int, held: int) -> int:
-        """The deepest ``n > start_page`` such that storage holds the KV of pages ``[held, n)``
-        and the state at ``n`` (for ``n <= held``: the state alone), else ``start_page``. The
-        KV is looked up past the tree's pages first; a state within them only when that fails."""
-        if held < len(keys):
-            exists = await self.backend.batch_exists_v2(
-                keys[held:],
-                [
-                    PoolTransfer(pool_name=PoolName.KV, hit_policy=PoolHitPolicy.ALL_PAGES),
-                    PoolTransfer(pool_name=PoolName.MAMBA, hit_policy=PoolHitPolicy.TRAILING_PAGES),
-                ],
-            )
-            if exists.num_hit_pages:
-                return held + exists.num_hit_pages
-        if held > start_page:
-            exists = await self.backend.batch_exists_v2(
-                keys[start_page:held],
-                [PoolTransfer(pool_name=PoolName.MAMBA, hit_policy=PoolHitPolicy.TRAILING_PAGES)],
-            )
-            return start_page + exists.num_hit_pages
-        return start_page
 
     def _start_tail(self, match: Any, keys: list[str], begin: int, n: int) -> PrefetchResult:
         """Allocate private host slots for pages ``[begin, n)`` and the state at ``n``, and start

@@ -6,12 +6,14 @@ allocates it (evicting that tier), the tree begins its plan on the allocation, a
 :class:`CacheOperation` carries the plan's index lists to the controller's queue. Once the copy
 has completed the tree finishes the plan (its nodes unlocked; a backup is archived to the
 storage tier); an operation whose copy failed or never happens is undone: the tree aborts its
-plan and what it allocated is freed.
+plan and what it allocated is freed. A load whose copies failed at issue leaves the tree at
+once, before the copies enqueued ahead of the failure have run: what it allocated, and the host
+copies it reads, stay held until they have.
 
 - :class:`TreeOps` — one per controller: ``load_op`` (host → device, a tree match),
-  ``write_op`` (device → host backup of nodes); ``complete`` (a copy finished or failed),
-  ``cancel_queued``; ``abort`` and ``free``; ``undo_blocked``, the retry of failed operations
-  whose undo waits (for a later operation, or a lock on data computed on them: retried too once
+  ``write_op`` (device → host backup of nodes); ``fail_issued`` (a step's copies failed at
+  issue), ``complete_step`` and ``complete`` (a copy finished or failed), ``cancel_queued``;
+  ``abort`` and ``free``; ``undo_blocked``, the retry of failed operations whose undo waits (for a later operation, or a lock on data computed on them: retried too once
   the tree reports an unlock); ``load_of``, the operation that carries a tree load still in
   flight (how a match that reaches another request's load finds what to await). Loads of
   storage tail restores (``asynccache.prefetch``) and the staging writes of storage-only snapshots
@@ -40,6 +42,7 @@ from asynccache.storage import PoolName, PoolTransfer
 
 if TYPE_CHECKING:
     from asynccache.tree import HybridRadixTree
+    from asynccache.tree.results import ReleasedIndices
 
 __all__ = ["TreeOps"]
 
@@ -71,6 +74,9 @@ class TreeOps:
         self._retry_scheduled = False
         #: plan id → the operation carrying that tree load, while the plan is in flight
         self._loads: dict[int, CacheOperation] = {}
+        #: op id → (node, lock token, indices to free) of a load undone when its copies failed
+        #: at issue: the hold of the copies enqueued before the failure, released once they ran
+        self._landing: dict[int, tuple[Any, int, ReleasedIndices]] = {}
 
     def load_op(
         self, match: Any, *, priority: int, state_to: Sequence[int], loop: asyncio.AbstractEventLoop
@@ -160,9 +166,53 @@ class TreeOps:
             loop=loop,
         )
 
+    def fail_issued(self, ops: Sequence[CacheOperation]) -> None:
+        """The copies of a step carrying ``ops`` failed at issue; the copies enqueued before the
+        failure may still run until the step's event, after which :meth:`complete_step` hears.
+        Undo their tree loads now, newest first, so that no match made meanwhile is offered
+        pages or a state that never arrived (``pending_load`` and ``wait_loaded`` see the load
+        gone, a new match loads the prefix afresh): each under a lock of its own on the load's
+        last node, device and host, taken first — a reader of the load, so its device pages
+        and slot are retired rather than freed, and its host sources stay pinned — which
+        :meth:`complete` releases once the copies have run. A load the tree cannot undo yet
+        (something built on it is in use) is undone at completion, as before."""
+        for op in sorted(ops, key=lambda op: -op.op_id):
+            plan = op.plan
+            if op.kind is not OpKind.LOAD or plan is None or not plan.nodes or op.op_id in self._landing:
+                continue
+            node = plan.nodes[-1]  # the load's last node (a split keeps it the lower part)
+            token = self.tree.lock(node)
+            self.tree.lock_host(node)
+            try:
+                released = self.tree.abort_load(plan, drop_below=True)
+            except TreeError:
+                self.tree.unlock_host(node)
+                self.tree.unlock(node, token)
+                continue
+            # The lock just taken holds the pages and slot (retired): nothing is returned to free
+            # (what would be is freed once the copies have run all the same).
+            self._loads.pop(plan.plan_id, None)
+            self._landing[op.op_id] = (node, token, released)
+
+    def complete_step(self, ops: Sequence[CacheOperation], error: BaseException | None, *, tiering: Any) -> None:
+        """The copies of one issued step have run (``error`` None) or failed: :meth:`complete`
+        each of ``ops`` — a failed step newest first (by submission, not by the priority order
+        it was issued in: a later op's nodes may hang below an earlier op's). Every op resolves,
+        also when completing one raises (it fails with a :class:`TransferError`)."""
+        for op in ops if error is None else sorted(ops, key=lambda op: -op.op_id):
+            try:
+                self.complete(op, error, tiering=tiering)
+            except Exception as e:  # noqa: BLE001 - every op of the step must still resolve
+                log.error("completing %r raised: %s", op, e)
+                op.state = OpState.FAILED
+                if not op.future.done():
+                    op.future.set_exception(TransferError(f"{op!r} could not be completed: {e}"))
+                    op.future.exception()  # retrieved: a failed op nobody awaits is no error
+
     def complete(self, op: CacheOperation, error: BaseException | None, *, tiering: Any) -> None:
         """``op``'s copy has completed (``error`` None: the tree finishes its plan, a backup is
-        handed to ``tiering`` for archiving) or failed (the plan is undone); its waiter hears."""
+        handed to ``tiering`` for archiving) or failed (the plan is undone; one undone at issue,
+        :meth:`fail_issued`, releases the hold of its copies); its waiter hears."""
         if error is None:
             if op.kind is OpKind.LOAD:
                 if op.plan is not None:  # None: a tail restore (see load_tail), not a tree load
@@ -179,17 +229,29 @@ class TreeOps:
                 op.future.set_result(None)
             self.undo_blocked()
             return
-        try:
-            self.abort(op, failed=True)
-        except TreeError as e:
-            # A later op still in flight builds on this one (a backup of a child, a load below),
-            # or data computed on it is locked: undone once that op has completed or been
-            # undone, or that lock released. Its waiter hears now.
-            log.warning("the undo of the failed %r waits for a later operation or a lock: %s", op, e)
-            self._blocked.append(op)
-            self.tree.release_hook = self._on_release
-        else:
+        landing = self._landing.pop(op.op_id, None)
+        if landing is not None:
+            # Undone at issue: its copies have run, so what no other lock holds returns to the
+            # pools now.
+            node, token, released = landing
+            try:
+                self.tree.unlock_host(node)
+            finally:
+                self.tree.unlock(node, token)
+                self.free(released.kv_indices, released.state_slots, device=True)
             self.undo_blocked()
+        else:
+            try:
+                self.abort(op, failed=True)
+            except TreeError as e:
+                # A later op still in flight builds on this one (a backup of a child, a load
+                # below), or data computed on it is locked: undone once that op has completed or
+                # been undone, or that lock released. Its waiter hears now.
+                log.warning("the undo of the failed %r waits for a later operation or a lock: %s", op, e)
+                self._blocked.append(op)
+                self.tree.release_hook = self._on_release
+            else:
+                self.undo_blocked()
         op.state = OpState.FAILED
         self._stats.count(f"{op.kind.value}_failed")
         if not op.future.done():

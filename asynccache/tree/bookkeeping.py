@@ -105,6 +105,10 @@ class TreeBookkeeping:
         #: tree (the controller schedules the undo of failed operations a lock blocked, see
         #: ``asynccache.tree_ops``)
         self.release_hook: Callable[[], None] | None = None
+        #: called with (KV keys, state keys) when a failed load's undo drops data computed on it:
+        #: the storage keys that data may have been archived under (the storage tier no longer
+        #: serves them); it must not change the tree
+        self.stale_hook: Callable[[frozenset[str], frozenset[str]], None] | None = None
         self.namespace = spec.namespace_id if model_id is None else f"{model_id}|{spec.namespace_id}"
 
         self.device_kv_lru = LRUList(0, name="device_kv", tier=Tier.DEVICE, resource=Resource.KV)

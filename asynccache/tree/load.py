@@ -12,7 +12,8 @@ evicted, deleted or handed to another copy while the bytes move. A match that re
 loaded reports ``pending_load``; :meth:`LoadMixin.pending_loads` names the loads it waits for and
 :meth:`LoadMixin.match_is_current` says afterwards whether what it reported is still there.
 Whoever locks a loading path meanwhile reads what the load brings, and what an insert computes
-below a pending state depends on it (``asynccache.tree.pending``): ``abort_load`` answers to both.
+on it, with the host copies backups make of that, depends on it (``asynccache.tree.pending``):
+``abort_load`` answers to each.
 
 Primitives: :class:`LoadMixin` — ``begin_load``, ``finish_load``, ``abort_load``,
 ``pending_loads``, ``match_is_current``. The backup protocol and the plans' shared checks are in
@@ -35,6 +36,17 @@ from asynccache.tree.transfer import TransferMixin, _subtree, _walk_up
 __all__ = ["LoadMixin"]
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+def _host_in_use(tops: Sequence[TreeNode], states: Sequence[TreeNode]) -> TreeNode | None:
+    """A node whose host copy :meth:`LoadMixin._drop_host_copies` would drop (or delete) while
+    someone uses it: pinned on the host (a copy from or into it, an archive reading it, a
+    caller's ``lock_host``), or locked on the device while that copy is all it holds."""
+    for top in tops:
+        for d in _subtree(top):
+            if d.host_kv is not None and (d.host_lock or d.loading or (d.device_kv is None and d.device_lock)):
+                return d
+    return next((n for n in states if n.host_lock), None)
 
 
 class LoadMixin(TransferMixin):
@@ -152,11 +164,15 @@ class LoadMixin(TransferMixin):
         - another in-flight copy covers the loaded nodes;
         - device data was computed on what the load brings (for a load of KV pages: device
           data below the loaded nodes; for a load of the boundary state alone: what inserts gave
-          device pages or states below that state while the load was in flight) — unless
-          ``drop_below`` (the copy failed: that data would be served after pages or a state the
-          copy never filled), then that data loses its device copy too (a node that only got a
-          state there loses the state), and only a node of it in use (locked, or in a copy)
-          makes it raise;
+          device pages or states below that state while the load was in flight), or a backup
+          begun meanwhile copied such data to the host — unless ``drop_below`` (the copy failed:
+          that data would be served after pages or a state the copy never filled), then that
+          data loses its device copy too (a node that only got a state there loses the state),
+          and those host copies go (with the host copies below them; a node left without KV on
+          any tier goes too), and only a node of it in use (locked, or in a copy: a backup still
+          writing such a host copy included) makes it raise; ``stale_hook`` then hears the
+          storage keys such data would have been archived under (see
+          ``asynccache.tree.pending``);
         - without ``drop_below`` (a cancel), other requests read what the load brings: locks
           taken on the loaded nodes since it began (the owner's was taken before). The load
           must complete for them.
@@ -179,13 +195,18 @@ class LoadMixin(TransferMixin):
         self._check_no_overlap(plan, segment)
         loaded_kv = plan.num_kv_pages > 0
         below, states_below = self._built_on(plan, segment)
-        if (below or states_below) and not drop_below:
-            first = (below or states_below)[0]
+        host_tops, host_states = self._copies_built_on(plan)
+        built = [*below, *states_below, *host_tops, *host_states]
+        if built and not drop_below:
             what = "pages" if loaded_kv else "state"
-            raise TreeError(f"cannot abort load {plan.plan_id}: {first} already uses the loaded {what}")
+            raise TreeError(f"cannot abort load {plan.plan_id}: {built[0]} already uses the loaded {what}")
         busy = next((d for d in (*below, *states_below) if d.device_lock or d.host_lock or d.loading), None)
+        if busy is None:
+            busy = _host_in_use(host_tops, host_states)
         if busy is not None:
             raise TreeError(f"cannot abort load {plan.plan_id}: {busy} uses what it loads and is in use")
+        none: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
+        stale_keys = self._pending.computed_keys(plan) if drop_below and self.stale_hook is not None else none
         readers = self._pending.readers(plan)
         if readers and not drop_below:
             raise TreeError(
@@ -239,7 +260,59 @@ class LoadMixin(TransferMixin):
         for n in (*states_below, last):
             if n.alive:
                 self._cascade(n)
+        self._drop_host_copies(host_tops, host_states)
+        if (stale_keys[0] or stale_keys[1]) and self.stale_hook is not None:
+            self.stale_hook(*stale_keys)
         return released
+
+    def _copies_built_on(self, plan: LoadPlan) -> tuple[list[TreeNode], list[TreeNode]]:
+        """Host copies that backups made of device data computed on ``plan`` while it was in
+        flight: the highest nodes whose host copies go with every host copy below them (an
+        ancestor's subtree first, nested ones left out), and nodes whose host state alone goes."""
+        tops: list[TreeNode] = []
+        states: list[TreeNode] = []
+        for node, start, kv, state in self._pending.backups(plan):
+            if not node.alive:
+                continue
+            if kv:
+                top = list(_walk_up(node, start))[-1]  # pages split off it since count too
+                if top.host_kv is not None:
+                    tops.append(top)
+            elif state and node.host_state is not None:
+                states.append(node)
+        kept: list[TreeNode] = []
+        seen: set[int] = set()
+        for top in sorted(tops, key=lambda n: n.start_page):
+            if top.node_id not in seen:
+                kept.append(top)
+                seen.update(d.node_id for d in _subtree(top))
+        return kept, [n for n in dict.fromkeys(states) if n.node_id not in seen]
+
+    def _drop_host_copies(self, tops: Sequence[TreeNode], states: Sequence[TreeNode]) -> None:
+        """Drop the host copies :meth:`_copies_built_on` found (checked not in use): deepest
+        first, a node left without KV on any tier deleted, then the tombstone cascade. What
+        stays on the device is no longer in storage either (``archived`` cleared)."""
+        for top in tops:
+            for d in reversed(_subtree(top)):
+                if not d.alive or d.host_kv is None:
+                    continue
+                if d.device_kv is None:
+                    assert not d.children, f"{d} has children but no device KV"
+                    parent = d.parent
+                    assert parent is not None
+                    self._delete(d)
+                    self._cascade(parent)
+                    continue
+                if d.host_state is not None:
+                    self._free_host_state(d)
+                self._free_host_kv(d)
+                d.archived = False
+                self._cascade(d)
+        for n in states:
+            if n.alive and n.host_state is not None:
+                self._free_host_state(n)
+                n.archived = False
+                self._cascade(n)
 
     def _built_on(self, plan: LoadPlan, segment: Sequence[TreeNode]) -> tuple[list[TreeNode], list[TreeNode]]:
         """Device data computed on what ``plan`` brings: nodes whose device copy goes with a

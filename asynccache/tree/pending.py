@@ -1,7 +1,7 @@
 """What depends on the tree's in-flight host → device loads, besides their own pins.
 
 A load (``begin_load``) attaches device pages, or a state slot, to nodes whose bytes are still
-on their way. While it is in flight three things may depend on it:
+on their way. While it is in flight these things may depend on it:
 
 - **Readers.** The only way to reach those indices is a match made while the load is in
   flight (``pending_load``): the load's owner matched before it began, and took its lock then
@@ -15,6 +15,15 @@ on their way. While it is in flight three things may depend on it:
   it was, so the tree cannot tell from the device copies what was computed on the pending
   state: it records the nodes an ``insert`` gives device data below that state while the load
   is in flight (with their start page, so nodes split off them later are found too).
+- **Copies of what was computed on it**, for a load of either kind: the host copies a backup
+  begun while the load is in flight makes of device data resting on it (for a load of KV pages:
+  of nodes below its nodes, and of a state an insert gave one of them; for a load of a state
+  alone: of its dependents and what hangs below those that got KV), and what inserts computed
+  on it meanwhile, for its storage keys: what a host copy archived to storage, or a
+  storage-only snapshot, would be stored under — the KV of the pages an insert gave nodes, and
+  a state at any page of its path from the load's top (for a load of a state alone: past its
+  node; for a load of KV pages, conservatively, the loaded nodes' own pages too). A failed
+  copy's undo drops those host copies and reports those keys (``tree.stale_hook``).
 - **Retired** indices: a failed load whose nodes are still held leaves the tree at once (no
   match offers its pages again), but its pages and slots go back to the pools only once the
   locks that hold them have been released: its readers', and every lock on the loaded nodes
@@ -36,6 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,6 +67,12 @@ class _Load:
     dependents: dict[TreeNode, tuple[int, bool]] = field(default_factory=dict)
     #: the highest node the load covered when last looked up (see :func:`_top`)
     top: TreeNode | None = None
+    #: backups begun while in flight of data resting on the load: (node, its start page then,
+    #: whether its host KV rests on the load, whether its host state does)
+    backups: list[tuple[TreeNode, int, bool, bool]] = field(default_factory=list)
+    #: what inserts computed on the load, for its storage keys: node → (its start page when
+    #: recorded, whether the insert gave it KV pages)
+    computed: dict[TreeNode, tuple[int, bool]] = field(default_factory=dict)
 
 
 @dataclass(slots=True, eq=False)
@@ -79,17 +95,50 @@ def _top(plan: LoadPlan) -> TreeNode | None:
     return node
 
 
+def _current_top(rec: _Load) -> TreeNode | None:
+    """The highest node ``rec``'s load covers now (looked up again after a split of it)."""
+    top = rec.top
+    # Loaded nodes are pinned (never deleted), and a split of the top moves its start down.
+    if top is None or top.start_page != rec.plan._top_page:
+        rec.top = top = _top(rec.plan)
+    return top
+
+
 def _reaches(rec: _Load, path_ids: set[int], end: TreeNode) -> bool:
     """Whether a match (or a lock) whose path is ``path_ids``, ending at ``end``, reads what
     ``rec``'s load brings."""
-    plan = rec.plan
     if rec.state_only:  # read by what resumes from that state
-        return end is plan._last
-    top = rec.top
-    # Loaded nodes are pinned (never deleted), and a split of the top moves its start down.
-    if top is None or top.start_page != plan._top_page:
-        rec.top = top = _top(plan)
+        return end is rec.plan._last
+    top = _current_top(rec)
     return top is not None and top.node_id in path_ids
+
+
+def _walk_up(node: TreeNode, top_page: int) -> Iterator[TreeNode]:
+    """``node`` and its ancestors that start at or below page ``top_page`` (deepest first)."""
+    n: TreeNode | None = node
+    while n is not None and n.parent is not None and n.start_page >= top_page:
+        yield n
+        n = n.parent
+
+
+def _rests_on(rec: _Load, node: TreeNode, path: Sequence[TreeNode]) -> tuple[bool, bool]:
+    """Whether the device KV, and the device state, of ``node`` (``path``: top-down, ending at
+    it) rest on ``rec``'s load (were computed while it was in flight, on what it brings)."""
+    last = rec.plan._last
+    if last is None:
+        return False, False
+    if not rec.state_only:
+        if any(n is last for n in path[:-1]):
+            return True, True  # below the loaded nodes: on the device only since the load began
+        return False, any(n is node for n in _walk_up(last, rec.plan._top_page))  # a state given meanwhile
+    kv = state = False
+    for dep, (start, got_kv) in rec.dependents.items():
+        pieces = list(_walk_up(dep, start)) if dep.alive else []
+        if any(p is node for p in pieces):
+            kv, state = kv or got_kv, True
+        elif got_kv and any(p is n for p in pieces for n in path):
+            return True, True  # below what was computed on the pending state
+    return kv, state
 
 
 class PendingLoads:
@@ -168,25 +217,65 @@ class PendingLoads:
             self._retired = [r for r in self._retired if r.readers]
         return freed
 
-    # ---- inserts ----------------------------------------------------------------------------
+    # ---- inserts and backups -------------------------------------------------------------------
     def on_insert(self, path: Sequence[TreeNode], fresh_kv: Iterable[TreeNode], fresh_states: Iterable[TreeNode]) -> None:
         """An insert along ``path`` (top-down) gave device pages to ``fresh_kv`` and device
-        states to ``fresh_states``: record those below a pending state as its dependents."""
+        states to ``fresh_states``: record those below a pending state as its dependents, and
+        for a load of either kind the storage keys of what it computed past the load's top (a
+        load of a state alone: past its node)."""
         if not self._loads:
             return
         kv_nodes, state_nodes = set(fresh_kv), set(fresh_states)
         for rec in self._loads.values():
             last = rec.plan._last
-            if not rec.state_only or last is None:
+            if last is None:
                 continue
-            below = next((i + 1 for i, n in enumerate(path) if n is last), None)
-            if below is None:
+            top = last if rec.state_only else _current_top(rec)
+            at = next((i for i, n in enumerate(path) if n is top), None)
+            if at is None:
                 continue
+            below = at + 1 if rec.state_only else at
             for n in path[below:]:
                 got_kv = n in kv_nodes
-                if got_kv or n in state_nodes:
+                start, kv = rec.computed.get(n, (n.start_page, False))
+                rec.computed[n] = (min(start, n.start_page), kv or got_kv)
+                if rec.state_only and (got_kv or n in state_nodes):
                     start, kv = rec.dependents.get(n, (n.start_page, False))
                     rec.dependents[n] = (min(start, n.start_page), kv or got_kv)
+
+    def on_backup(self, segments: Sequence[tuple[TreeNode, bool, bool]], path_of: Any) -> None:
+        """A backup began of ``segments`` (node, whether its KV is copied, whether its state
+        is): record, for each load in flight, those copies of data resting on it.
+        ``path_of(node)``: the node's path, top-down."""
+        if not self._loads:
+            return
+        for node, copies_kv, copies_state in segments:
+            path = path_of(node)
+            for rec in self._loads.values():
+                kv, state = _rests_on(rec, node, path)
+                kv, state = kv and copies_kv, state and copies_state
+                if kv or state:
+                    rec.backups.append((node, node.start_page, kv, state))
+
+    def backups(self, plan: LoadPlan) -> list[tuple[TreeNode, int, bool, bool]]:
+        """The backups of data resting on ``plan`` (see ``_Load.backups``)."""
+        rec = self._loads.get(plan.plan_id)
+        return [] if rec is None else list(rec.backups)
+
+    def computed_keys(self, plan: LoadPlan) -> tuple[frozenset[str], frozenset[str]]:
+        """The storage keys of what inserts computed on ``plan`` (see ``on_insert``): (KV
+        keys, state keys). Hashed now, not at each insert (a load rarely fails); a node deleted
+        or split since is hashed all the same (its key and parents stay)."""
+        rec = self._loads.get(plan.plan_id)
+        kv: set[str] = set()
+        states: set[str] = set()
+        for node, (start, got_kv) in ([] if rec is None else rec.computed.items()):
+            for piece in _walk_up(node, start):
+                keys = piece.page_hashes
+                states.update(keys)
+                if got_kv:
+                    kv.update(keys)
+        return frozenset(kv), frozenset(states)
 
     def dependents(self, plan: LoadPlan) -> list[tuple[TreeNode, int, bool]]:
         """``(node, start page when recorded, got KV)`` of ``plan``'s dependents."""

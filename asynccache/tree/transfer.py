@@ -24,7 +24,7 @@ the nodes a plan covers now.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -33,19 +33,12 @@ from asynccache.errors import ConfigError
 from asynccache.tree.core import TreeCore
 from asynccache.tree.errors import TreeError
 from asynccache.tree.node import TreeNode
+from asynccache.tree.pending import _walk_up
 from asynccache.tree.results import BackupPlan, LoadPlan, ReleasedIndices
 
 __all__ = ["TransferMixin"]
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-
-
-def _walk_up(node: TreeNode, top_page: int) -> Iterator[TreeNode]:
-    """``node`` and its ancestors that start at or below page ``top_page`` (deepest first)."""
-    n: TreeNode | None = node
-    while n is not None and n.parent is not None and n.start_page >= top_page:
-        yield n
-        n = n.parent
 
 
 def _subtree(node: TreeNode) -> list[TreeNode]:
@@ -170,6 +163,8 @@ class TransferMixin(TreeCore):
                 si += 1
             self._pin(n, 1, loading=False)
             segments.append((n, n.start_page, need_kv, need_state))
+        # A copy of data computed on a load still in flight is dropped if that load fails.
+        self._pending.on_backup([(n, kv, st) for n, _, kv, st in segments], self.path_to)
         for n, _, _ in reversed(work):
             self._touch(n)  # deepest first: ancestors stay more recent than descendants
         plan = BackupPlan(

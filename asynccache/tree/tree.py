@@ -195,9 +195,9 @@ class HybridRadixTree(MatchMixin, ByteEvictionMixin, AllocationMixin, LoadMixin)
         ends = {n.end_page: n.device_state for n in path}
         free_slots = [s for p, s in offered.items() if p not in kept and ends.get(p) != s]
         new_states = self._attach_states(path, kept, Tier.DEVICE, free_slots)
-        if fresh or new_states:
-            # What was computed here may rest on a state a load is still bringing.
-            self._pending.on_insert(path, fresh, new_states)
+        # What was computed here may rest on pages or a state a load is still bringing (its
+        # storage keys count even where nothing new is kept: a storage-only snapshot).
+        self._pending.on_insert(path, fresh, new_states)
         num_dups = self._free_duplicates(self.device_kv, dups)
         if free_slots:
             self.device_mamba.free(torch.tensor(free_slots, dtype=torch.int64))

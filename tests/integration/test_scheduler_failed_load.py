@@ -3,12 +3,15 @@ the copy of the boundary state into the node's own slot (``load(state_to=)``), i
 every layer of the step is marked, raises. The forward read only copies that were issued, so
 the requests' outputs stand; the load's pages and slot leave the tree but stay out of the pools
 while the requests that compute on them (the owner, a reader) run, and their inserts, refused
-(``StaleMatchError``), leave the loop running. The CPU copy path, every layer issued on the
-loop thread."""
+(``StaleMatchError``), leave the loop running. The CPU copy path, each test twice: every
+layer issued on the loop thread (the copy into the node's slot after the last layer's event),
+and every layer after the first issued by the worker thread (that copy before the last layer's
+event, which the worker records and marks all the same)."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import pytest
@@ -66,11 +69,22 @@ async def prefix_on_host(cache: HybridCache) -> None:
     assert match.num_tokens == len(PREFIX) and match.num_device_tokens == 0 and match.state_tier is Tier.HOST
 
 
-def fail_the_node_slot_copy(cache: HybridCache, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Every layer of a step is issued on the loop thread (so the copy into the node's slot
-    follows the step's last layer), and the first such copy raises; returns a one-item list
-    counting the failures injected."""
-    monkeypatch.setattr(asynccache.copy_issue, "LOAD_ENQUEUE_BUDGET_S", 3600.0)
+#: ``LOAD_ENQUEUE_BUDGET_S`` of each copy path: every layer on the loop thread, or every layer
+#: after the first on the worker thread.
+BUDGETS = {"loop": 3600.0, "worker": 0.0}
+
+
+@pytest.fixture(params=sorted(BUDGETS))
+def path(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def fail_the_node_slot_copy(cache: HybridCache, monkeypatch: pytest.MonkeyPatch, path: str = "loop") -> list[int]:
+    """A step's layers are issued on the loop thread alone, or from the second on by the worker
+    thread (``path``; either way the copy into the node's slot follows the step's last layer),
+    and the first such copy raises; returns a list of the failures injected, then for each
+    whether it was raised on the loop thread."""
+    monkeypatch.setattr(asynccache.copy_issue, "LOAD_ENQUEUE_BUDGET_S", BUDGETS[path])
     ctrl = cache.controller
     real_load, real_copier = ctrl.load, ctrl.layer_copier
     node_slots: list[torch.Tensor] = []
@@ -88,6 +102,7 @@ def fail_the_node_slot_copy(cache: HybridCache, monkeypatch: pytest.MonkeyPatch)
             failed[0] += 1
 
             def raising(*args: Any) -> int:
+                failed.append(threading.current_thread() is threading.main_thread())
                 raise RuntimeError("injected failure of the copy into the node's slot")
 
             return raising
@@ -99,7 +114,7 @@ def fail_the_node_slot_copy(cache: HybridCache, monkeypatch: pytest.MonkeyPatch)
 
 
 async def test_a_request_whose_load_fails_after_its_last_layer_keeps_its_prefix_pages(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
     """The owner alone: its load's pages are not given to a request admitted while it decodes
     on them (before, they went back to the pool at once: the later request overwrote them,
@@ -111,13 +126,13 @@ async def test_a_request_whose_load_fails_after_its_last_layer_keeps_its_prefix_
     before = free_counts(cache)
     async with cache:
         await prefix_on_host(cache)
-        failed = fail_the_node_slot_copy(cache, monkeypatch)
+        failed = fail_the_node_slot_copy(cache, monkeypatch, path)
         async with Scheduler(MODEL, cache) as sched:
             fut = sched.submit(first, 12)
             async with asyncio.timeout(30):
                 while not cache.controller.statistics().counts.get("load_failed"):
                     await asyncio.sleep(0)
-            assert failed[0] == 1 and not fut.done()
+            assert failed == [1, path == "loop"] and not fut.done()
             (req,) = sched._running
             (retired,) = cache.tree._pending.retired  # held for the owner, which decodes on them
             assert req.kv_pages is not None
@@ -133,7 +148,7 @@ async def test_a_request_whose_load_fails_after_its_last_layer_keeps_its_prefix_
 
 
 async def test_requests_that_read_a_failed_load_finish_without_stopping_the_loop(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
     """Two requests of one step share the host prefix: the first loads it, the second reads
     that load (a reader). The copy into the node's slot fails; both inserts pass back the
@@ -145,12 +160,12 @@ async def test_requests_that_read_a_failed_load_finish_without_stopping_the_loop
     before = free_counts(cache)
     async with cache:
         await prefix_on_host(cache)
-        failed = fail_the_node_slot_copy(cache, monkeypatch)
+        failed = fail_the_node_slot_copy(cache, monkeypatch, path)
         async with Scheduler(MODEL, cache) as sched:
             futs = [sched.submit(first, 6), sched.submit(second, 4)]
             async with asyncio.timeout(30):
                 results = await asyncio.gather(*futs)
-            assert failed[0] == 1
+            assert failed == [1, path == "loop"]
             assert [r.output_ids for r in results] == [want_first, want_second]
             assert not cache.tree._pending.retired
             again = await sched.generate(second, 4)  # loaded afresh, then served from the tree

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from types import SimpleNamespace
 
 import pytest
 from trace_builders import BLOCK, make_config, make_trace, mixed_trace
 
 from asynccache.storage import PoolName
-from asynccache.tiering import StorageTier
+from asynccache.stored_lookup import UnservableKeys, deepest_stored
 from asynccache.trace.controller_replay import ControllerReplay
 from asynccache.trace.loader import Trace
 from asynccache.trace.replay import ReplayConfig, TraceReplay
@@ -104,7 +103,6 @@ async def test_a_storage_lookup_refreshes_what_it_finds_as_the_controller_s_does
         twin.set_object_bytes(pool, storage.object_bytes(pool))
     for pool, key in storage.objects()[0]:
         twin.put(pool, [key])
-    controller_tier = SimpleNamespace(backend=twin)  # what StorageTier._deepest_stored uses
     hits = 0
     for i in range(len(trace)):
         match = sync._begin(i)[2]
@@ -112,7 +110,7 @@ async def test_a_storage_lookup_refreshes_what_it_finds_as_the_controller_s_does
         start = match.num_tokens // BLOCK
         held = max(start, min(match.num_matched_tokens // BLOCK, len(keys)))
         n = tier.lookup(match, max_pages=len(keys))
-        assert (n or start) == await StorageTier._deepest_stored(controller_tier, keys, start, held)  # type: ignore[arg-type]
+        assert (n or start) == await deepest_stored(twin, keys, start, held, UnservableKeys())  # the controller tier's
         assert storage.objects() == twin.objects(), f"request {i}"
         hits += n > 0
     assert hits
