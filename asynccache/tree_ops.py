@@ -172,9 +172,9 @@ class TreeOps:
         Undo their tree loads now, newest first, so that no match made meanwhile is offered
         pages or a state that never arrived (``pending_load`` and ``wait_loaded`` see the load
         gone, a new match loads the prefix afresh): each under a lock of its own on the load's
-        last node, device and host, taken first — a reader of the load, so its device pages
-        and slot are retired rather than freed, and its host sources stay pinned — which
-        :meth:`complete` releases once the copies have run. A load the tree cannot undo yet
+        last node — taken first on the device, a reader of the load, so its device pages and
+        slot are retired rather than freed; on the host right after the undo, so its host
+        sources stay pinned — which :meth:`complete` releases once the copies have run. A load the tree cannot undo yet
         (something built on it is in use) is undone at completion, as before."""
         for op in sorted(ops, key=lambda op: -op.op_id):
             plan = op.plan
@@ -182,13 +182,15 @@ class TreeOps:
                 continue
             node = plan.nodes[-1]  # the load's last node (a split keeps it the lower part)
             token = self.tree.lock(node)
-            self.tree.lock_host(node)
             try:
                 released = self.tree.abort_load(plan, drop_below=True)
             except TreeError:
-                self.tree.unlock_host(node)
                 self.tree.unlock(node, token)
                 continue
+            # Pinned on the host right after the undo (nothing ran between: the load's own pin
+            # held its sources until then), not before: the undo would take that pin for
+            # someone else's use of a loaded node's host copy.
+            self.tree.lock_host(node)
             # The lock just taken holds the pages and slot (retired): nothing is returned to free
             # (what would be is freed once the copies have run all the same).
             self._loads.pop(plan.plan_id, None)

@@ -38,15 +38,17 @@ __all__ = ["LoadMixin"]
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
-def _host_in_use(tops: Sequence[TreeNode], states: Sequence[TreeNode]) -> TreeNode | None:
+def _host_in_use(tops: Sequence[TreeNode], states: Sequence[TreeNode], segment: Sequence[TreeNode]) -> TreeNode | None:
     """A node whose host copy :meth:`LoadMixin._drop_host_copies` would drop (or delete) while
     someone uses it: pinned on the host (a copy from or into it, an archive reading it, a
-    caller's ``lock_host``), or locked on the device while that copy is all it holds."""
+    caller's ``lock_host``), or locked on the device while that copy is all it holds. A loaded
+    node (of ``segment``) is pinned once by the load itself, which the undo releases."""
     for top in tops:
         for d in _subtree(top):
             if d.host_kv is not None and (d.host_lock or d.loading or (d.device_kv is None and d.device_lock)):
                 return d
-    return next((n for n in states if n.host_lock), None)
+    loaded = {n.node_id for n in segment}
+    return next((n for n in states if n.host_lock > (n.node_id in loaded)), None)
 
 
 class LoadMixin(TransferMixin):
@@ -202,7 +204,7 @@ class LoadMixin(TransferMixin):
             raise TreeError(f"cannot abort load {plan.plan_id}: {built[0]} already uses the loaded {what}")
         busy = next((d for d in (*below, *states_below) if d.device_lock or d.host_lock or d.loading), None)
         if busy is None:
-            busy = _host_in_use(host_tops, host_states)
+            busy = _host_in_use(host_tops, host_states, segment)
         if busy is not None:
             raise TreeError(f"cannot abort load {plan.plan_id}: {busy} uses what it loads and is in use")
         none: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())

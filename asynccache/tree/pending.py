@@ -121,24 +121,43 @@ def _walk_up(node: TreeNode, top_page: int) -> Iterator[TreeNode]:
         n = n.parent
 
 
-def _rests_on(rec: _Load, node: TreeNode, path: Sequence[TreeNode]) -> tuple[bool, bool]:
-    """Whether the device KV, and the device state, of ``node`` (``path``: top-down, ending at
-    it) rest on ``rec``'s load (were computed while it was in flight, on what it brings)."""
+def _footprint(rec: _Load) -> tuple[frozenset[int], frozenset[int]]:
+    """The nodes data resting on ``rec``'s load hangs from, by id: for a load of KV pages, its
+    loaded nodes twice (data below them was computed on their pages; a state given to one of
+    them meanwhile rests on them too); for a load of a state alone, the pieces of its
+    dependents that got KV pages (data below them rests on it), and every piece of its
+    dependents (their own data does)."""
     last = rec.plan._last
     if last is None:
-        return False, False
+        return frozenset(), frozenset()
     if not rec.state_only:
-        if any(n is last for n in path[:-1]):
-            return True, True  # below the loaded nodes: on the device only since the load began
-        return False, any(n is node for n in _walk_up(last, rec.plan._top_page))  # a state given meanwhile
-    kv = state = False
+        loaded = frozenset(n.node_id for n in _walk_up(last, rec.plan._top_page))
+        return loaded, loaded
+    below: set[int] = set()
+    own: set[int] = set()
     for dep, (start, got_kv) in rec.dependents.items():
-        pieces = list(_walk_up(dep, start)) if dep.alive else []
-        if any(p is node for p in pieces):
-            kv, state = kv or got_kv, True
-        elif got_kv and any(p is n for p in pieces for n in path):
-            return True, True  # below what was computed on the pending state
-    return kv, state
+        if dep.alive:
+            ids = {p.node_id for p in _walk_up(dep, start)}
+            own |= ids
+            if got_kv:
+                below |= ids
+    return frozenset(below), frozenset(own)
+
+
+def _rests_on(
+    rec: _Load, footprint: tuple[frozenset[int], frozenset[int]], node: TreeNode, path: Sequence[TreeNode]
+) -> tuple[bool, bool]:
+    """Whether the device KV, and the device state, of ``node`` (``path``: top-down, ending at
+    it) rest on ``rec``'s load (were computed while it was in flight, on what it brings);
+    ``footprint``: :func:`_footprint` of ``rec``."""
+    below, own = footprint
+    if (rec.state_only or node.node_id not in own) and any(n.node_id in below for n in path[:-1]):
+        # Below a loaded node (any of them, a branch off an upper one included: on the device
+        # only since the load began), or below what was computed on the pending state.
+        return True, True
+    if not rec.state_only:
+        return False, node.node_id in own  # a state given to a loaded node meanwhile
+    return node.node_id in below, node.node_id in own
 
 
 class PendingLoads:
@@ -249,10 +268,11 @@ class PendingLoads:
         ``path_of(node)``: the node's path, top-down."""
         if not self._loads:
             return
+        feet = [(rec, _footprint(rec)) for rec in self._loads.values()]
         for node, copies_kv, copies_state in segments:
             path = path_of(node)
-            for rec in self._loads.values():
-                kv, state = _rests_on(rec, node, path)
+            for rec, footprint in feet:
+                kv, state = _rests_on(rec, footprint, node, path)
                 kv, state = kv and copies_kv, state and copies_state
                 if kv or state:
                     rec.backups.append((node, node.start_page, kv, state))

@@ -20,6 +20,7 @@ import pytest
 import torch
 from serving import free_counts
 from test_pending_loads import (
+    PAGE,
     SPEC,
     TOKENS,
     config,
@@ -251,3 +252,54 @@ async def test_a_request_admitted_before_a_failed_load_completes_is_not_served_w
             assert not cache.tree._pending.retired
         await cache.controller.wait_idle()
         assert_nothing_held(cache, before)
+
+
+async def test_a_failed_load_whose_node_got_a_state_backed_up_meanwhile_leaves_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A queued load of A + B; meanwhile a request that computed A itself inserts it with a state
+    at its end (the loaded node splits; its upper part gets that state), and the write policy
+    backs that state up. The load's copies fail at issue: before the step's event has fired,
+    its undo has gone through (the load's own pin and the controller's hold on its sources are
+    no one else's use of that host state) and a new match loads the prefix afresh; once it has
+    fired every page and slot returns."""
+    a, b = list(range(1, 2 * PAGE + 1)), list(range(500, 500 + 2 * PAGE))
+    cache = HybridCache(SPEC, config())
+    before = free_counts(cache)
+    async with cache:
+        ctrl, tree = cache.controller, cache.tree
+        await on_host_only(cache, a + b)
+        owner = tree.match_prefix(a + b)
+        token = tree.lock(owner.last_node)
+        op = ctrl.load(owner)
+        assert op is not None
+        alloc = tree.alloc_device(2, 1)
+        assert alloc is not None
+        node = tree.insert(a, alloc.kv_indices, states={2 * PAGE: int(alloc.state_slots[0])}).last_node
+        assert node.loading and node.device_state is not None
+        write = ctrl.write([node])
+        assert write is not None
+        ctrl.start_writing()
+        await write
+        held = hold_failed_completion(cache, monkeypatch)
+        real = fail_copies(cache)
+        ctrl.start_loading()
+        async with asyncio.timeout(5):
+            while not held:
+                await asyncio.sleep(0)
+        assert not op.future.done() and tree.active_plans == ()  # undone before the event
+        again = tree.match_prefix(a + b)
+        assert again.num_device_tokens == 0 and again.needs_load and not again.pending_load
+        assert node.host_state is None  # computed meanwhile: its host copy went too
+        tree.check_integrity()
+        ctrl.layer_copier = real  # type: ignore[method-assign]
+        tree.unlock(owner.last_node, token)
+        held[0].fire()
+        async with asyncio.timeout(5):
+            await ctrl.wait_idle()
+            with pytest.raises(TransferError):
+                await op
+        assert ctrl._ops.num_blocked == 0
+        tree.check_integrity()
+        settle(cache)
+    assert free_counts(cache) == before

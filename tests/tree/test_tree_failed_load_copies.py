@@ -139,3 +139,48 @@ def test_a_failed_kv_load_drops_the_host_copies_below_its_nodes_and_keeps_its_so
     assert kv_keys == keys and keys <= state_keys  # (the loaded pages' state keys too)
     tree.unlock(owner.last_node, owner_token)
     tree.check_integrity()
+
+
+def test_a_branch_off_an_upper_loaded_node_leaves_the_host_too() -> None:
+    """A load of KV pages covers two nodes (A | B); a branch C computed meanwhile hangs off A,
+    not below the load's last node, and is backed up. The failure drops C from both tiers: a
+    later match of A + C is not offered the host copy computed on A's pages that never came."""
+    tree, transfer = make_tree()
+    heard = hear_stale(tree)
+    a, b, c = seq(1, 2 * PAGE), seq(2, 2 * PAGE), seq(4, 2 * PAGE)
+    on_host(tree, transfer, a + b, [4 * PAGE])
+    on_host(tree, transfer, a + seq(3, 2 * PAGE), [4 * PAGE])  # the prefix splits: A | B, A | X
+    owner, plan, owner_token = owner_load(tree, a + b)
+    assert len(plan.nodes) == 2
+    node = put(tree, a + c, states=[4 * PAGE]).last_node
+    assert node.parent is plan.nodes[0]
+    backed_up(transfer, node)
+    keys = frozenset(node.page_hashes)
+    released = tree.abort_load(plan, drop_below=True)
+    free(tree, released.kv_indices, released.state_slots)
+    assert not node.alive
+    again = tree.match_prefix(a + c)
+    assert again.num_tokens == 0 and again.num_host_tokens == 0
+    assert keys <= heard[0][0]
+    tree.unlock(owner.last_node, owner_token)
+    tree.check_integrity()
+
+
+def test_a_state_given_to_a_loaded_node_and_backed_up_does_not_block_the_undo() -> None:
+    """An insert gives a loaded node a state meanwhile (the loaded node splits), and a backup
+    copies that state to the host. The failure's undo goes through at once — the load's own
+    pin on that node is no one else's use of its host copy — and drops that host state."""
+    tree, transfer = make_tree()
+    a, b = seq(1, 2 * PAGE), seq(2, 2 * PAGE)
+    on_host(tree, transfer, a + b, [4 * PAGE])
+    owner, plan, owner_token = owner_load(tree, a + b)
+    put(tree, a, states=[2 * PAGE])
+    node = tree.match_prefix(a).last_node
+    assert node.loading and node.device_state is not None
+    assert transfer.backup([node]) is not None and node.host_state is not None
+    released = tree.abort_load(plan, drop_below=True)
+    free(tree, released.kv_indices, released.state_slots)
+    assert node.alive and node.host_state is None and node.host_kv is not None
+    assert tree.active_plans == ()
+    tree.unlock(owner.last_node, owner_token)
+    tree.check_integrity()
