@@ -107,6 +107,7 @@ class HybridCacheController(ControllerLifecycleMixin, LoadWaitMixin, StorageTier
         self._ops = TreeOps(tree, self.pools, self._stats)
         self._loads = LoadIssuer(
             self.pools,
+            failed_at_issue=self._ops.fail_issued,
             device=self.device,
             stream=self._load_stream,
             config=config,

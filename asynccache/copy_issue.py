@@ -98,8 +98,18 @@ class LoadIssuer(_Issuer):
     left, and marks them on the counter through the loop).
     """
 
-    def __init__(self, pools: dict[PoolName, tuple[ItemPool, ItemPool | None]], **common: Any) -> None:
+    def __init__(
+        self,
+        pools: dict[PoolName, tuple[ItemPool, ItemPool | None]],
+        *,
+        failed_at_issue: Callable[[Sequence[CacheOperation]], None] | None = None,
+        **common: Any,
+    ) -> None:
         super().__init__(pools, **common)
+        #: told on the loop of a step's operations whose copies failed at issue on the worker,
+        #: in the same turn as the marks of the layers enqueued before the failure (so no step
+        #: sees those marks before it): the controller's ``TreeOps.fail_issued``
+        self._failed_at_issue = failed_at_issue
         self._pairs: dict[PoolName, PoolPair] = {}  # checked at the first load
         self._step_plans = StepPlans(pools)
         self._deferred_events: list[CudaEventLike] = []  # ordered before the next step's stream
@@ -195,7 +205,8 @@ class LoadIssuer(_Issuer):
             """Enqueue ``steps[begin:]`` in order; returns where it stopped (early once
             ``budget_s`` of host time is spent, after at least one layer). The worker
             (``yield_gil``) issues the deferred copies with the last step, before its event,
-            and raises their error once that step's layers are marked."""
+            and raises their error once that step's layers are marked — with the loop told of
+            the failure in the same turn as those marks."""
             start = time.perf_counter()
             with on_device():
                 for k in range(begin, len(steps)):
@@ -207,6 +218,8 @@ class LoadIssuer(_Issuer):
                         for lid in lids:
                             loop.call_soon_threadsafe(counter.mark_enqueued, lid, last[0])
                         if failed is not None:
+                            if self._failed_at_issue is not None:
+                                loop.call_soon_threadsafe(self._failed_at_issue, ops)
                             raise failed
                         time.sleep(0)  # let the loop thread take the GIL between steps
                     else:

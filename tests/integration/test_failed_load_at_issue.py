@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -301,5 +302,48 @@ async def test_a_failed_load_whose_node_got_a_state_backed_up_meanwhile_leaves_a
                 await op
         assert ctrl._ops.num_blocked == 0
         tree.check_integrity()
+        settle(cache)
+    assert free_counts(cache) == before
+
+
+def hold_the_loop_thread(done: Any) -> None:
+    """Keep the loop thread busy (no callback runs) until ``done()``, and 0.2 s more."""
+    deadline = time.monotonic() + 5
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+
+
+async def test_on_the_worker_path_the_marks_of_a_failed_step_arrive_with_its_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker thread issues the step's last layers and the copy into the node's slot after
+    them, which raises. The loop hears of the failure in the same turn as those layers' marks:
+    whoever resumes on a mark (the forward; after it, the next step's admission) finds the
+    failed load already gone from the tree, not offered until the worker's error came through
+    later."""
+    cache = HybridCache(SPEC, config())
+    before = free_counts(cache)
+    async with cache:
+        ctrl, tree = cache.controller, cache.tree
+        await on_host_only(cache, TOKENS)
+        failed = fail_the_node_slot_copy(cache, monkeypatch, path="worker")
+        match, token = locked_match(cache)
+        working = cache.device_mamba.alloc(1)
+        assert working is not None
+        op = ctrl.load(match, state_to=[int(working[0])])
+        assert op is not None
+        counter = ctrl.start_loading()
+        hold_the_loop_thread(lambda: len(failed) == 2)  # the worker posts everything meanwhile
+        assert failed == [1, False]
+        await counter.wait(counter.layer_ids[-1])
+        assert tree.active_plans == ()  # undone before anyone resumed on the marks
+        again = tree.match_prefix(TOKENS)
+        assert not again.pending_load and again.num_device_tokens == 0
+        with pytest.raises(TransferError):
+            async with asyncio.timeout(5):
+                await op
+        tree.unlock(match.last_node, token)
+        cache.device_mamba.free(working)
         settle(cache)
     assert free_counts(cache) == before
