@@ -130,12 +130,16 @@ class ControllerLifecycleMixin:
                     self._closing.set_result(None)
 
     async def _settle(self) -> None:
-        """Wait for the load tasks, then complete what the completion queues hold."""
+        """Wait for the load tasks, then complete what the completion queues hold, then delete
+        from storage what failed loads left there that the group did not (before the backend is
+        closed: ``asynccache.stale_purge``)."""
         while self._loaders:
             await asyncio.wait(list(self._loaders))
             drop_done(self._loaders)
         await self._load_completion.drain()
         await self._write_completion.drain()
+        if self.tiering is not None:
+            await self.tiering.purges.run_late()
 
     async def _close_backend(self) -> None:
         """Close the backend once, as a task of its own: a close cancelled meanwhile leaves it

@@ -16,6 +16,10 @@ its ``statistics()``: ``StorageTier.storage_evicts``):
   refreshed, as a read refreshes them: a path the tree keeps using ages in storage no faster
   than in the tree, and what the backend dropped is written again.
 
+An archive that names a key whose objects are being purged (computed on a failed load,
+:mod:`asynccache.stale_purge`) is dropped (``backup_skipped_stale``), checked before its KV and
+again before its states: it would be deleted with them, or find one and count it stored.
+
 From the moment a backup completes until its archive has read the host copies, the node's path
 is locked on the host: a host eviction meanwhile (the room of a later backup) must not drop the
 only copy of what storage is about to get. Archives run in the controller's TaskGroup, at most
@@ -117,19 +121,27 @@ class HostWriteArchiver:
             return
         todo = path if evicts else [n for n in path if not n.archived]
         with_state = [n for n in todo if n.host_state is not None]
+        kv_keys = tuple(h for n in todo for h in n.page_hashes)
+        state_keys = tuple(n.page_hashes[-1] for n in with_state)
         try:
             kv = PoolTransfer(
-                pool_name=PoolName.KV,
-                keys=tuple(h for n in todo for h in n.page_hashes),
-                host_indices=torch.cat([n.host_kv for n in todo]),
+                pool_name=PoolName.KV, keys=kv_keys, host_indices=torch.cat([n.host_kv for n in todo])
             )
             state = PoolTransfer(
                 pool_name=PoolName.MAMBA,
-                keys=tuple(n.page_hashes[-1] for n in with_state),
+                keys=state_keys,
                 host_indices=torch.tensor([n.host_state for n in with_state], dtype=torch.int64),
             )
+            # A key whose objects are being purged (computed on a failed load): this write would
+            # be deleted with them, or find one and count it stored.
+            if tier.purges.blocks(kv_keys, state_keys):
+                tier.counts["backup_skipped_stale"] += 1
+                return
             # KV first, the states last: a state in storage always has its KV.
             kv_ok = all((await tier.backend.batch_set_v2([kv]))[0])
+            if kv_ok and tier.purges.blocks((), state_keys):  # reported meanwhile
+                tier.counts["backup_skipped_stale"] += 1
+                return
             state_ok = kv_ok and all((await tier.backend.batch_set_v2([state]))[0])
         except Exception as e:  # noqa: BLE001 — a backend failure is a skipped backup, never a crash
             tier.counts["backup_failed"] += 1

@@ -51,6 +51,7 @@ from asynccache.errors import ClosedError, ConfigError, TransferError
 from asynccache.ops import CacheOperation, OpKind
 from asynccache.pools.base import ItemPool
 from asynccache.storage import PoolName, PoolTransfer
+from asynccache.tree import BackupPlan
 
 if TYPE_CHECKING:
     from asynccache.tiering import StorageTier
@@ -84,14 +85,16 @@ class SnapshotArchive:
 
 @dataclass(slots=True)
 class _Plan:
-    """What one archive stores: the KV keys (each from a tree host page, checked again before
-    the write, or from staging: ``None``), the state keys, and per position how many of the KV
-    keys precede it."""
+    """What one archive stores: the KV keys (each from a tree host page, or from staging:
+    ``None``), the state keys, per position how many of the KV keys precede it, and the tree's
+    host page of each page read from the tree (``{page: host index}``, checked again before
+    the write)."""
 
     kv_keys: tuple[str, ...]
     kv_host: list[int | None]
     state_keys: tuple[str, ...]
     kv_needed: list[int]
+    tree_pages: dict[int, int]
 
 
 class _Hold:
@@ -233,6 +236,7 @@ class SnapshotArchiver:
         hosts: list[int | None] = []
         device: list[torch.Tensor] = []
         hashes: list[str] = []  # of every page before ``deepest``
+        tree_pages: dict[int, int] = {}
         written = [0]  # written[q]: KV keys written for the pages before page q
         for n in self.tree.path_to(node):
             if n.start_page >= deepest:
@@ -246,7 +250,9 @@ class SnapshotArchiver:
                 continue
             keys.extend(hashes[-count:])
             if n.host_kv is not None:
-                hosts.extend(int(i) for i in n.host_kv[:count])
+                read = [int(i) for i in n.host_kv[:count]]
+                hosts.extend(read)
+                tree_pages.update(zip(range(n.start_page, n.start_page + count), read, strict=True))
             else:
                 assert n.device_kv is not None, f"{n} holds no KV on any tier"
                 hosts.extend([None] * count)
@@ -256,6 +262,7 @@ class SnapshotArchiver:
             kv_host=hosts,
             state_keys=tuple(hashes[p // page - 1] for p in positions),
             kv_needed=[written[p // page] for p in positions],
+            tree_pages=tree_pages,
         )
         return plan, torch.cat(device) if device else torch.empty(0, dtype=torch.int64)
 
@@ -277,13 +284,23 @@ class SnapshotArchiver:
 
     # ---- storing -------------------------------------------------------------------------
     def _host_pages_held(self, node: Any, plan: _Plan) -> bool:
-        """The tree's host pages the plan reads are still the path's (a backup in flight when
-        the archive began may have failed or been cancelled since, taking them)."""
-        held: set[int] = set()
+        """Each tree host page the plan reads still holds the page it was read for, its bytes
+        landed. A backup in flight when the archive began may have failed or been cancelled
+        since, taking its pages, and a later backup may have taken them again: for other pages
+        of the path (in another order), or for the same ones with its copy not landed yet."""
+        want = plan.tree_pages
+        if not want:
+            return True
+        have: dict[int, int] = {}
         for n in self.tree.path_to(node):
             if n.host_kv is not None:
-                held.update(int(i) for i in n.host_kv)
-        return all(h in held for h in plan.kv_host if h is not None)
+                have.update(zip(range(n.start_page, n.end_page), n.host_kv.tolist(), strict=True))
+        if any(have.get(p) != h for p, h in want.items()):
+            return False
+        # The backups whose copies have not landed: the archive's staging completed after every
+        # backup begun before it, so a page of these was freed and taken again since.
+        writing = {i for p in self.tree.active_plans if isinstance(p, BackupPlan) for i in p.host_kv_indices.tolist()}
+        return writing.isdisjoint(want.values())
 
     async def _store(self, op: CacheOperation, hold: _Hold, plan: _Plan, positions: list[int]) -> dict[int, bool]:
         """Wait for the staging copy, then write (see the module docstring); what ``hold``

@@ -11,7 +11,9 @@ Primitives:
   *speculative*.
 - :class:`PoolTransferResult` — the answer of ``batch_exists_v2``: the longest prefix of pages
   that honours every pool's policy.
-- :class:`StorageBackend` — the async protocol every backend implements.
+- :class:`StorageBackend` — the async protocol every backend implements;
+  :class:`DeletingBackend` — one that also deletes objects on request (``batch_delete_v2``:
+  every built-in backend; the storage tier removes with it what was computed on a failed load).
 - :func:`open_backend` / :func:`register_backend` — the URI scheme registry
   (``file:///…``, ``s3://bucket/prefix?endpoint_url=…``, ``memory://``).
 
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     from asynccache.pools.base import ItemPool
 
 __all__ = [
+    "DeletingBackend",
     "PoolHitPolicy",
     "PoolName",
     "PoolTransfer",
@@ -190,6 +193,28 @@ class StorageBackend(Protocol):
     async def batch_set_v2(self, transfers: Sequence[PoolTransfer]) -> list[list[bool]]: ...
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class DeletingBackend(StorageBackend, Protocol):
+    """A :class:`StorageBackend` that also deletes objects on request.
+
+    - ``batch_delete_v2(keys, pool_names)`` removes, for each key, its object in each named pool
+      (a key names one object per pool: its KV page in ``kv``, the state at its page in
+      ``mamba``); returns per key whether they are gone — ``True`` also for an object that was
+      absent, ``False`` when the delete failed and the object may still be stored (counted and
+      reported like a failed write, never an exception). Bad keys, unregistered pools or keys
+      without a pool raise ``ConfigError`` before any I/O; a closed backend raises
+      ``BackendError``.
+    - It is ordered with ``batch_set_v2`` of the same objects: it waits for the puts in flight
+      when it was called (what they store is removed too), and a put called while it is in
+      flight waits for it (the put stores its object anew).
+
+    The built-in backends implement it (``storage_backends.batch_delete``); the storage tier
+    uses it where a backend has it (``asynccache.stale_purge``).
+    """
+
+    async def batch_delete_v2(self, keys: Sequence[str], pool_names: Sequence[PoolName]) -> list[bool]: ...
 
 
 BackendFactory = Callable[..., StorageBackend]

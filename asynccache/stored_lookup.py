@@ -3,14 +3,14 @@ whose objects must not be served.
 
 Objects under some storage keys hold data computed on a load that failed: a host copy archived,
 or a storage-only snapshot stored, before the failure was known (the tree reports their keys
-when it undoes the load: ``tree.stale_hook``, see ``asynccache.tree.pending``). The backend
-cannot drop them (its protocol has no delete, and ``batch_set_v2`` never overwrites), so the
-tier remembers those keys for its lifetime and never restores from them: a lookup stops before
-the first page whose KV key is unservable, and a state found under an unservable key does not
-count (a shallower one is looked for instead).
+when it undoes the load: ``tree.stale_hook``, see ``asynccache.tree.pending``). The tier never
+restores from those keys until their objects are deleted (``asynccache.stale_purge``: for a
+backend that cannot delete them, or whose delete failed, for its lifetime): a lookup stops
+before the first page whose KV key is unservable, and a state found under an unservable key
+does not count (a shallower one is looked for instead).
 
-- :class:`UnservableKeys` — the keys (KV and state keys apart), ``add`` as the tree's
-  ``stale_hook``;
+- :class:`UnservableKeys` — the keys (KV and state keys apart): ``add`` at the report,
+  ``discard`` once their objects are deleted;
 - :func:`deepest_stored` — the tier's lookup (``batch_exists_v2``) honouring them.
 """
 
@@ -35,6 +35,11 @@ class UnservableKeys:
         """Never restore the KV stored under ``kv_keys`` nor a state under ``state_keys``."""
         self.kv.update(kv_keys)
         self.states.update(state_keys)
+
+    def discard(self, kv_keys: Iterable[str], state_keys: Iterable[str]) -> None:
+        """Restore from ``kv_keys`` and ``state_keys`` again (their objects were deleted)."""
+        self.kv.difference_update(kv_keys)
+        self.states.difference_update(state_keys)
 
     def kv_end(self, keys: Sequence[str], begin: int) -> int:
         """The first index from ``begin`` whose KV key is unservable (``len(keys)``: none)."""

@@ -20,8 +20,10 @@
   asked for what lies past them: ``batch_exists_v2`` with KV ``ALL_PAGES`` and the state
   ``TRAILING_PAGES`` over the pages past the tree's gives the deepest page whose state is
   stored; failing that, a stored state within the tree's pages (state ``TRAILING_PAGES`` alone).
-  Keys of objects computed on a load that failed (the tree reports them) are never restored
-  from (:mod:`asynccache.stored_lookup`).
+  Keys of objects computed on a load that failed (the tree reports them) are not restored
+  from (:mod:`asynccache.stored_lookup`) until their objects are deleted, after every archive
+  that could store them again (:mod:`asynccache.stale_purge`); a restore whose lookup or read
+  such a report overtakes is a miss (``prefetch_stale``).
   The pages the tree holds stay locked (device and host) from the start to the end of the
   prefetch, so evictions meanwhile cannot take them. Only the pages past the tree's are read,
   with the state, into fresh host slots, which become host-only tree nodes below the tree's
@@ -33,7 +35,8 @@
   — when the caller can take it (``allow_tail=True``) — a
   :class:`~asynccache.prefetch.TailRestore`: the engine
   computes the head of the prefix itself while the tier reads the tail's KV pages and the state
-  at its end into private host slots, so reading and computing overlap. The split balances the
+  at its end into private host slots (:mod:`asynccache.tail_fetch`), so reading and computing
+  overlap. The split balances the
   two: ``min over b of max(compute(head b), read(tail from b))``, b not before the first page
   read from storage (:func:`~asynccache.restore_cost.plan_restore`). Read estimates are corrected
   by the read times observed, separately for whole restores and for tails read beside a head's
@@ -58,23 +61,21 @@ from collections import Counter
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
-
 from asynccache.completion import drop_done
-from asynccache.errors import ClosedError
 from asynccache.host_archive import HostWriteArchiver
 from asynccache.prefetch import PrefetchResult, TailRestore, held_node
 from asynccache.read_landing import timed_read
 from asynccache.restore_cost import (
     ReadTimeCorrection,
     RestoreCost,
-    SplitTiming,
     plan_restore,
 )
 from asynccache.snapshots import SnapshotArchiver
+from asynccache.stale_purge import StalePurges, StaleWatch
 from asynccache.storage import PoolName, PoolTransfer, StorageBackend
 from asynccache.storage_admission import ArchiveAdmission
-from asynccache.stored_lookup import UnservableKeys, deepest_stored
+from asynccache.stored_lookup import deepest_stored
+from asynccache.tail_fetch import TailFetchMixin
 
 if TYPE_CHECKING:
     from asynccache.controller import HybridCacheController
@@ -87,7 +88,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-class StorageTier:
+class StorageTier(TailFetchMixin):
     def __init__(self, controller: HybridCacheController, backend: StorageBackend, tg: asyncio.TaskGroup) -> None:
         self.controller = controller
         self.tree = controller.tree
@@ -117,9 +118,11 @@ class StorageTier:
         #: which of them a storage that evicts takes (:mod:`asynccache.storage_admission`;
         #: None: all of them)
         self.admission: ArchiveAdmission | None = None
-        #: keys of objects computed on a failed load, never restored (the tree reports them)
-        self.unservable = UnservableKeys()
-        self.tree.stale_hook = self.unservable.add
+        #: keys of objects computed on a failed load (the tree reports them): not restored
+        #: from until their objects are deleted
+        self.purges = StalePurges(self)
+        self.unservable = self.purges.unservable
+        self.tree.stale_hook = self.purges.report
 
     async def register(self) -> None:
         for name, (_, host) in self.controller.pools.items():
@@ -185,7 +188,10 @@ class StorageTier:
             token = self.tree.lock(node)
             self.tree.lock_host(node)
             try:
-                return await self._prefetch(tokens, match, start_page, salt=salt, allow_tail=allow_tail, probed=probed)
+                with self.purges.watching(match.page_hashes) as watch:
+                    return await self._prefetch(
+                        tokens, match, start_page, salt=salt, allow_tail=allow_tail, probed=probed, watch=watch
+                    )
             finally:
                 self.tree.unlock(node, token)
                 self.tree.unlock_host(node)
@@ -194,7 +200,15 @@ class StorageTier:
                 probed.set()
 
     async def _prefetch(
-        self, tokens: Any, match: Any, start_page: int, *, salt: str, allow_tail: bool, probed: asyncio.Event | None
+        self,
+        tokens: Any,
+        match: Any,
+        start_page: int,
+        *,
+        salt: str,
+        allow_tail: bool,
+        probed: asyncio.Event | None,
+        watch: StaleWatch,
     ) -> PrefetchResult:
         keys = list(match.page_hashes)
         # The tree holds the KV of the pages before ``held`` on some tier (the state only at
@@ -235,86 +249,14 @@ class StorageTier:
                 self.compute_beside_reads.relax(1.0)
             if n <= start_page:  # recomputing is estimated faster than restoring
                 return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
+        if watch.stale:  # keys of what was found were reported meanwhile: their objects go
+            self.counts["prefetch_stale"] += 1
+            return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
         if begin > start_page:
             return self._start_tail(match, keys, begin, n)
         if probed is not None:
             probed.set()  # reading from here on
-        return await self._fetch(tokens, match, keys, first, n, salt=salt)
-
-    def _start_tail(self, match: Any, keys: list[str], begin: int, n: int) -> PrefetchResult:
-        """Allocate private host slots for pages ``[begin, n)`` and the state at ``n``, and start
-        reading them in the background (see :class:`TailRestore`)."""
-        ctrl = self.controller
-        page = self.tree.spec.page_size
-        _, host_kv_pool = ctrl.pools[PoolName.KV]
-        _, host_state_pool = ctrl.pools[PoolName.MAMBA]
-        assert host_kv_pool is not None and host_state_pool is not None
-        alloc = self.tree.alloc_host(n - begin, 1)  # the match's KV is locked (see prefetch)
-        if alloc is None:
-            self.counts["prefetch_no_room"] += 1
-            return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
-        host_kv, host_slot = alloc.kv_indices, alloc.state_slots
-        timing = None
-        if self.cost is not None:
-            spec = self.tree.spec
-            tail_bytes = (n - begin) * spec.kv_page_bytes + spec.state_bytes
-            timing = SplitTiming(
-                read=self.read_beside_compute,
-                compute=self.compute_beside_reads,
-                head_est_s=self.cost.compute_s(match.num_tokens // page * page, begin * page),
-                tail_est_s=tail_bytes / self.cost.read_bytes_per_s,
-                tail_bytes=tail_bytes,
-                started=time.perf_counter(),
-            )
-
-        def free() -> None:
-            host_kv_pool.free(host_kv)
-            host_state_pool.free(host_slot)
-            if timing is not None:
-                timing.settle_unreported()
-
-        read = self._read_tail(keys[begin:n], host_kv, host_slot, timing)
-        try:  # waited for by drain(): a tail read in flight keeps the tier busy
-            fetch = self.spawn(read, name="asynccache-tail")
-        except RuntimeError as e:  # shutting down (a background task failed)
-            read.close()
-            free()
-            raise ClosedError(f"the controller is shutting down: {e}") from e
-        self.counts["prefetch_tail"] += 1
-        tail = TailRestore(
-            begin_tokens=begin * page,
-            end_tokens=n * page,
-            host_kv=host_kv,
-            host_slot=host_slot,
-            fetch=fetch,
-            free=free,
-            timing=timing,
-        )
-        return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0, tail=tail)
-
-    async def _read_tail(
-        self, keys: list[str], host_kv: torch.Tensor, host_slot: torch.Tensor, timing: SplitTiming | None
-    ) -> bool:
-        try:
-            results, landed_at = await timed_read(
-                self.backend.batch_get_v2(
-                    [
-                        PoolTransfer(pool_name=PoolName.KV, keys=tuple(keys), host_indices=host_kv),
-                        PoolTransfer(pool_name=PoolName.MAMBA, keys=(keys[-1],), host_indices=host_slot),
-                    ]
-                )
-            )
-        except Exception as e:  # noqa: BLE001 — a storage failure is a miss, logged and counted
-            self.counts["prefetch_failed"] += 1
-            log.warning("tail restore from storage failed: %s", e)
-            return False
-        if not (all(results[0]) and all(results[1])):
-            self.counts["prefetch_incomplete"] += 1
-            return False
-        self.counts["tail_pages"] += len(keys)
-        if timing is not None:
-            timing.landed(landed_at)
-        return True
+        return await self._fetch(tokens, match, keys, first, n, salt=salt, watch=watch)
 
     def _observe(self, correction: ReadTimeCorrection, num_pages: int, elapsed_s: float) -> None:
         if self.cost is not None:
@@ -337,7 +279,7 @@ class StorageTier:
         return True
 
     async def _fetch(
-        self, tokens: Any, match: Any, keys: list[str], first: int, n: int, *, salt: str
+        self, tokens: Any, match: Any, keys: list[str], first: int, n: int, *, salt: str, watch: StaleWatch
     ) -> PrefetchResult:
         """Read pages ``[first, n)`` and the state at ``n`` into fresh host slots and insert them
         below the tree's first ``first`` pages (backed up to the host first where needed)."""
@@ -364,6 +306,12 @@ class StorageTier:
             results, landed_at = await timed_read(self.backend.batch_get_v2(transfers))
             if not all(all(r) for r in results):
                 self.counts["prefetch_incomplete"] += 1
+                # What the lookup found is gone (a backend removes an invalid object it reads):
+                # a node the tree holds of those pages, inserted meanwhile, is stored no more.
+                self.tree.forget_archived(tokens[: n * page], start_page=first, salt=salt)
+                return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
+            if watch.stale:  # read what a report named meanwhile (the objects of a failed load)
+                self.counts["prefetch_stale"] += 1
                 return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
             self._observe(self.read_alone, n - first, landed_at - t0)
             self.tree.insert_host(

@@ -17,7 +17,7 @@ Shared parts:
   :mod:`~storage_backends.payload_pieces`.
 - :mod:`storage_backends.base` — the V2 protocol implemented once over five primitives
   (:mod:`~storage_backends.backend_core`, :mod:`~storage_backends.exists_search`,
-  :mod:`~storage_backends.batch_io`), with statistics and failure warnings
+  :mod:`~storage_backends.batch_io`, :mod:`~storage_backends.batch_delete`), with statistics and failure warnings
   (:mod:`~storage_backends.reporting`), capacity and eviction (:mod:`~storage_backends.capacity`),
   the first-use setup (:mod:`~storage_backends.first_use`) and the worker pool
   (:mod:`~storage_backends.workers`).

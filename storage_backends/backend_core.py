@@ -7,7 +7,8 @@ Primitives:
   flight), the five abstract item primitives a backend implements, first-use setup
   (``_ensure_ready``), and the helpers every operation uses: a call's registration
   (``_call``, which ``aclose`` waits for), pool lookup, failure counting, removal of objects,
-  and marking a batch's objects busy. Not used on its own.
+  the order of puts and requested deletes of one object (``_in_order``), and marking a batch's
+  objects busy. Not used on its own.
 - :class:`BatchItem` / :data:`Outcome` — one object of a batch with its host slot, and what
   its I/O gave.
 - :func:`check_common_options` — validation of the options every backend takes.
@@ -152,6 +153,11 @@ class BackendCore(ABC):
         #: objects whose delete is in flight, and the future that ends with it: a put of one of
         #: them waits (it would find the old object, count it stored, and lose it to the delete)
         self._deleting: dict[str, asyncio.Future[None]] = {}
+        #: the puts (``batch_set_v2``) and the requested deletes (``batch_delete_v2``) in flight
+        #: per object, each a future that ends with its call: a call of one kind waits for those
+        #: of the other kind that came before it (see ``_in_order``)
+        self._putting: dict[str, set[asyncio.Future[None]]] = {}
+        self._purging: dict[str, set[asyncio.Future[None]]] = {}
         self._ready = False
         #: the first-use setup's attempts (shared by the calls that come while one runs)
         self._setup = FirstUseSetup(uri)
@@ -308,6 +314,31 @@ class BackendCore(ABC):
                 del self._deleting[name]
             gone.set_result(None)
         return None
+
+    @contextmanager
+    def _in_order(self, names: Sequence[str], *, delete: bool) -> Iterator[set[asyncio.Future[None]]]:
+        """Register a put (``delete=False``) or a requested delete of ``names`` as in flight until
+        the block ends; yields the futures of the calls of the other kind already in flight on
+        any of them, which the call waits for before its I/O. So a put and a delete of one
+        object take effect in the order they were called: a delete removes what a put called
+        before it stored (else that put could land after it), and a put called after a delete
+        stores its object anew (else it could find the old one, count it stored, and lose it to
+        the delete). Each call waits only for calls registered before it: no cycle."""
+        mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        own, other = (self._purging, self._putting) if delete else (self._putting, self._purging)
+        unique = list(dict.fromkeys(names))
+        before = {f for name in unique for f in other.get(name, ())}
+        for name in unique:
+            own.setdefault(name, set()).add(mine)
+        try:
+            yield before
+        finally:
+            for name in unique:
+                futures = own[name]
+                futures.discard(mine)
+                if not futures:
+                    del own[name]
+            mine.set_result(None)
 
     @contextmanager
     def _busy(self, items: Sequence[BatchItem]) -> Iterator[None]:

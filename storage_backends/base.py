@@ -10,7 +10,8 @@ Primitives:
   :class:`~storage_backends.backend_core.BackendCore` (state, primitives, shared helpers),
   :class:`~storage_backends.exists_search.ExistsSearchMixin` (``batch_exists_v2``) and
   :class:`~storage_backends.batch_io.BatchIOMixin` (``batch_get_v2``, ``batch_set_v2``, the
-  item I/O), and adds the lifecycle (``aclose`` waits for the calls in flight and survives
+  item I/O) and :class:`~storage_backends.batch_delete.BatchDeleteMixin` (``batch_delete_v2``:
+  requested deletes, ordered with the puts of the same objects), and adds the lifecycle (``aclose`` waits for the calls in flight and survives
   its caller's cancellation), pool registration and ``statistics()``.
 
 Re-exported here, where backends import them from:
@@ -58,6 +59,7 @@ from storage_backends.backend_core import (
     check_common_options,
     usable_cores,
 )
+from storage_backends.batch_delete import BatchDeleteMixin
 from storage_backends.batch_io import BatchIOMixin
 from storage_backends.capacity import LRUCapacity
 from storage_backends.exists_search import ExistsSearchMixin
@@ -80,7 +82,7 @@ __all__ = [
 ]
 
 
-class ObjectBackend(ExistsSearchMixin, BatchIOMixin):
+class ObjectBackend(ExistsSearchMixin, BatchIOMixin, BatchDeleteMixin):
     """Base of the built-in backends (see the module docstring). Event-loop bound: every method
     is called from one event loop; blocking work goes to the backend's :class:`WorkerPool`
     (a backend may run short CPU steps, such as checksumming one piece of a page, on the loop).
@@ -95,7 +97,8 @@ class ObjectBackend(ExistsSearchMixin, BatchIOMixin):
     - ``_write_object(item)`` → ``True`` when stored, ``False`` when an object already existed
       (put-if-absent); atomic: a half-written object is never visible.
     - ``_delete_objects(names, background=...)`` (an object already gone is fine):
-      ``background=True`` for eviction victims (part of a write-back), ``False`` for invalid
+      ``background=True`` for eviction victims (part of a write-back) and requested deletes
+      (``batch_delete_v2``), ``False`` for invalid
       objects that a read or a probe found and waits to have removed — a backend that serves
       reads before writes serves those deletes like reads; ``_list_objects(progress)`` →
       ``(name, size)`` of this namespace, least recently used first (only called when a

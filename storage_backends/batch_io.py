@@ -18,6 +18,9 @@ speculative objects only (``LRUCapacity.reserve(speculative=True)``); one that f
 skipped (``False``) and counted in ``num_speculative_skipped``, not reported as a failure. A
 read that finds a speculative object, or a regular write of its key, makes it regular.
 
+Order: a put waits for the ``batch_delete_v2`` calls of its objects made before it, and such a
+delete waits for the puts of its objects made before it (``BackendCore._in_order``).
+
 Capacity: a write waits until the deletes its room rests on have settled — its own eviction
 victims' and any other call's in flight when it reserved (a victim larger than the object it
 made room for leaves room that another call may take). A delete that failed leaves its objects
@@ -120,11 +123,13 @@ class BatchIOMixin(BackendCore):
     async def batch_set_v2(self, transfers: Sequence[PoolTransfer]) -> list[list[bool]]:
         """Write ``host_indices[i]`` under ``keys[i]`` (put-if-absent; an object already stored
         counts as success — on S3 one of a valid size); success per item. A key whose object is
-        being deleted (an eviction victim, or found invalid) is written once the delete is done.
-        Slots are only read."""
+        being deleted (an eviction victim, found invalid, or a ``batch_delete_v2`` called
+        before this call) is written once the delete is done. Slots are only read."""
         plans = [self._plan(t, distinct_slots=False) for t in transfers]
         items = [item for plan in plans for item in plan.items]
-        with self._call():
+        with self._call(), self._in_order([item.name for item in items], delete=False) as deletes_before:
+            if deletes_before:
+                await asyncio.wait(deletes_before)
             return _split(await self._write_batch(items), plans)
 
     async def _write_batch(self, items: list[BatchItem]) -> list[bool]:

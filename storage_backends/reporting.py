@@ -34,7 +34,8 @@ class BackendStatistics:
     ``num_write_skips`` objects already present (put-if-absent), ``num_rejected`` writes skipped
     for lack of room (an object larger than the capacity, or room that failed deletes did not
     free), ``num_speculative_skipped`` speculative writes skipped because only regular objects
-    could have made room for them, ``num_evictions`` objects deleted to make room; ``num_failures`` items of any call
+    could have made room for them, ``num_evictions`` objects deleted to make room, ``num_deletes``
+    objects ``batch_delete_v2`` removed (or found absent); ``num_failures`` items of any call
     that failed on an I/O error, a timeout or a backend that is not set up (each key of a failed
     probe window; a failed delete counts once), ``num_timeouts`` of them on a timeout;
     ``used_bytes`` is ``None`` when no capacity is tracked."""
@@ -50,6 +51,7 @@ class BackendStatistics:
     num_rejected: int = 0
     num_speculative_skipped: int = 0
     num_evictions: int = 0
+    num_deletes: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
     used_bytes: int | None = None

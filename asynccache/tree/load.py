@@ -167,14 +167,17 @@ class LoadMixin(TransferMixin):
         - device data was computed on what the load brings (for a load of KV pages: device
           data below the loaded nodes; for a load of the boundary state alone: what inserts gave
           device pages or states below that state while the load was in flight), or a backup
-          begun meanwhile copied such data to the host — unless ``drop_below`` (the copy failed:
+          begun meanwhile copied such data to the host, or an ``insert_host`` restored host
+          copies below the loaded nodes meanwhile (they may be such data, archived and evicted
+          before the failure was known) — unless ``drop_below`` (the copy failed:
           that data would be served after pages or a state the copy never filled), then that
           data loses its device copy too (a node that only got a state there loses the state),
           and those host copies go (with the host copies below them; a node left without KV on
           any tier goes too), and only a node of it in use (locked, or in a copy: a backup still
           writing such a host copy included) makes it raise; ``stale_hook`` then hears the
           storage keys such data would have been archived under (see
-          ``asynccache.tree.pending``);
+          ``asynccache.tree.pending``), and the nodes left holding one of those keys are no
+          longer marked archived;
         - without ``drop_below`` (a cancel), other requests read what the load brings: locks
           taken on the loaded nodes since it began (the owner's was taken before). The load
           must complete for them.
@@ -208,7 +211,9 @@ class LoadMixin(TransferMixin):
         if busy is not None:
             raise TreeError(f"cannot abort load {plan.plan_id}: {busy} uses what it loads and is in use")
         none: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
-        stale_keys = self._pending.computed_keys(plan) if drop_below and self.stale_hook is not None else none
+        report = drop_below and self.stale_hook is not None
+        stale_keys = self._pending.computed_keys(plan) if report else none
+        reported = [n for n, _ in self._pending.computed_pieces(plan)] if report else []
         readers = self._pending.readers(plan)
         if readers and not drop_below:
             raise TreeError(
@@ -263,14 +268,18 @@ class LoadMixin(TransferMixin):
             if n.alive:
                 self._cascade(n)
         self._drop_host_copies(host_tops, host_states)
+        for n in reported:
+            # What storage holds under its keys may go (the tier may delete it): not archived.
+            n.archived = False
         if (stale_keys[0] or stale_keys[1]) and self.stale_hook is not None:
             self.stale_hook(*stale_keys)
         return released
 
     def _copies_built_on(self, plan: LoadPlan) -> tuple[list[TreeNode], list[TreeNode]]:
         """Host copies that backups made of device data computed on ``plan`` while it was in
-        flight: the highest nodes whose host copies go with every host copy below them (an
-        ancestor's subtree first, nested ones left out), and nodes whose host state alone goes."""
+        flight, and those ``insert_host`` restored below it meanwhile: the highest nodes whose
+        host copies go with every host copy below them (an ancestor's subtree first, nested
+        ones left out), and nodes whose host state alone goes."""
         tops: list[TreeNode] = []
         states: list[TreeNode] = []
         for node, start, kv, state in self._pending.backups(plan):

@@ -18,7 +18,10 @@ on their way. While it is in flight these things may depend on it:
 - **Copies of what was computed on it**, for a load of either kind: the host copies a backup
   begun while the load is in flight makes of device data resting on it (for a load of KV pages:
   of nodes below its nodes, and of a state an insert gave one of them; for a load of a state
-  alone: of its dependents and what hangs below those that got KV), and what inserts computed
+  alone: of its dependents and what hangs below those that got KV), the host copies an
+  ``insert_host`` restores below it meanwhile (what was computed on it may have been archived
+  and evicted, then restored from storage, before its failure was known; a restore cannot tell,
+  so every one below it counts), and what inserts computed
   on it meanwhile, for its storage keys: what a host copy archived to storage, or a
   storage-only snapshot, would be stored under — the KV of the pages an insert gave nodes, and
   a state at any page of its path from the load's top (for a load of a state alone: past its
@@ -277,24 +280,55 @@ class PendingLoads:
                 if kv or state:
                     rec.backups.append((node, node.start_page, kv, state))
 
+    def on_restore(
+        self, path: Sequence[TreeNode], fresh_kv: Iterable[TreeNode], fresh_states: Iterable[TreeNode]
+    ) -> None:
+        """``insert_host`` along ``path`` (top-down) gave host pages to ``fresh_kv`` and host
+        states to ``fresh_states``: record, for each load in flight, those host copies that may
+        rest on it, as a backup's. Restored from storage, they may be what was computed on the
+        load, backed up, archived and evicted while it is still in flight (stored before its
+        failure was known), and nothing tells when they were computed: every one below a loaded
+        node counts (for a load of a state alone, below that state), and a host state given to
+        a loaded node."""
+        kv_nodes, state_nodes = set(fresh_kv), set(fresh_states)
+        if not self._loads or not (kv_nodes or state_nodes):
+            return
+        for rec in self._loads.values():
+            last = rec.plan._last
+            if last is None:
+                continue
+            loaded = {last.node_id} if rec.state_only else _footprint(rec)[0]
+            below = False
+            for n in path:
+                kv = below and n in kv_nodes
+                state = n in state_nodes and (below or (not rec.state_only and n.node_id in loaded))
+                if kv or state:
+                    rec.backups.append((n, n.start_page, kv, state))
+                below = below or n.node_id in loaded
+
     def backups(self, plan: LoadPlan) -> list[tuple[TreeNode, int, bool, bool]]:
         """The backups of data resting on ``plan`` (see ``_Load.backups``)."""
         rec = self._loads.get(plan.plan_id)
         return [] if rec is None else list(rec.backups)
 
+    def computed_pieces(self, plan: LoadPlan) -> list[tuple[TreeNode, bool]]:
+        """The nodes inserts computed on ``plan`` (see ``on_insert``), the pieces split off
+        them since included, each with whether it got KV pages; deleted ones too."""
+        rec = self._loads.get(plan.plan_id)
+        computed = [] if rec is None else rec.computed.items()
+        return [(piece, got_kv) for node, (start, got_kv) in computed for piece in _walk_up(node, start)]
+
     def computed_keys(self, plan: LoadPlan) -> tuple[frozenset[str], frozenset[str]]:
         """The storage keys of what inserts computed on ``plan`` (see ``on_insert``): (KV
         keys, state keys). Hashed now, not at each insert (a load rarely fails); a node deleted
         or split since is hashed all the same (its key and parents stay)."""
-        rec = self._loads.get(plan.plan_id)
         kv: set[str] = set()
         states: set[str] = set()
-        for node, (start, got_kv) in ([] if rec is None else rec.computed.items()):
-            for piece in _walk_up(node, start):
-                keys = piece.page_hashes
-                states.update(keys)
-                if got_kv:
-                    kv.update(keys)
+        for piece, got_kv in self.computed_pieces(plan):
+            keys = piece.page_hashes
+            states.update(keys)
+            if got_kv:
+                kv.update(keys)
         return frozenset(kv), frozenset(states)
 
     def dependents(self, plan: LoadPlan) -> list[tuple[TreeNode, int, bool]]:

@@ -16,6 +16,8 @@ bookkeeping in ``bookkeeping``):
   (in ``match``).
 - :meth:`HybridRadixTree.insert` — device pages and states of a finished (or prefilled) request.
 - :meth:`HybridRadixTree.insert_host` — host-only nodes for data prefetched from storage.
+- :meth:`HybridRadixTree.forget_archived` — storage lost objects of a path: its nodes are no
+  longer marked archived.
 - :meth:`HybridRadixTree.state_positions` — where the scheduler should snapshot states.
 
 Keys: one page is ``page_size`` token ids as int64 bytes; a node's children are keyed by the
@@ -230,6 +232,8 @@ class HybridRadixTree(MatchMixin, ByteEvictionMixin, AllocationMixin, LoadMixin)
         pages before must already have host copies (keep them locked with ``lock_host``);
         otherwise ``ConfigError`` and nothing changes. States go at ``start_page`` or past it
         (one at ``start_page`` with no pages: a state for a prefix the host already holds).
+        What it gives nodes below a load in flight goes with that load if its copy fails
+        (``abort_load(drop_below=True)``): it may have been computed on what the load brings.
         """
         if self.host_kv is None:
             raise ConfigError("insert_host needs a host KV pool")
@@ -251,6 +255,9 @@ class HybridRadixTree(MatchMixin, ByteEvictionMixin, AllocationMixin, LoadMixin)
         path, fresh, dups = self._insert_path(root, buf, num_pages, kv, cuts, Tier.HOST, start_page)
         free_slots: list[int] = []
         new_states = self._attach_states(path, offered, Tier.HOST, free_slots)
+        # Restored below a load in flight, it may be what was computed on that load, archived
+        # and evicted meanwhile: it goes with the load if the load fails.
+        self._pending.on_restore(path, fresh, new_states)
         num_dups = self._free_duplicates(self.host_kv, dups)
         if free_slots:
             assert self.host_mamba is not None
@@ -263,6 +270,31 @@ class HybridRadixTree(MatchMixin, ByteEvictionMixin, AllocationMixin, LoadMixin)
             num_new_states=len(new_states),
             num_freed_states=len(free_slots),
         )
+
+    def forget_archived(self, tokens: TokenIds, *, start_page: int = 0, salt: str = "") -> list[TreeNode]:
+        """Storage may have lost objects of pages ``[start_page, len(tokens) // page_size)`` of
+        ``tokens`` or the state at their end (a read found one missing or invalid, and a backend
+        removes an invalid object): clear ``archived`` on the nodes of that path holding any of
+        those pages or ending there, so the next archive through them writes them again
+        (put-if-absent: what is still stored is not written twice) and
+        ``evict_host(archived_only=True)`` no longer takes them for stored. Returns the nodes
+        unmarked, top-down. Nothing else changes (no LRU position, no hit count); a path the
+        tree holds in part is walked as far as it goes."""
+        buf, num_pages = encode_tokens(tokens, self.page_size)
+        if as_int(start_page) is None or not 0 <= start_page <= num_pages:
+            raise ConfigError(f"start_page={start_page} outside 0..{num_pages}")
+        root = self._roots.get(salt)
+        if root is None:
+            return []
+        path, matched = self._walk(root, buf, num_pages)
+        end = path[-1] if path else root
+        if matched > end.end_page:  # the tokens end inside the next node, which holds some of them
+            b = end.end_page * self.page_bytes
+            path.append(end.children[buf[b : b + self.page_bytes]])
+        unmarked = [n for n in path if n.archived and (n.end_page > start_page or n.end_page == num_pages)]
+        for n in unmarked:
+            n.archived = False
+        return unmarked
 
     def _held_on_host(self, root: TreeNode, buf: bytes, num_pages: int) -> bool:
         """Whether the tree holds host copies of the first ``num_pages`` pages of ``buf``."""

@@ -3,9 +3,10 @@ boundary state is loaded from the host alone; while that load is in flight a bra
 on it (here: made up, so that serving it would change an output), inserted, backed up to the
 host and archived to a ``file://`` storage tier. The copy fails. Before, only the branch's device
 copy went: its host copy stayed in the tree and its objects in storage, and a later request of
-that prefix was served them. Now the undo drops the host copy and the tier never restores those
-keys: such a request computes the branch afresh (its output is a cold run's), also after its own
-correct copy could not replace what storage holds, and the pools are whole. The CPU copy path."""
+that prefix was served them. Now the undo drops the host copy and the tier deletes those objects
+(``asynccache.stale_purge``): such a request computes the branch afresh (its output is a cold
+run's), and once its own correct copy is archived, storage serves that (a cold run's output
+again); the pools are whole. The CPU copy path."""
 
 from __future__ import annotations
 
@@ -97,9 +98,11 @@ async def test_a_failed_state_load_leaves_no_host_copy_or_stored_object_of_what_
     tmp_path: Path,
 ) -> None:
     """Served after the failure, then again from storage alone: the prefix's cached part is
-    used (the device's, then storage's), the branch is computed, and both outputs are a cold
-    run's. Without the host copy's undo the first request loads the branch from the host;
-    without the tier's unservable keys it restores it from storage."""
+    used (the device's), the branch is computed, and the output is a cold run's; then storage
+    serves the branch's correct copy, archived by that request, and the output is a cold run's
+    again. Without the host copy's undo the first request loads the branch from the host;
+    without the purge it restores the wrong objects from storage
+    (``tests/integration/test_stale_purge.py``)."""
     prompt = BRANCH + [23]
     want = await cold_output(prompt, 4)
     cache = HybridCache(SPEC, config(storage_uri=f"file://{tmp_path}/store"))
@@ -124,7 +127,7 @@ async def test_a_failed_state_load_leaves_no_host_copy_or_stored_object_of_what_
             await settle(cache)
             cache.flush_device()
             cache.flush_host()  # the branch's correct copy is gone from the tree: storage alone
-            second = await sched.generate(prompt, 4)  # the prefix from storage, not the branch
-            assert second.output_ids == want and second.cached_by_tier["storage"] == second.cached_tokens == len(PREFIX)
+            second = await sched.generate(prompt, 4)  # the branch's correct copy, from storage
+            assert second.output_ids == want and second.cached_by_tier["storage"] == second.cached_tokens == len(BRANCH)
         await settle(cache)
         assert_nothing_held(cache, before)
