@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,9 +54,9 @@ class TailFetchMixin:
 
         def spawn(self, coro: Coroutine[Any, Any, bool], *, name: str) -> asyncio.Task[bool]: ...
 
-    def _start_tail(self, match: Any, keys: list[str], begin: int, n: int) -> PrefetchResult:
-        """Allocate private host slots for pages ``[begin, n)`` and the state at ``n``, and start
-        reading them in the background (see :class:`TailRestore`)."""
+    def _start_tail(self, tokens: Any, match: Any, keys: list[str], begin: int, n: int, *, salt: str) -> PrefetchResult:
+        """Allocate private host slots for pages ``[begin, n)`` of ``tokens`` and the state at
+        ``n``, and start reading them in the background (see :class:`TailRestore`)."""
         ctrl = self.controller
         page = self.tree.spec.page_size
         _, host_kv_pool = ctrl.pools[PoolName.KV]
@@ -89,7 +89,12 @@ class TailFetchMixin:
         # Watched from here (the lookup's own watch ends with it): a report of a key it reads
         # before the read has landed makes the tail a miss.
         watch = self.purges.watch(keys[begin:n])
-        read = self._read_tail(keys[begin:n], host_kv, host_slot, timing, watch)
+        # A read that comes back incomplete: a node the tree holds of those pages (inserted
+        # meanwhile) is stored no more.
+        def lost() -> None:
+            self.tree.forget_archived(tokens[: n * page], start_page=begin, salt=salt)
+
+        read = self._read_tail(keys[begin:n], host_kv, host_slot, timing, watch, lost)
         try:  # waited for by drain(): a tail read in flight keeps the tier busy
             fetch = self.spawn(read, name="asynccache-tail")
         except RuntimeError as e:  # shutting down (a background task failed)
@@ -116,20 +121,10 @@ class TailFetchMixin:
         host_slot: torch.Tensor,
         timing: SplitTiming | None,
         watch: StaleWatch,
+        lost: Callable[[], object],
     ) -> bool:
-        try:
-            return await self._read_tail_watched(keys, host_kv, host_slot, timing, watch)
-        finally:
-            self.purges.unwatch(watch)
-
-    async def _read_tail_watched(
-        self,
-        keys: list[str],
-        host_kv: torch.Tensor,
-        host_slot: torch.Tensor,
-        timing: SplitTiming | None,
-        watch: StaleWatch,
-    ) -> bool:
+        """Read the tail (``lost``: called when the read comes back incomplete — what the lookup
+        found is gone, a backend removes an invalid object it reads)."""
         try:
             results, landed_at = await timed_read(
                 self.backend.batch_get_v2(
@@ -143,8 +138,11 @@ class TailFetchMixin:
             self.counts["prefetch_failed"] += 1
             log.warning("tail restore from storage failed: %s", e)
             return False
+        finally:
+            self.purges.unwatch(watch)
         if not (all(results[0]) and all(results[1])):
             self.counts["prefetch_incomplete"] += 1
+            lost()
             return False
         if watch.stale:  # read what a report named meanwhile (the objects of a failed load)
             self.counts["prefetch_stale"] += 1

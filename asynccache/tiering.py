@@ -253,7 +253,7 @@ class StorageTier(TailFetchMixin):
             self.counts["prefetch_stale"] += 1
             return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
         if begin > start_page:
-            return self._start_tail(match, keys, begin, n)
+            return self._start_tail(tokens, match, keys, begin, n, salt=salt)
         if probed is not None:
             probed.set()  # reading from here on
         return await self._fetch(tokens, match, keys, first, n, salt=salt, watch=watch)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from serving import split_cost
 from test_storage_snapshots import NUM_PAGES, PAGE, TOKENS, fill_device, make_cache
 
 from asynccache.cache import HybridCache
@@ -94,3 +95,42 @@ async def test_an_object_found_corrupt_while_its_prefix_was_archived_again_is_wr
         assert task is not None
         result = await ctrl.wait_prefetch(task, len(prompt))
         assert result is not None and result.num_tokens == len(longer) == (NUM_PAGES + 2) * PAGE
+
+
+async def test_a_split_restore_whose_tail_is_found_corrupt_unmarks_the_tail_archived_meanwhile(tmp_path: Path) -> None:
+    """The same race as above with a split restore: the tail's read finds an object invalid
+    (removed) while the prefix was computed and archived, its put counting that object stored."""
+    async with make_cache(tmp_path) as cache:
+        ctrl, tree, backend = cache.controller, cache.tree, cache.controller.backend
+        assert ctrl.tiering is not None and backend is not None
+        await computed_and_archived(cache, TOKENS, seed=3)
+        keys = list(tree.match_prefix(TOKENS).page_hashes)
+        await ctrl.tiering.drain()
+        cache.flush_device()
+        cache.flush_host()
+        obj = Path(backend.object_name("kv", keys[-2]))  # type: ignore[attr-defined]
+        flip_a_byte(obj)
+        ctrl.tiering.cost = split_cost(cache.spec)
+        gate = asyncio.Event()
+        read = backend.batch_get_v2
+
+        async def held_read(transfers: Sequence[PoolTransfer]) -> list[list[bool]]:
+            await gate.wait()
+            return await read(transfers)
+
+        backend.batch_get_v2 = held_read  # type: ignore[method-assign]
+        prompt = TOKENS + [251] * PAGE
+        task = ctrl.prefetch(prompt, tree.match_prefix(prompt), allow_tail=True)
+        assert task is not None
+        async with asyncio.timeout(30):
+            result = await ctrl.wait_prefetch(task, len(prompt))
+            assert result is not None and result.tail is not None and result.tail.begin_tokens > 0
+            path = await computed_and_archived(cache, TOKENS, seed=3)
+            assert all(n.archived for n in path)
+            gate.set()
+            assert not await result.tail.fetch
+        backend.batch_get_v2 = read  # type: ignore[method-assign]
+        result.tail.release()
+        assert not obj.exists()  # found invalid, removed
+        tail_nodes = [n for n in path if n.end_page * PAGE > result.tail.begin_tokens]
+        assert tail_nodes and not any(n.archived for n in tail_nodes)
