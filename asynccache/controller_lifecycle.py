@@ -130,24 +130,26 @@ class ControllerLifecycleMixin:
                     self._closing.set_result(None)
 
     async def _settle(self) -> None:
-        """Wait for the load tasks, then complete what the completion queues hold, then delete
-        from storage what failed loads left there that the group did not (before the backend is
-        closed: ``asynccache.stale_purge``)."""
+        """Wait for the load tasks, then complete what the completion queues hold."""
         while self._loaders:
             await asyncio.wait(list(self._loaders))
             drop_done(self._loaders)
         await self._load_completion.drain()
         await self._write_completion.drain()
-        if self.tiering is not None:
-            await self.tiering.purges.run_late()
 
     async def _close_backend(self) -> None:
-        """Close the backend once, as a task of its own: a close cancelled meanwhile leaves it
-        running, and a later :meth:`aclose` waits for it."""
+        """Delete from storage what failed loads left there that the group did not
+        (``asynccache.stale_purge``), then close the backend — once, as a task of its own: a
+        close cancelled meanwhile leaves it running, and a later :meth:`aclose` waits for it."""
         if self.backend is None:
             return
-        self._backend_closing = asyncio.ensure_future(self.backend.aclose())
+        self._backend_closing = asyncio.ensure_future(self._purge_and_close(self.backend))
         await asyncio.shield(self._backend_closing)
+
+    async def _purge_and_close(self, backend: Any) -> None:
+        if self.tiering is not None:
+            await self.tiering.purges.run_late()  # a storage failure is counted there, not raised
+        await backend.aclose()
 
     def _require_started(self) -> asyncio.TaskGroup:
         if self._tg is None:

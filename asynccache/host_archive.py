@@ -17,8 +17,9 @@ its ``statistics()``: ``StorageTier.storage_evicts``):
   than in the tree, and what the backend dropped is written again.
 
 An archive that names a key whose objects are being purged (computed on a failed load,
-:mod:`asynccache.stale_purge`) is dropped (``backup_skipped_stale``), checked before its KV and
-again before its states: it would be deleted with them, or find one and count it stored.
+:mod:`asynccache.stale_purge`) is dropped (``backup_skipped_stale``), checked before its KV,
+again before its states, and once more before it marks its nodes archived: it would be deleted
+with them, or find one and count it stored.
 
 From the moment a backup completes until its archive has read the host copies, the node's path
 is locked on the host: a host eviction meanwhile (the room of a later backup) must not drop the
@@ -151,6 +152,11 @@ class HostWriteArchiver:
             release()  # the host copies are read
         if not state_ok:
             tier.counts["backup_failed"] += 1
+            return
+        if tier.purges.blocks(kv_keys, state_keys):
+            # Reported while the states were written: what it wrote goes with the purge (which
+            # waits for this task), so nothing of it counts as stored.
+            tier.counts["backup_skipped_stale"] += 1
             return
         if rule is not None:
             rule.written(node, ticket, tier.backend)

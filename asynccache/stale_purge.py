@@ -33,12 +33,14 @@ the rest, or — finding the wrong object — count it stored and mark its nodes
 storage-only snapshot written then is deleted at worst (a miss).
 
 A delete that fails, or a backend without ``batch_delete_v2``, leaves the keys unservable for
-the tier's lifetime (the wrong objects may still be stored; a later report of a key whose delete
-lands clears it); a failed delete is tried once more as the controller closes. Purges are tasks
-of the tier (``wait_idle`` and ``aclose`` wait for them). One the task group cannot run —
-reported while the controller shuts down — or cut short by its cancellation is run by
-:meth:`StalePurges.run_late` as the controller closes, after the group has ended (no writer is
-left) and before the backend is closed.
+the tier's lifetime, and writes of them dropped (the wrong objects may still be stored: an
+archive would find one, count it stored and mark its nodes archived); a later report of a key
+whose delete lands clears it. Purges are tasks of the tier (``wait_idle`` and ``aclose`` wait
+for them). Every purge whose delete has not landed — failed, never run (reported while the
+controller shuts down), or cut short by the group's cancellation, before its first step too —
+is deleted once more by :meth:`StalePurges.run_late` as the controller closes, after the group
+has ended (no writer is left) and before the backend is closed, in the task that closes it (a
+close cancelled meanwhile leaves both running; a later close waits for them).
 
 A restore whose lookup ran before a report may read the reported objects after it, before
 their delete: the tier watches the keys of each restore in flight (:meth:`StalePurges.watching`,
@@ -97,12 +99,17 @@ class StalePurges:
         self.tier = tier
         #: the keys the tier does not restore from
         self.unservable = UnservableKeys()
-        #: (pool, key) → the purge of the key's latest report, until that purge has settled
+        #: (pool, key) → the purge of the key's latest report, until that purge's delete has
+        #: landed (a failed one keeps its keys here: writes of them stay dropped)
         self._pending: dict[tuple[PoolName, str], _Purge] = {}
         #: purge tasks in flight (a later purge does not wait for them: they write nothing)
         self._tasks: set[asyncio.Task[None]] = set()
-        #: purges for :meth:`run_late`: not run, cut short, or failed
-        self._late: list[_Purge] = []
+        #: every purge whose delete has not landed — not run yet, running, cut short by a
+        #: cancellation (even before its first step), or failed — for :meth:`run_late`
+        self._unsettled: dict[int, _Purge] = {}
+        #: :meth:`run_late`'s delete, a task of its own (a close cancelled meanwhile leaves it
+        #: running, and the backend is closed only after it)
+        self._late_task: asyncio.Task[None] | None = None
         #: the restores in flight (:meth:`watching`)
         self._watches: set[StaleWatch] = set()
 
@@ -118,6 +125,7 @@ class StalePurges:
         for pool in _POOLS:
             for key in purge.keys[pool]:
                 self._pending[pool, key] = purge
+        self._unsettled[id(purge)] = purge
         tier = self.tier
         tier.counts["stale_reports"] += 1
         writers = [t for t in tier._in_flight if not t.done() and t not in self._tasks]
@@ -126,7 +134,6 @@ class StalePurges:
             task = tier.spawn(coro, name="asynccache-purge")
         except RuntimeError:  # shutting down: purged as the controller closes
             coro.close()
-            self._late.append(purge)
             return
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -166,26 +173,26 @@ class StalePurges:
 
     async def run_late(self) -> None:
         """Purge what the tier's task group did not (see the module docstring), in one delete
-        per pool. Called as the controller closes, once the group has ended."""
-        late, self._late = self._late, []
-        if not late:
-            return
-        merged = _Purge(
-            *(frozenset().union(*(purge.keys[pool] for purge in late)) for pool in _POOLS)
-        )
+        per pool. Called as the controller closes, once the group has ended and before the
+        backend closes; the delete is a task of its own, which a cancelled call leaves running
+        and a later call waits for again."""
+        if self._late_task is None or self._late_task.done():
+            late = list(self._unsettled.values())
+            if not late:
+                return
+            self._late_task = asyncio.ensure_future(self._run_late(late))
+        await asyncio.shield(self._late_task)
+
+    async def _run_late(self, late: list[_Purge]) -> None:
+        merged = _Purge(*(frozenset().union(*(purge.keys[pool] for purge in late)) for pool in _POOLS))
         gone = await self._delete(merged)
         for purge in late:
-            self._settle(purge, gone, retry=False)
+            self._settle(purge, gone)
 
     async def _run(self, purge: _Purge, writers: list[asyncio.Task[object]]) -> None:
-        try:
-            if writers:  # not gather: a purge cancelled must not cancel them
-                await asyncio.wait(writers)
-            gone = await self._delete(purge)
-        except asyncio.CancelledError:
-            self._late.append(purge)  # whether the objects are gone is not known
-            raise
-        self._settle(purge, gone, retry=True)
+        if writers:  # not gather: a purge cancelled must not cancel them
+            await asyncio.wait(writers)
+        self._settle(purge, await self._delete(purge))
 
     async def _delete(self, purge: _Purge) -> bool:
         """Delete the purge's objects; whether they are gone (a failure counted and logged)."""
@@ -206,18 +213,20 @@ class StalePurges:
             return False
         return True
 
-    def _settle(self, purge: _Purge, gone: bool, *, retry: bool) -> None:
-        """The purge's delete landed (``gone``) or failed. A key whose latest report is a later
-        one is that one's to settle."""
-        if gone:
-            self.tier.counts["stale_purges"] += 1
-        elif retry:
-            self._late.append(purge)  # tried once more as the controller closes
+    def _settle(self, purge: _Purge, gone: bool) -> None:
+        """The purge's delete landed (``gone``): its keys are servable and writable again —
+        a key whose latest report is a later one is that one's to settle. A failed delete
+        changes nothing: the keys stay unservable, writes of them stay dropped (one could find
+        an old object, count it stored and mark its nodes archived), and the purge is tried
+        again as the controller closes (:meth:`run_late`)."""
+        if not gone:
+            return
+        self.tier.counts["stale_purges"] += 1
+        self._unsettled.pop(id(purge), None)
         servable: dict[PoolName, list[str]] = {pool: [] for pool in _POOLS}
         for pool in _POOLS:
             for key in purge.keys[pool]:
                 if self._pending.get((pool, key)) is purge:
                     del self._pending[pool, key]
                     servable[pool].append(key)
-        if gone:
-            self.unservable.discard(servable[PoolName.KV], servable[PoolName.MAMBA])
+        self.unservable.discard(servable[PoolName.KV], servable[PoolName.MAMBA])
