@@ -94,6 +94,22 @@ async def branch_archived_on_a_pending_state(cache: HybridCache) -> tuple[Any, A
     return op, match, token
 
 
+async def fail_the_branch_s_load(cache: HybridCache) -> None:
+    """``BRANCH`` computed on ``PREFIX``'s pending state (made-up bytes), backed up and archived;
+    then the load fails and everything settles."""
+    ctrl, tree = cache.controller, cache.tree
+    await state_on_host_only(cache)
+    op, match, token = await branch_archived_on_a_pending_state(cache)
+    real = fail_copies(cache)
+    ctrl.start_loading()
+    with pytest.raises(TransferError):
+        async with asyncio.timeout(5):
+            await op
+    await settle(cache)
+    tree.unlock(match.last_node, token)
+    ctrl.layer_copier = real  # type: ignore[method-assign]
+
+
 async def test_a_failed_state_load_leaves_no_host_copy_or_stored_object_of_what_was_computed_on_it(
     tmp_path: Path,
 ) -> None:
@@ -108,17 +124,8 @@ async def test_a_failed_state_load_leaves_no_host_copy_or_stored_object_of_what_
     cache = HybridCache(SPEC, config(storage_uri=f"file://{tmp_path}/store"))
     before = free_counts(cache)
     async with cache:
-        ctrl, tree = cache.controller, cache.tree
-        await state_on_host_only(cache)
-        op, match, token = await branch_archived_on_a_pending_state(cache)
-        real = fail_copies(cache)
-        ctrl.start_loading()
-        with pytest.raises(TransferError):
-            async with asyncio.timeout(5):
-                await op
-        await settle(cache)
-        tree.unlock(match.last_node, token)
-        ctrl.layer_copier = real  # type: ignore[method-assign]
+        tree = cache.tree
+        await fail_the_branch_s_load(cache)
         again = tree.match_prefix(BRANCH)
         assert again.num_tokens == len(PREFIX) and again.num_matched_tokens == len(PREFIX)  # not on the host
         async with Scheduler(MODEL, cache) as sched:

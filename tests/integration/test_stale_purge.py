@@ -22,13 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_failed_load_copies import (
-    BRANCH,
-    branch_archived_on_a_pending_state,
-    settle,
-    state_on_host_only,
-)
-from test_pending_loads import fail_copies
+from test_failed_load_copies import BRANCH, fail_the_branch_s_load, settle
 from test_restore_split import TOKENS as SPLIT_TOKENS
 from test_restore_split import balanced_tier
 from test_scheduler_failed_load import MODEL, PREFIX, SPEC, cold_output, config
@@ -42,7 +36,6 @@ from test_storage_snapshots import (
 )
 
 from asynccache.cache import HybridCache
-from asynccache.errors import TransferError
 from asynccache.reference.scheduler import Scheduler
 from asynccache.storage import PoolHitPolicy, PoolName, PoolTransfer
 
@@ -70,22 +63,6 @@ async def state_stored(cache: HybridCache, keys: Sequence[str]) -> bool:
         list(keys), [PoolTransfer(pool_name=PoolName.MAMBA, hit_policy=PoolHitPolicy.TRAILING_PAGES)]
     )
     return found.num_hit_pages == len(keys)
-
-
-async def fail_the_branch_s_load(cache: HybridCache) -> None:
-    """``BRANCH`` computed on ``PREFIX``'s pending state (made-up bytes), backed up and archived;
-    then the load fails and everything settles."""
-    ctrl, tree = cache.controller, cache.tree
-    await state_on_host_only(cache)
-    op, match, token = await branch_archived_on_a_pending_state(cache)
-    real = fail_copies(cache)
-    ctrl.start_loading()
-    with pytest.raises(TransferError):
-        async with asyncio.timeout(5):
-            await op
-    await settle(cache)
-    tree.unlock(match.last_node, token)
-    ctrl.layer_copier = real  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("store", ["file", pytest.param("s3", marks=pytest.mark.s3)])
