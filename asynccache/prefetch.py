@@ -68,6 +68,9 @@ class TailRestore:
     free: Callable[[], None]
     released: bool = False
     timing: SplitTiming | None = None
+    #: turns ``stale`` true when the storage tier hears, before the tail is released, that a key
+    #: it read holds data computed on a failed load (``asynccache.stale_purge.StaleWatch``)
+    watch: Any = None
 
     def head_started(self) -> None:
         """The engine starts computing the head (the request is admitted; the first call counts)."""
@@ -81,9 +84,12 @@ class TailRestore:
 
     @property
     def ok(self) -> bool:
-        """The fetch finished, every item arrived intact and the slots are not released."""
+        """The fetch finished, every item arrived intact, no key it read was reported since
+        (see ``watch``) and the slots are not released."""
         f = self.fetch
-        return not self.released and f.done() and not f.cancelled() and f.exception() is None and bool(f.result())
+        if self.released or not f.done() or f.cancelled() or f.exception() is not None or not f.result():
+            return False
+        return self.watch is None or not self.watch.stale
 
     def release(self) -> None:
         if self.released:

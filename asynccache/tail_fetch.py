@@ -4,7 +4,8 @@ restore*, and :class:`~asynccache.prefetch.TailRestore`).
 
 - :class:`TailFetchMixin` — ``_start_tail`` (allocate the slots, start the read as a task of the
   tier) and ``_read_tail`` (the read, timed to its landing; a miss when a report of a key it
-  reads came before it landed: :mod:`asynccache.stale_purge`). A base of
+  reads came before it landed: :mod:`asynccache.stale_purge`; one after it, until the tail is
+  released, makes ``TailRestore.ok`` false). A base of
   :class:`~asynccache.tiering.StorageTier`, not used on its own.
 """
 
@@ -80,15 +81,17 @@ class TailFetchMixin:
                 started=time.perf_counter(),
             )
 
+        # Watched from here (the lookup's own watch ends with it) until the tail is released: a
+        # report of a key it reads before the read has landed makes the tail a miss, and one
+        # before the engine takes it makes it not ``ok`` (the engine computes it instead).
+        watch = self.purges.watch(keys[begin:n])
+
         def free() -> None:
+            self.purges.unwatch(watch)
             host_kv_pool.free(host_kv)
             host_state_pool.free(host_slot)
             if timing is not None:
                 timing.settle_unreported()
-
-        # Watched from here (the lookup's own watch ends with it): a report of a key it reads
-        # before the read has landed makes the tail a miss.
-        watch = self.purges.watch(keys[begin:n])
         # A read that comes back incomplete: a node the tree holds of those pages (inserted
         # meanwhile) is stored no more.
         def lost() -> None:
@@ -99,7 +102,6 @@ class TailFetchMixin:
             fetch = self.spawn(read, name="asynccache-tail")
         except RuntimeError as e:  # shutting down (a background task failed)
             read.close()
-            self.purges.unwatch(watch)
             free()
             raise ClosedError(f"the controller is shutting down: {e}") from e
         self.counts["prefetch_tail"] += 1
@@ -111,6 +113,7 @@ class TailFetchMixin:
             fetch=fetch,
             free=free,
             timing=timing,
+            watch=watch,
         )
         return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0, tail=tail)
 
@@ -138,8 +141,6 @@ class TailFetchMixin:
             self.counts["prefetch_failed"] += 1
             log.warning("tail restore from storage failed: %s", e)
             return False
-        finally:
-            self.purges.unwatch(watch)
         if not (all(results[0]) and all(results[1])):
             self.counts["prefetch_incomplete"] += 1
             lost()

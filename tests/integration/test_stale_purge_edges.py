@@ -2,8 +2,9 @@
 purge cancelled with the task group before its first step, a close cancelled while the late
 purges delete, a delete that fails (the keys stay blocked for writes, so a recompute's archive
 cannot count the old objects stored), and an archive whose state write is in flight when the
-load fails (it must not mark its node archived: the purge deletes what it wrote). The CPU copy
-path; each test ends by opening another cache on the same storage, or by what the tree keeps.
+load fails (it must not mark its node archived: the purge deletes what it wrote), and a split
+restore's tail that landed before a report of a key it read (not handed to the engine). The CPU
+copy path; each test ends by opening another cache on the same storage, or by what the tree keeps.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import pytest
 import torch
 from test_failed_load_copies import settle
 from test_pending_loads import fail_copies
+from test_restore_split import TOKENS as SPLIT_TOKENS
+from test_restore_split import balanced_tier
 from test_scheduler_failed_load import SPEC, config
 from test_stale_purge import keys_of, state_stored, stored_prefix
 from test_storage_archive import backed_up, insert, stored_pages
@@ -167,3 +170,17 @@ async def test_an_archive_writing_when_the_load_fails_does_not_mark_its_node_arc
         cache.flush_device()
         tree.evict_host(num_kv_pages=10_000, num_states=10_000, archived_only=True)
         assert tree.match_prefix(TOKENS).num_tokens == len(TOKENS)  # its host copy kept
+
+
+async def test_a_tail_that_landed_before_a_report_of_its_keys_is_not_handed_over() -> None:
+    async with balanced_tier() as (cache, tier):
+        assert cache.host_kv is not None
+        free_kv = cache.host_kv.num_free
+        result = await tier.prefetch(SPLIT_TOKENS, cache.tree.match_prefix(SPLIT_TOKENS), allow_tail=True)
+        tail = result.tail
+        assert tail is not None and await tail.fetch and tail.ok  # landed intact
+        keys = keys_of(cache, SPLIT_TOKENS)
+        cache.tree.stale_hook(frozenset(keys[-1:]), frozenset())
+        assert not tail.ok  # the engine computes it instead (``load_tail`` refuses it)
+        tail.release()
+        assert cache.host_kv.num_free == free_kv and not tier.purges._watches
