@@ -135,13 +135,11 @@ class HostWriteArchiver:
             )
             # A key whose objects are being purged (computed on a failed load): this write would
             # be deleted with them, or find one and count it stored.
-            if tier.purges.blocks(kv_keys, state_keys):
-                tier.counts["backup_skipped_stale"] += 1
+            if self._purging(kv_keys, state_keys):
                 return
             # KV first, the states last: a state in storage always has its KV.
             kv_ok = all((await tier.backend.batch_set_v2([kv]))[0])
-            if kv_ok and tier.purges.blocks((), state_keys):  # reported meanwhile
-                tier.counts["backup_skipped_stale"] += 1
+            if kv_ok and self._purging((), state_keys):  # reported meanwhile
                 return
             state_ok = kv_ok and all((await tier.backend.batch_set_v2([state]))[0])
         except Exception as e:  # noqa: BLE001 — a backend failure is a skipped backup, never a crash
@@ -153,10 +151,9 @@ class HostWriteArchiver:
         if not state_ok:
             tier.counts["backup_failed"] += 1
             return
-        if tier.purges.blocks(kv_keys, state_keys):
+        if self._purging(kv_keys, state_keys):
             # Reported while the states were written: what it wrote goes with the purge (which
             # waits for this task), so nothing of it counts as stored.
-            tier.counts["backup_skipped_stale"] += 1
             return
         if rule is not None:
             rule.written(node, ticket, tier.backend)
@@ -168,3 +165,10 @@ class HostWriteArchiver:
                 if n.alive and (id(n) in written or n.host_state is None):
                     self.tree.mark_archived(n)
         tier.counts["backup_ok"] += 1
+
+    def _purging(self, kv_keys: tuple[str, ...], state_keys: tuple[str, ...]) -> bool:
+        """Whether one of these keys has a purge pending: the archive is dropped (counted)."""
+        if not self.tier.purges.blocks(kv_keys, state_keys):
+            return False
+        self.tier.counts["backup_skipped_stale"] += 1
+        return True

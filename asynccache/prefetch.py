@@ -40,6 +40,7 @@ from asynccache.storage import PoolName, PoolTransfer
 
 if TYPE_CHECKING:
     from asynccache.restore_cost import SplitTiming
+    from asynccache.stale_purge import StaleWatch
     from asynccache.tree import HybridRadixTree
 
 __all__ = ["PrefetchResult", "Prefetcher", "TailRestore", "held_node"]
@@ -70,7 +71,7 @@ class TailRestore:
     timing: SplitTiming | None = None
     #: turns ``stale`` true when the storage tier hears, before the tail is released, that a key
     #: it read holds data computed on a failed load (``asynccache.stale_purge.StaleWatch``)
-    watch: Any = None
+    watch: StaleWatch | None = None
 
     def head_started(self) -> None:
         """The engine starts computing the head (the request is admitted; the first call counts)."""

@@ -14,8 +14,8 @@ The tree reports the storage keys such data would be stored under (``tree.stale_
    copy of it and refuses the inserts of the requests that computed on it (``StaleMatchError``),
    and both kinds of archive start from tree nodes, so none begun later carries any of it.
    Those tasks land or drop their writes meanwhile: a backup archive drops a write that names a
-   key whose purge is pending (:meth:`StalePurges.blocks`, checked before its KV and again
-   before its states).
+   key whose purge is pending (:meth:`StalePurges.blocks`, checked before its KV, again
+   before its states, and once more before it marks its nodes archived).
 3. The objects are deleted (``batch_delete_v2`` of a
    :class:`~asynccache.storage.DeletingBackend`: the KV keys in the ``kv`` pool, the state keys
    in ``mamba``) — after every write that could bring them back, so none of them is stored once

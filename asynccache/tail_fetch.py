@@ -92,6 +92,7 @@ class TailFetchMixin:
             host_state_pool.free(host_slot)
             if timing is not None:
                 timing.settle_unreported()
+
         # A read that comes back incomplete: a node the tree holds of those pages (inserted
         # meanwhile) is stored no more.
         def lost() -> None:

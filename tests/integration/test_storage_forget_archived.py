@@ -49,15 +49,22 @@ async def computed_and_archived(cache: HybridCache, tokens: list[int], seed: int
     return path
 
 
+async def only_in_storage(cache: HybridCache) -> list[str]:
+    """``TOKENS`` computed, archived, then flushed from device and host: their keys."""
+    await computed_and_archived(cache, TOKENS, seed=3)
+    keys = list(cache.tree.match_prefix(TOKENS).page_hashes)
+    assert cache.controller.tiering is not None
+    await cache.controller.tiering.drain()
+    cache.flush_device()
+    cache.flush_host()
+    return keys
+
+
 async def test_an_object_found_corrupt_while_its_prefix_was_archived_again_is_written_again(tmp_path: Path) -> None:
     async with make_cache(tmp_path) as cache:
         ctrl, tree, backend = cache.controller, cache.tree, cache.controller.backend
         assert ctrl.tiering is not None and backend is not None
-        await computed_and_archived(cache, TOKENS, seed=3)
-        keys = list(tree.match_prefix(TOKENS).page_hashes)
-        await ctrl.tiering.drain()
-        cache.flush_device()
-        cache.flush_host()
+        keys = await only_in_storage(cache)
         obj = Path(backend.object_name("kv", keys[3]))  # type: ignore[attr-defined]
         flip_a_byte(obj)
         started, gate = asyncio.Event(), asyncio.Event()
@@ -103,11 +110,7 @@ async def test_a_split_restore_whose_tail_is_found_corrupt_unmarks_the_tail_arch
     async with make_cache(tmp_path) as cache:
         ctrl, tree, backend = cache.controller, cache.tree, cache.controller.backend
         assert ctrl.tiering is not None and backend is not None
-        await computed_and_archived(cache, TOKENS, seed=3)
-        keys = list(tree.match_prefix(TOKENS).page_hashes)
-        await ctrl.tiering.drain()
-        cache.flush_device()
-        cache.flush_host()
+        keys = await only_in_storage(cache)
         obj = Path(backend.object_name("kv", keys[-2]))  # type: ignore[attr-defined]
         flip_a_byte(obj)
         ctrl.tiering.cost = split_cost(cache.spec)

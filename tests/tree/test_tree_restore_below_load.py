@@ -19,7 +19,14 @@ import pytest
 from test_tree_pending_loads import free, on_host, owner_load, state_on_host_only
 from tree_builders import PAGE, make_tree, put, seq
 
-from asynccache.tree import HybridRadixTree, LoadPlan, SyncTransfer, Tier, TreeError
+from asynccache.tree import (
+    HybridRadixTree,
+    LoadPlan,
+    SyncTransfer,
+    Tier,
+    TreeError,
+    TreeNode,
+)
 
 Heard = list[tuple[frozenset[str], frozenset[str]]]
 
@@ -89,14 +96,21 @@ def test_a_restore_below_a_failed_state_load_leaves_the_host() -> None:
     tree.check_integrity()
 
 
-def test_a_restored_copy_in_use_holds_the_undo_and_one_elsewhere_stays() -> None:
+def restored_below_a_kv_load() -> tuple[HybridRadixTree, Any, LoadPlan, int, list[int], TreeNode]:
+    """A 4-page prefix loaded from the host (in flight), and a 2-page branch below it computed,
+    archived and evicted, then restored: (tree, the owner's match, the load, its lock token, the
+    branch, the restored node)."""
     tree, transfer = make_tree()
     s = seq(1, 4 * PAGE)
     on_host(tree, transfer, s, [4 * PAGE])
     owner, plan, token = owner_load(tree, s)
     branch = s + seq(2, 2 * PAGE)
     computed_archived_evicted(tree, transfer, branch, 6 * PAGE)
-    node = restore(tree, branch, 4)
+    return tree, owner, plan, token, branch, restore(tree, branch, 4)
+
+
+def test_a_restored_copy_in_use_holds_the_undo_and_one_elsewhere_stays() -> None:
+    tree, owner, plan, token, _, node = restored_below_a_kv_load()
     elsewhere = restore(tree, seq(5, 3 * PAGE), 0)  # below no load
     with pytest.raises(TreeError, match="already uses the loaded pages"):
         tree.abort_load(plan)  # a cancel is refused: the restore may rest on the load
@@ -111,13 +125,7 @@ def test_a_restored_copy_in_use_holds_the_undo_and_one_elsewhere_stays() -> None
 
 
 def test_a_restore_below_a_load_that_lands_stays() -> None:
-    tree, transfer = make_tree()
-    s = seq(1, 4 * PAGE)
-    on_host(tree, transfer, s, [4 * PAGE])
-    owner, plan, token = owner_load(tree, s)
-    branch = s + seq(2, 2 * PAGE)
-    computed_archived_evicted(tree, transfer, branch, 6 * PAGE)
-    node = restore(tree, branch, 4)
+    tree, owner, plan, token, branch, node = restored_below_a_kv_load()
     tree.finish_load(plan)
     tree.unlock(owner.last_node, token)
     m = tree.match_prefix(branch)
