@@ -90,7 +90,38 @@ def test_adaptive_learns_the_reuse_horizon_from_every_prompt() -> None:
     assert adm.reuse_horizon_s() == pytest.approx(100.0)
     _feed(adm, pages_per_s=1, seconds=10)
     assert adm.choose_grid(1 << 30) == 1  # a GiB holds hours of 1 page/s
+
+
+def _insert_each_second(adm: AdaptiveAdmission, begin: int, end: int) -> None:
+    root = _root()
+    for t in range(begin, end + 1):
+        adm.observe_insert(InsertResult(last_node=root, num_new_pages=1), now=float(t))
+
+
+def test_adaptive_tree_grid_waits_until_traffic_was_observed_for_its_retention() -> None:
+    # A horizon learnt from T seconds of traffic has seen no reuse older than T: the tree's
+    # tiers take a grid only once T reaches the time that grid keeps a page.
+    spec = make_spec(PAGE)
+    capacity = 350 * (spec.kv_page_bytes + spec.state_bytes)  # grid 1 at 1 page/s: ~350 s
+    adm = AdaptiveAdmission(
+        spec=spec, budget={"device": capacity}, min_observations=1, horizon_margin=1.0, regrid_interval_s=0.0
+    )
+    first = list(range(3 * PAGE + 1))
+    adm.observe_match(_match_of(first), prompt_len=len(first), now=0.0)
+    second = first[:-1] + list(range(900, 900 + 2 * PAGE))
+    adm.observe_match(_match_of(second), prompt_len=len(second), now=100.0)
+    assert adm.reuse_horizon_s() == pytest.approx(100.0)
+    _insert_each_second(adm, 100, 200)
+    assert 300 < adm.retention_s(capacity, 1) < 400
+    # Without the observed time every grid qualifies; after 200 s none does.
+    assert adm.choose_grid(capacity) == 1
+    assert adm.choose_grid(capacity, observed_s=adm.observed_s(200.0)) is None
+    assert adm.state_positions(5 * PAGE + 1, page_size=PAGE) == {5 * PAGE}  # the prompt end alone
+    assert adm.tree_grid is None
+    _insert_each_second(adm, 201, 400)
     assert adm.state_positions(5 * PAGE + 1, page_size=PAGE) == {PAGE, 2 * PAGE, 3 * PAGE, 4 * PAGE, 5 * PAGE}
+    assert adm.tree_grid == 1
+    assert adm.grid_history == [(400.0, "tree", 1)]
 
 
 def test_adaptive_storage_positions_skip_the_tree_positions_and_the_match() -> None:
