@@ -11,7 +11,7 @@ The parts of the format live in their own modules and are re-exported here:
 - :mod:`storage_backends.object_names` — key and pool-name validation, the key space
   ``{namespace-digest}/{pool}/{key[:2]}/{key}`` (:func:`object_relpath`), :class:`ObjectGeometry`.
 - :mod:`storage_backends.object_header` — the header's byte layout, :class:`ObjectHeader`.
-- :mod:`storage_backends.payload_checksum` — :class:`PayloadChecksum` (``blocksum64``).
+- :mod:`storage_backends.payload_checksum` — :class:`PayloadChecksum` (``blocksum128``).
 - :mod:`storage_backends.payload_pieces` — :func:`slot_buffers`, :func:`payload_range`,
   :func:`iter_chunks`, :func:`check_stop` and :func:`run_steps` (piecewise work that stops).
 
@@ -95,6 +95,12 @@ __all__ = [
     "validate_key",
     "validate_pool_name",
 ]
+
+_MASK64 = (1 << 64) - 1
+#: where the header's payload sum starts (two 64-bit halves, up to the header CRC), and the
+#: first byte after the header CRC
+_SUM = 16
+_AFTER_CRC = HEADER_CRC_OFFSET + 4
 
 
 def _header_bytes(descriptor_bytes: int, align: int = HEADER_ALIGN) -> int:
@@ -181,7 +187,17 @@ class ObjectCodec:
         hlen = self._header_bytes(len(desc), table)
         out = bytearray(hlen)
         FIXED_HEADER.pack_into(
-            out, 0, MAGIC, FORMAT_VERSION, hlen, geometry.payload_bytes, payload_sum, 0, self.digest, len(desc)
+            out,
+            0,
+            MAGIC,
+            FORMAT_VERSION,
+            hlen,
+            geometry.payload_bytes,
+            payload_sum & _MASK64,
+            payload_sum >> 64,
+            0,
+            self.digest,
+            len(desc),
         )
         out[FIXED_HEADER.size : FIXED_HEADER.size + len(desc)] = desc
         if table is not None and top_lengths:
@@ -204,15 +220,15 @@ class ObjectCodec:
         start = FIXED_HEADER.size + len(self._descriptor(geometry, key))
         if not (
             len(view) >= hlen
-            and view[:16] == expected[:16]
-            and view[28:start] == expected[28:start]
+            and view[:_SUM] == expected[:_SUM]
+            and view[_AFTER_CRC:start] == expected[_AFTER_CRC:start]
             and view[start + table.table_bytes : hlen] == expected[start + table.table_bytes :]
         ):
             self._verify_header(view, expected, geometry, key)  # names the difference
             raise ObjectFormatError("not a compressed object of this backend's frame size")
         ObjectHeader.decode(view)  # the header CRC covers the frame table
         lengths = table.decode(view[start : start + table.table_bytes], object_size - hlen)
-        return int.from_bytes(view[16:24], "little"), lengths
+        return int.from_bytes(view[_SUM:HEADER_CRC_OFFSET], "little"), lengths
 
     def verify_header(self, buf: bytes | bytearray | memoryview, geometry: ObjectGeometry, key: str) -> int:
         """Check that ``buf`` starts with the header of ``key``'s object in this namespace;
@@ -222,10 +238,10 @@ class ObjectCodec:
     def _verify_header(self, view: memoryview, expected: bytearray, geometry: ObjectGeometry, key: str) -> int:
         """:meth:`verify_header` given ``expected``, the header of ``key`` with a zero payload sum."""
         hlen = len(expected)
-        if len(view) >= hlen and view[:16] == expected[:16] and view[28:hlen] == expected[28:]:
+        if len(view) >= hlen and view[:_SUM] == expected[:_SUM] and view[_AFTER_CRC:hlen] == expected[_AFTER_CRC:]:
             # every byte but the payload sum and the header CRC is as expected: a corrupted
             # payload sum is caught by the payload check, a corrupted header CRC is harmless
-            return int.from_bytes(view[16:24], "little")
+            return int.from_bytes(view[_SUM:HEADER_CRC_OFFSET], "little")
         header = ObjectHeader.decode(view)  # the slow path names the problem
         if header.namespace_digest != self.digest:
             raise ObjectFormatError("object of a foreign namespace (another model, dtype or TP shard)")

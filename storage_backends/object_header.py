@@ -11,16 +11,16 @@ Encoding and checking a header against the object it should be is the codec's
 (:class:`~storage_backends.object_format.ObjectCodec`). An object is a header followed by the
 payload (little-endian)::
 
-    0       4     6     8            16           24      28                  44     46   48
-    ┌───────┬─────┬─────┬────────────┬────────────┬───────┬───────────────────┬──────┬────┐
-    │"ACSO" │ ver │ hlen│ payload len│ payload sum│ h.crc │ namespace digest  │ dlen │pad │
-    └───────┴─────┴─────┴────────────┴────────────┴───────┴───────────────────┴──────┴────┘
-    48: descriptor "pool;page_first;dtype;LxB;key" (ASCII, dlen bytes), zeros up to hlen
+    0       4     6     8            16                         32      36                  52     54   56
+    ┌───────┬─────┬─────┬────────────┬──────────────────────────┬───────┬───────────────────┬──────┬────┐
+    │"ACSO" │ ver │ hlen│ payload len│ payload sum (A, then B)  │ h.crc │ namespace digest  │ dlen │pad │
+    └───────┴─────┴─────┴────────────┴──────────────────────────┴───────┴───────────────────┴──────┴────┘
+    56: descriptor "pool;page_first;dtype;LxB;key" (ASCII, dlen bytes), zeros up to hlen
     hlen (a multiple of 64; 4096 on the local disk): payload in page_first order — layer 0's
     item, layer 1's item, …
 
 ``payload sum`` is the :class:`~storage_backends.payload_checksum.PayloadChecksum` of the
-payload, ``h.crc`` the CRC-32 of the header with that field zeroed. A compressed object appends
+payload (two 64-bit halves), ``h.crc`` the CRC-32 of the header with that field zeroed. A compressed object appends
 ``;zstd:F`` to the descriptor and follows it with its frame table (covered by the header CRC;
 see :mod:`storage_backends.object_format`).
 """
@@ -44,16 +44,17 @@ __all__ = [
 ]
 
 MAGIC = b"ACSO"
-#: 2: the payload sum adds up 32-bit words per block (1 added 64-bit words, whose top bits
-#: cancelled in pairs); an object of another version is a miss.
-FORMAT_VERSION = 2
+#: 3: the payload sum adds a second half weighted by word position (2 kept block sums alone,
+#: blind to data reordered inside a block; 1 added 64-bit words, whose top bits cancelled in
+#: pairs); an object of another version is a miss.
+FORMAT_VERSION = 3
 #: The payload is always in page_first order (layer-major within one index), whatever the
 #: layout of the host pool it came from, so objects are layout independent.
 PAYLOAD_LAYOUT = "page_first"
 #: The fixed part of every header (up to the descriptor).
-FIXED_HEADER = struct.Struct("<4sHHQQI16sH2x")
+FIXED_HEADER = struct.Struct("<4sHHQQQI16sH2x")
 HEADER_ALIGN = 64
-HEADER_CRC_OFFSET = 24
+HEADER_CRC_OFFSET = 32
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,7 +82,7 @@ class ObjectHeader:
         view = memoryview(buf)
         if len(view) < FIXED_HEADER.size:
             raise ObjectFormatError(f"truncated header: {len(view)} bytes")
-        magic, version, hlen, plen, psum, hcrc, digest, dlen = FIXED_HEADER.unpack_from(view)
+        magic, version, hlen, plen, psum_a, psum_b, hcrc, digest, dlen = FIXED_HEADER.unpack_from(view)
         if magic != MAGIC:
             raise ObjectFormatError("not an asynccache storage object (bad magic)")
         if version != FORMAT_VERSION:
@@ -108,7 +109,7 @@ class ObjectHeader:
             version=version,
             header_bytes=hlen,
             payload_bytes=plen,
-            payload_sum=psum,
+            payload_sum=psum_a | psum_b << 64,
             namespace_digest=digest,
             pool_name=pool,
             layout=layout,
