@@ -64,6 +64,10 @@ __all__ = [
     "usable_cores",
 ]
 
+#: Put numbers kept per object beyond which those no read or probe in flight needs are dropped.
+_PUT_MARKS_KEPT = 4096
+
+
 def usable_cores() -> int:
     """CPU cores this process may run on (its affinity mask where the OS has one)."""
     try:
@@ -158,6 +162,12 @@ class BackendCore(ABC):
         #: of the other kind that came before it (see ``_in_order``)
         self._putting: dict[str, set[asyncio.Future[None]]] = {}
         self._purging: dict[str, set[asyncio.Future[None]]] = {}
+        #: puts counted as they are called, the latest one's number per object, and the count
+        #: a read or probe in flight began at (``_checking``): an object it finds invalid is
+        #: not removed when a put of it came since (``_still_invalid``)
+        self._num_puts = 0
+        self._put_at: dict[str, int] = {}
+        self._checks: Counter[int] = Counter()
         self._ready = False
         #: the first-use setup's attempts (shared by the calls that come while one runs)
         self._setup = FirstUseSetup(uri)
@@ -327,6 +337,10 @@ class BackendCore(ABC):
         mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         own, other = (self._purging, self._putting) if delete else (self._putting, self._purging)
         unique = list(dict.fromkeys(names))
+        if not delete:
+            self._num_puts += 1
+            for name in unique:
+                self._put_at[name] = self._num_puts
         before = {f for name in unique for f in other.get(name, ())}
         for name in unique:
             own.setdefault(name, set()).add(mine)
@@ -339,6 +353,32 @@ class BackendCore(ABC):
                 if not futures:
                     del own[name]
             mine.set_result(None)
+
+    @contextmanager
+    def _checking(self) -> Iterator[int]:
+        """A read or probe that may find invalid objects: yields the number of puts called so
+        far, for :meth:`_still_invalid` after its I/O."""
+        mark = self._num_puts
+        self._checks[mark] += 1
+        try:
+            yield mark
+        finally:
+            self._checks[mark] -= 1
+            if not self._checks[mark]:
+                del self._checks[mark]
+            if not self._checks:
+                self._put_at.clear()
+            elif len(self._put_at) > _PUT_MARKS_KEPT:
+                oldest = min(self._checks)
+                self._put_at = {name: n for name, n in self._put_at.items() if n > oldest}
+
+    def _still_invalid(self, names: Sequence[str], mark: int) -> list[str]:
+        """The objects a read or probe begun at ``mark`` (:meth:`_checking`) found invalid that
+        it may remove: not those a put was called for since, or is still in flight for. Such a
+        put may have stored a valid object after the read looked (or will), and it reports
+        success; removing by name would lose it. (An object a put skipped as present stays as
+        it is, invalid: the next read finds it again.)"""
+        return [name for name in names if name not in self._putting and self._put_at.get(name, 0) <= mark]
 
     @contextmanager
     def _busy(self, items: Sequence[BatchItem]) -> Iterator[None]:

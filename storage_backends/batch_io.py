@@ -92,8 +92,21 @@ class BatchIOMixin(BackendCore):
             return [False] * len(items)
         report = BatchReport(self, "batch_get_v2", len(items))
         since = None if self._capacity is None else self._capacity.mark()
-        with self._busy(items):
-            outcomes = await self._read_many(items)
+        with self._checking() as puts_before:
+            with self._busy(items):
+                outcomes = await self._read_many(items)
+            return await self._read_outcomes(items, outcomes, report, since, puts_before)
+
+    async def _read_outcomes(
+        self,
+        items: list[BatchItem],
+        outcomes: list[Outcome],
+        report: BatchReport,
+        since: int | None,
+        puts_before: int,
+    ) -> list[bool]:
+        """Count a read's outcomes; remove the invalid objects no put came for since the read
+        began (``puts_before``: see ``_still_invalid``)."""
         done: list[bool] = []
         invalid: list[str] = []
         for item, outcome in zip(items, outcomes, strict=True):
@@ -115,6 +128,7 @@ class BatchIOMixin(BackendCore):
             elif self._capacity is not None:
                 # Absent when read; a write of it that committed meanwhile keeps it counted.
                 self._capacity.discard(item.name, since=since)
+        invalid = self._still_invalid(invalid, puts_before)
         if invalid:
             await self._remove(invalid, report, background=False)
         report.emit()

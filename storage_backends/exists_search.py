@@ -28,7 +28,7 @@ from asynccache.storage import (
     longest_hit,
 )
 from storage_backends.backend_core import BackendCore, pool_value
-from storage_backends.object_format import validate_key
+from storage_backends.object_format import ObjectGeometry, validate_key
 from storage_backends.reporting import BatchReport
 
 __all__ = ["ExistsSearchMixin"]
@@ -104,15 +104,31 @@ class ExistsSearchMixin(BackendCore):
         _, geometry = self._geometry(pool_name)
         names = [self.object_name(pool_name, keys[i]) for i in range(lo, hi)]
         report.num_items += len(names)
-        try:
-            if self._closed:  # closing: no more probes
-                raise self._closed_error()
-            async with asyncio.timeout(self.timeout_s):
-                sizes = await self._object_sizes(names)
-        except (BackendError, OSError, TimeoutError) as e:
-            self._count_failure(e, count=len(names))
-            report.fail(names[0], e, count=len(names))
-            return
+        with self._checking() as puts_before:
+            try:
+                if self._closed:  # closing: no more probes
+                    raise self._closed_error()
+                async with asyncio.timeout(self.timeout_s):
+                    sizes = await self._object_sizes(names)
+            except (BackendError, OSError, TimeoutError) as e:
+                self._count_failure(e, count=len(names))
+                report.fail(names[0], e, count=len(names))
+                return
+            await self._sized(geometry, keys, lo, names, sizes, out, report, puts_before)
+
+    async def _sized(
+        self,
+        geometry: ObjectGeometry,
+        keys: Sequence[str],
+        lo: int,
+        names: list[str],
+        sizes: Sequence[int | None],
+        out: list[bool],
+        report: BatchReport,
+        puts_before: int,
+    ) -> None:
+        """A probe's sizes: present objects of a valid size are hits; the others are removed
+        unless a put came for them since the probe began (``_still_invalid``)."""
         invalid: list[str] = []
         for i, (name, size) in enumerate(zip(names, sizes, strict=True)):
             if size is None:
@@ -122,6 +138,7 @@ class ExistsSearchMixin(BackendCore):
             else:
                 invalid.append(name)
                 report.corrupt(name, ObjectFormatError(f"object of {size} bytes (truncated or foreign)"))
+        self._counts["num_corrupt"] += len(invalid)
+        invalid = self._still_invalid(invalid, puts_before)
         if invalid:
-            self._counts["num_corrupt"] += len(invalid)
             await self._remove(invalid, report, background=False)
