@@ -280,7 +280,7 @@ def known_schemes() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def open_backend(uri: str, **options: Any) -> StorageBackend:
+def open_backend(uri: str, /, **options: Any) -> StorageBackend:
     """Open the backend for ``uri``; options go to the backend's factory (namespace, limits…)."""
     scheme = storage_scheme(uri)
     factory = _REGISTRY.get(scheme)
@@ -294,7 +294,7 @@ def open_backend(uri: str, **options: Any) -> StorageBackend:
     try:
         return factory(uri, **options)
     except TypeError as e:
-        if "unexpected keyword argument" in str(e):
+        if "unexpected keyword argument" in str(e) or "multiple values for argument" in str(e):
             raise ConfigError(f"storage {redact_uri(uri)}: an option the backend does not take ({e})") from None
         if "required keyword-only argument" in str(e):
             raise ConfigError(f"storage {redact_uri(uri)}: an option the backend needs is missing ({e})") from None

@@ -167,3 +167,6 @@ def test_options_are_validated(tmp_path: Any) -> None:
         open_backend("s3://bucket-name", namespace=NAMESPACE, multipart_part_bytes=1024)
     with pytest.raises(ConfigError, match="does not take"):
         open_backend("memory://", namespace=NAMESPACE, no_such_option=1)
+    for name in ("uri", "self"):  # names of the factories' own parameters
+        with pytest.raises(ConfigError, match="does not take"):
+            open_backend(f"file://{tmp_path}", namespace=NAMESPACE, **{name: "x"})
