@@ -166,6 +166,9 @@ class BackendCore(ABC):
         #: a read or probe in flight began at (``_checking``): an object it finds invalid is
         #: not removed when a put of it came since (``_still_invalid``)
         self._num_puts = 0
+        #: the deadlines of the items in flight of the backends that read and write item by
+        #: item (``_per_item``): a close past its grace ends them (``_end_items``)
+        self._item_deadlines: set[asyncio.Timeout] = set()
         self._put_at: dict[str, int] = {}
         self._checks: Counter[int] = Counter()
         self._ready = False
@@ -225,6 +228,14 @@ class BackendCore(ABC):
             if not self._num_calls and self._calls_done is not None:
                 self._calls_done.set()
 
+    def _end_items(self) -> None:
+        """End the items in flight now (a close past its grace): each fails as closed. A
+        request stuck on a store that stopped answering would otherwise hold the close until
+        its own ``timeout_s``."""
+        now = asyncio.get_running_loop().time()
+        for deadline in list(self._item_deadlines):
+            deadline.reschedule(now)
+
     async def _wait_calls_done(self) -> None:
         self._calls_done = asyncio.Event()
         while self._num_calls:
@@ -234,12 +245,17 @@ class BackendCore(ABC):
     def _closed_error(self) -> BackendError:
         return BackendError(f"storage {self.uri}: backend is closed")
 
-    async def _ensure_ready(self, call: str, num_items: int) -> bool:
+    async def _ensure_ready(self, call: str, num_items: int, *, closed_raises: bool = False) -> bool:
         """Set the backend up at its first use (see the module docstring). ``False`` when it is
         not (yet) set up: every item of the call is counted as failed and reported (a read's
-        items are also counted as misses by the caller). A closed backend raises."""
+        items are also counted as misses by the caller). A call registered before the backend
+        closed starts no item: ``False``, its items counted as failed (``closed_raises``: it
+        raises instead)."""
         if self._closed:
-            raise self._closed_error()
+            if closed_raises:
+                raise self._closed_error()
+            self._counts["num_failures"] += num_items
+            return False
         if self._ready:
             return True
         not_ready = await self._setup.join(self._set_up, retry_s=self.setup_retry_s, closed=self._closed_error)

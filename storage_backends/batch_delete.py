@@ -78,7 +78,7 @@ class BatchDeleteMixin(BackendCore):
 
     async def _delete_batch(self, names: list[str]) -> bool:
         """Whether the objects ``names`` are gone (failures counted and reported)."""
-        if not await self._ensure_ready("batch_delete_v2", len(names)):
+        if not await self._ensure_ready("batch_delete_v2", len(names), closed_raises=True):
             return False
         report = BatchReport(self, "batch_delete_v2", len(names))
         error = await self._remove(names, report, background=True)

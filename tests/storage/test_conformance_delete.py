@@ -215,3 +215,25 @@ async def test_a_delete_waiting_for_a_put_when_the_backend_closes_raises(harness
     assert writing.done() and deleting.done()
     with pytest.raises(BackendError, match="closed"):
         deleting.result()
+
+
+async def test_a_put_waiting_for_a_delete_when_the_backend_closes_is_skipped_writes(harness: Harness) -> None:
+    """A call in flight at the close starts no more items: its writes are skipped (``False``),
+    as ``aclose`` says, not a ``BackendError``."""
+    keys = make_keys(2, seed="close-put")
+    backend, _, _ = await opened(harness)
+    assert await put(backend, kv_transfer(keys, [0, 1])) == [[True, True]]
+    gate, entered = gate_method(backend, "_delete_objects")
+    deleting = asyncio.create_task(delete(backend, keys, PoolName.KV))
+    async with asyncio.timeout(DEADLINE_S):
+        await entered.wait()
+    writing = asyncio.create_task(put(backend, kv_transfer(keys, [2, 3])))  # waits for the delete
+    await asyncio.sleep(0)
+    closing = asyncio.create_task(backend.aclose())
+    await asyncio.sleep(0)
+    gate.set()
+    async with asyncio.timeout(DEADLINE_S):
+        await closing
+    assert deleting.result() == [True, True]
+    assert writing.result() == [[False, False]]
+    assert backend.statistics().num_failures == 2
