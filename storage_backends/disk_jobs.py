@@ -244,10 +244,13 @@ class DiskJobsMixin(ObjectBackend):
             os.makedirs(directory, exist_ok=True)
             return os.open(tmp, flags, 0o644)
 
-    def _scan(self, stop: threading.Event, progress: Callable[[int], None] | None = None) -> list[tuple[str, int]]:
+    def _scan(
+        self, stop: threading.Event, progress: Callable[[int], None] | None = None, *, list_objects: bool = True
+    ) -> list[tuple[str, int]]:
         """Objects of this namespace, oldest first; removes stale temporary files. Reports the
         objects found so far to ``progress`` after each shard directory and every
-        ``SCAN_REPORT_EVERY`` files."""
+        ``SCAN_REPORT_EVERY`` files. Without ``list_objects`` it only removes the stale
+        temporary files (and returns nothing)."""
         found: list[tuple[float, str, int]] = []
         now = time.time()
         for pool_dir in subdirs(self.namespace_dir):
@@ -269,6 +272,8 @@ class DiskJobsMixin(ObjectBackend):
                     if entry.name.endswith(".tmp"):
                         if now - st.st_mtime > STALE_TMP_S:
                             unlink_all(stop, [entry.path])
+                        continue
+                    if not list_objects:
                         continue
                     try:
                         validate_key(entry.name)

@@ -51,7 +51,8 @@ Writes are atomic and put-if-absent: the object is written to a temporary name, 
 fsynced, then hard-linked to its final name (``link`` fails if the name exists, so exactly one
 of several concurrent writers of a key wins) and the temporary name is removed (one that cannot
 be is logged: the object is stored all the same). A crash leaves at most a stale ``.tmp`` file
-(removed by the capacity scan after ``STALE_TMP_S``); the checksum catches anything a power
+(removed after ``STALE_TMP_S``, at first use: by the capacity's scan, or without a capacity by
+a sweep beside the calls); the checksum catches anything a power
 loss could leave behind an un-fsynced link.
 
 With ``capacity_bytes`` the backend scans its namespace directory on first use (least recently
@@ -76,6 +77,7 @@ Primitives:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
@@ -226,6 +228,7 @@ class LocalDiskBackend(DiskJobsMixin):
             else None
         )
         self._readers_start: asyncio.Task[None] | None = None
+        self._sweep: asyncio.Task[Any] | None = None  # stale temporary files, without a capacity
         if self._readers is not None:  # dropped unclosed: its children are killed, not left running
             weakref.finalize(self, self._readers.kill_children)
 
@@ -241,6 +244,12 @@ class LocalDiskBackend(DiskJobsMixin):
     # ---- primitives (event loop) ---------------------------------------------------------
     async def _prepare(self) -> None:
         await self._workers.run(self._make_root)
+        if self._capacity is None:
+            # The capacity's listing removes crashed writers' temporary files; without one, a
+            # sweep does, beside the calls (detached, like the listing: it touches only those).
+            sweep = self._workers.run(functools.partial(self._scan, list_objects=False), background=True, detach=True)
+            self._sweep = asyncio.get_running_loop().create_task(sweep, name="asynccache-disk-tmp-sweep")
+            self._sweep.add_done_callback(_report_sweep)
 
     async def register_host_pool_v2(self, pool_name: PoolName, host_pool: ItemPool) -> None:
         """Register the pool; with reader processes and a pool in shared memory, also start the
@@ -261,6 +270,8 @@ class LocalDiskBackend(DiskJobsMixin):
         await asyncio.wait([self._readers_start])
 
     async def _close(self) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()  # its thread stops at the workers' close
         if self._readers is not None:
             # Not waiting for a start in progress first: the readers' close stops it (a child
             # that never answers is killed after their grace), where the start would take its
@@ -330,6 +341,11 @@ class LocalDiskBackend(DiskJobsMixin):
         # detached: a scan stuck in a system call (a hung mount) holds neither the setup's
         # cancellation nor aclose; it touches nothing but its own list (and stale temp files)
         return await self._workers.run(self._scan, progress, detach=True)
+
+
+def _report_sweep(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("removing stale temporary files failed: %s", task.exception())
 
 
 def _report_start(task: asyncio.Task[None]) -> None:

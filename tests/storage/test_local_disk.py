@@ -153,8 +153,10 @@ def test_a_really_full_filesystem(tmp_path: Path) -> None:
     assert out["read_back"] and out["same"] and out["tmp"] == 0
 
 
-async def test_stale_temporary_files_are_removed_by_the_scan(tmp_path: Path) -> None:
-    backend, _kv, _ = await open_disk(tmp_path, capacity_bytes=1 << 20)
+@pytest.mark.parametrize("capacity_bytes", [1 << 20, None])
+async def test_stale_temporary_files_are_removed_at_first_use(tmp_path: Path, capacity_bytes: int | None) -> None:
+    """By the capacity's scan, or without a capacity by a sweep beside the calls."""
+    backend, _kv, _ = await open_disk(tmp_path, capacity_bytes=capacity_bytes)
     keys = make_keys(2, seed="tmp")
     await backend.batch_set_v2([kv_transfer(keys, [0, 1])])
     name = backend.object_name(PoolName.KV, keys[0])
@@ -166,12 +168,17 @@ async def test_stale_temporary_files_are_removed_by_the_scan(tmp_path: Path) -> 
     Path(backend.namespace_dir, "kv", "zz").mkdir()
     Path(backend.namespace_dir, "kv", "zz", "not-a-key").write_bytes(b"z")
     await backend.aclose()
-    again, _, _ = await open_disk(tmp_path, capacity_bytes=1 << 20)
+    again, _, _ = await open_disk(tmp_path, capacity_bytes=capacity_bytes)
     result = await again.batch_exists_v2(keys, [kv_transfer([])])
     assert result.num_hit_pages == 2
+    if capacity_bytes is None:
+        async with asyncio.timeout(10):
+            assert again._sweep is not None
+            await again._sweep
     assert not stale.exists() and fresh.exists()
-    size = again.codec.object_bytes(again._geometry(PoolName.KV)[1], keys[0])
-    assert again.statistics().used_bytes == 2 * size  # foreign files are not counted
+    if capacity_bytes is not None:
+        size = again.codec.object_bytes(again._geometry(PoolName.KV)[1], keys[0])
+        assert again.statistics().used_bytes == 2 * size  # foreign files are not counted
     await again.aclose()
 
 
