@@ -137,11 +137,14 @@ class ObjectBackend(ExistsSearchMixin, BatchIOMixin, BatchDeleteMixin):
     async def _shut_down(self) -> None:
         self._setup.cancel()  # the calls waiting for it fail (closed)
         # The calls in flight finish the items they have — within a grace period: one held by
-        # something stuck (a reader process that stopped answering, with a long ``timeout_s``)
-        # ends when releasing the resources stops what it waits for, and is waited for then.
+        # something stuck (a reader process or a store that stopped answering, with a long
+        # ``timeout_s``) ends when its item's deadline is brought forward (backends that go
+        # item by item) or when releasing the resources stops what it waits for, and is waited
+        # for then.
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.close_grace_s):
                 await self._wait_calls_done()
+        self._end_items()
         await self._close()
         await self._wait_calls_done()
 

@@ -286,9 +286,15 @@ class BatchIOMixin(BackendCore):
                 if self._closed:  # closing: the items not started yet fail
                     return self._closed_error()
                 try:
-                    async with asyncio.timeout(self.timeout_s):
-                        return await fn(item)
-                except (BackendError, OSError, TimeoutError) as e:
+                    async with asyncio.timeout(self.timeout_s) as deadline:
+                        self._item_deadlines.add(deadline)
+                        try:
+                            return await fn(item)
+                        finally:
+                            self._item_deadlines.discard(deadline)
+                except TimeoutError as e:
+                    return self._closed_error() if self._closed and deadline.expired() else e
+                except (BackendError, OSError) as e:
                     return e
 
         async with asyncio.TaskGroup() as tg:

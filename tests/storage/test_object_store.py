@@ -132,6 +132,34 @@ async def test_a_hung_server_times_out_into_misses(private_seaweedfs: SeaweedSer
 
 
 @pytest.mark.s3
+async def test_a_close_beside_a_hung_server_ends_its_reads_after_the_grace(private_seaweedfs: SeaweedServer,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The requests in flight are not the backend's threads: past the close's grace their
+    items end as closed (misses), not at their own ``timeout_s``."""
+    server = private_seaweedfs
+    for name, value in server.env.items():
+        monkeypatch.setenv(name, value)
+    backend, _kv, _mamba = await open_s3(server, "hung-close", timeout_s=60.0, max_retries=0)
+    backend.close_grace_s = 0.3
+    keys = make_keys(4, seed="hung-close")
+    assert await backend.batch_set_v2([kv_transfer(keys, range(4))]) == [[True] * 4]
+    server.pause()
+    try:
+        reading = asyncio.create_task(backend.batch_get_v2([kv_transfer(keys, [10, 11, 12, 13])]))
+        await asyncio.sleep(0.3)  # the GETs are sent
+        t0 = time.monotonic()
+        async with asyncio.timeout(20):
+            await backend.aclose()
+        elapsed = time.monotonic() - t0
+        assert reading.done()
+        assert reading.result() == [[False] * 4]
+    finally:
+        server.resume()
+    assert elapsed < 5
+    assert backend.statistics().num_timeouts == 0  # ended as closed, not timed out
+
+
+@pytest.mark.s3
 async def test_a_hung_server_at_first_use_costs_each_call_one_timeout(private_seaweedfs: SeaweedServer,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """With a capacity, the first use lists the bucket. Calls that come while the server hangs
