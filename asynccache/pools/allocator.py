@@ -14,12 +14,17 @@ import numpy as np
 import torch
 
 from asynccache.checks import as_int, distinct_ints
-from asynccache.errors import AllocationError, ConfigError
+from asynccache.errors import AllocationError, CapacityError, ConfigError
+from asynccache.pools.memory import available_host_bytes
 
 __all__ = ["IndexAllocator"]
 
 #: Frees of at most this many indices check them as a Python list (:meth:`IndexAllocator._free_short`).
 _SHORT = 16
+#: Host bytes an index costs the allocator (a Python int in the free list and a flag: ~41
+#: measured), and the size from which that is checked against the memory available.
+BYTES_PER_INDEX = 48
+_CHECKED_FROM = 1 << 20
 
 
 class IndexAllocator:
@@ -29,6 +34,15 @@ class IndexAllocator:
         n = as_int(size)  # NumPy integers too; a float or a bool would size some other pool
         if n is None or n < 0:
             raise ConfigError(f"{name}: allocator size must be an int >= 0, got {size!r}")
+        if n >= _CHECKED_FROM:
+            # Pools in accounting mode (no buffers) can be sized far beyond memory: their
+            # bookkeeping is what must fit.
+            need, available = n * BYTES_PER_INDEX, available_host_bytes()
+            if available is not None and need > available:
+                raise CapacityError(
+                    f"{name}: {n} indices need ~{need} bytes of bookkeeping, only {available} bytes of host memory "
+                    "are available"
+                )
         self.name = name
         self.size = size = n
         # Stack: the end of the list is handed out first, so keep it in descending order.

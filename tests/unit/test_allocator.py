@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asynccache.errors import AllocationError, ConfigError
+from asynccache.errors import AllocationError, CapacityError, ConfigError
 from asynccache.pools.allocator import IndexAllocator
 
 
@@ -391,3 +391,16 @@ def test_a_long_free_with_one_repeat_is_refused(order: str) -> None:
     assert alloc.num_free == 0
     alloc.free(torch.from_numpy(values))
     assert alloc.num_free == n
+
+
+def test_an_allocator_whose_bookkeeping_cannot_fit_in_host_memory_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pools in accounting mode have no buffers to check: a size far beyond memory is a
+    CapacityError up front, not a MemoryError while the free list is built."""
+    from asynccache.pools import allocator
+
+    monkeypatch.setattr(allocator, "available_host_bytes", lambda: 10 << 20)
+    with pytest.raises(CapacityError, match="bookkeeping"):
+        IndexAllocator(1 << 20, name="device_kv")  # ~48 MiB of bookkeeping > 10 MiB
+    assert IndexAllocator((1 << 20) - 1).num_free == (1 << 20) - 1  # small ones are not checked
+    monkeypatch.setattr(allocator, "available_host_bytes", lambda: None)  # unknown: not refused
+    assert IndexAllocator(1 << 20).size == 1 << 20
