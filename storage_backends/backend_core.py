@@ -245,6 +245,17 @@ class BackendCore(ABC):
     def _closed_error(self) -> BackendError:
         return BackendError(f"storage {self.uri}: backend is closed")
 
+    async def first_use(self) -> None:
+        """Set the backend up now, as its first call would (see the module docstring), and
+        raise :class:`BackendError` naming why when it cannot be — where a call would count
+        its items as failed. For a caller that wants a bad root or endpoint found up front."""
+        with self._call():
+            if self._ready:
+                return
+            not_ready = await self._setup.join(self._set_up, retry_s=self.setup_retry_s, closed=self._closed_error)
+            if not_ready is not None:
+                raise BackendError(f"storage {self.uri}: not ready: {not_ready.why}")
+
     async def _ensure_ready(self, call: str, num_items: int, *, closed_raises: bool = False) -> bool:
         """Set the backend up at its first use (see the module docstring). ``False`` when it is
         not (yet) set up: every item of the call is counted as failed and reported (a read's

@@ -51,13 +51,14 @@ from asynccache.bench.options import (
 from asynccache.bench.progress import progress_bar
 from asynccache.cache import HybridCache, effective_storage_options
 from asynccache.config import HybridCacheConfig
-from asynccache.errors import ConfigError
+from asynccache.errors import BackendError, ConfigError
 from asynccache.pools.memory import check_host_bytes
 from asynccache.reference.model import MODEL_DTYPE_NAMES, HybridModel
 from asynccache.reference.scheduler import RequestResult, Scheduler, SchedulerConfig
 from asynccache.reference.workload import ProcessedPrefixes, make_conversations
 from asynccache.spec import HybridSpec, dtype_from_name
 from asynccache.storage import open_backend
+from storage_backends.base import ObjectBackend
 
 MODES = ("no-offload", "kv-offload", "kv+mamba-offload", "kv+mamba+storage")
 
@@ -213,7 +214,12 @@ async def _check_storage(
     cfg = _mode_config("kv+mamba+storage", budgets, uri, options)
     backend = open_backend(uri, namespace=spec.namespace_id, **effective_storage_options(cfg, device))
     try:
-        await backend.batch_exists_v2([], [])
+        if isinstance(backend, ObjectBackend):  # set up now: a root or endpoint it cannot use
+            await backend.first_use()
+        else:
+            await backend.batch_exists_v2([], [])
+    except BackendError as e:
+        raise ConfigError(f"--storage: {e}") from None
     finally:
         await backend.aclose()
 

@@ -208,6 +208,19 @@ def test_storage_refused_by_the_backend_is_found_before_any_mode_runs(
     assert "is not a directory" in captured.err and "mode kv-offload" not in captured.out
 
 
+def test_storage_the_backend_cannot_set_up_is_found_before_any_mode_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A root under a regular file opens (a path is only checked at first use) but cannot be
+    made: the first use fails, and that is a usage error too, not a storage mode of misses."""
+    a_file = tmp_path / "f"
+    a_file.write_text("")
+    args = bench_args(modes="kv-offload,kv+mamba+storage", storage=(a_file / "root").as_uri(), preset="tiny", page_size=1)
+    assert multiturn.run(args) == 2
+    captured = capsys.readouterr()
+    assert "--storage" in captured.err and "not ready" in captured.err and "mode kv-offload" not in captured.out
+
+
 def test_storage_options_without_the_storage_mode_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     args = bench_args(modes="kv-offload", storage_option=["max_concurrency=2"], preset="tiny", page_size=1)
     assert multiturn.run(args) == 2

@@ -599,3 +599,19 @@ async def test_a_large_object_replaced_between_its_ranges_is_a_failure_not_corru
     assert slot(mamba, 3) == slot(other_mamba, 0)
     await backend.aclose()
     await other.aclose()
+
+
+async def test_first_use_sets_up_now_or_raises_why_not(tmp_path: Path) -> None:
+    a_file = tmp_path / "f"
+    a_file.write_text("")
+    bad = LocalDiskBackend((a_file / "root").as_uri(), namespace=NAMESPACE)
+    with pytest.raises(BackendError, match="not ready"):
+        await bad.first_use()
+    await bad.aclose()
+    good = LocalDiskBackend((tmp_path / "root").as_uri(), namespace=NAMESPACE)
+    await good.first_use()
+    assert Path(good.namespace_dir).is_dir()
+    await good.first_use()  # once set up, nothing more
+    await good.aclose()
+    with pytest.raises(BackendError, match="closed"):
+        await good.first_use()
