@@ -44,6 +44,7 @@ from collections.abc import Generator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from asynccache.checks import as_int
@@ -299,8 +300,10 @@ class SnapshotArchiver:
             return False
         # The backups whose copies have not landed: the archive's staging completed after every
         # backup begun before it, so a page of these was freed and taken again since.
-        writing = {i for p in self.tree.active_plans if isinstance(p, BackupPlan) for i in p.host_kv_indices.tolist()}
-        return writing.isdisjoint(want.values())
+        writing = [p.host_kv_indices.numpy() for p in self.tree.active_plans if isinstance(p, BackupPlan)]
+        if not writing:
+            return True
+        return not np.isin(np.concatenate(writing), np.fromiter(want.values(), np.int64, len(want))).any()
 
     async def _store(self, op: CacheOperation, hold: _Hold, plan: _Plan, positions: list[int]) -> dict[int, bool]:
         """Wait for the staging copy, then write (see the module docstring); what ``hold``
