@@ -119,12 +119,14 @@ class HybridCache:
     tier; without recurrent layers, no storage tier (:class:`ConfigError`). Every spec needs at
     least one device KV page and one device state slot (``ConfigError`` naming the field).
 
-    ``admission`` / ``eviction``: the tree's policies (default ``EndsAdmission`` /
-    ``LRUEviction``). ``backend``: a storage backend to use instead of opening
-    ``config.storage_uri``. ``materialize=False``: accounting mode (pools without buffers).
-    ``clock``: the tree's time source, a callable returning seconds (``last_access``, and the
-    ``now`` eviction policies see; default ``time.monotonic``), e.g. a trace's simulated clock;
-    not callable: :class:`ConfigError`, as is a ``spec`` or ``config`` of another type.
+    ``admission`` / ``eviction``: the tree's policies, instances of ``AdmissionPolicy`` /
+    ``EvictionPolicy`` (default ``EndsAdmission`` / ``LRUEviction``); anything else (a name, a
+    policy class rather than an instance) is a :class:`ConfigError`. ``backend``: a storage
+    backend to use instead of opening ``config.storage_uri``. ``materialize=False``: accounting
+    mode (pools without buffers). ``clock``: the tree's time source, a callable returning
+    seconds (``last_access``, and the ``now`` eviction policies see; default
+    ``time.monotonic``), e.g. a trace's simulated clock; not callable: :class:`ConfigError`, as
+    is a ``spec`` or ``config`` of another type.
     """
 
     def __init__(
@@ -139,7 +141,13 @@ class HybridCache:
         materialize: bool = True,
         clock: Callable[[], float] | None = None,
     ) -> None:
-        from asynccache.policy import EndsAdmission, LRUEviction, WritePolicy
+        from asynccache.policy import (
+            AdmissionPolicy,
+            EndsAdmission,
+            EvictionPolicy,
+            LRUEviction,
+            WritePolicy,
+        )
         from asynccache.tree import HybridRadixTree
 
         if not isinstance(spec, HybridSpec):
@@ -150,6 +158,10 @@ class HybridCache:
             raise ConfigError(f"config must be a HybridCacheConfig, got {type(config).__name__}")
         if clock is not None and not callable(clock):
             raise ConfigError(f"clock must be a callable returning seconds, got {type(clock).__name__}")
+        for name, policy, base in (("admission", admission, AdmissionPolicy), ("eviction", eviction, EvictionPolicy)):
+            if policy is not None and not isinstance(policy, base):
+                got = f"the class {policy.__name__}" if isinstance(policy, type) else repr(policy)
+                raise ConfigError(f"{name} must be an instance of {base.__name__} (or None for the default), got {got}")
         _check_device_pools(spec, config)
         _check_layer_kinds(spec, config, storage=backend is not None or config.storage_uri is not None)
         self.spec = spec

@@ -58,6 +58,7 @@ from asynccache.stats import ControllerStats, StatsRecorder
 from asynccache.storage import PoolName, StorageBackend
 from asynccache.streams import CudaEventLike
 from asynccache.tree.node import Tier
+from asynccache.tree.results import MatchResult
 from asynccache.tree_ops import TreeOps
 from kernels import LayerCopy, PoolPair, copy_items
 
@@ -155,6 +156,8 @@ class HybridCacheController(ControllerLifecycleMixin, LoadWaitMixin, StorageTier
         its prefix) queues only what no load brings yet; wait for the rest with
         :meth:`wait_loaded`.
         """
+        if not isinstance(match, MatchResult):
+            raise ConfigError(f"load needs a MatchResult (tree.match_prefix), got {type(match).__name__}")
         self._require_started()  # a load queued after close would never be issued
         loop = asyncio.get_running_loop()
         if state_to and (not match.needs_load or match.state_tier is not Tier.HOST):
@@ -209,6 +212,8 @@ class HybridCacheController(ControllerLifecycleMixin, LoadWaitMixin, StorageTier
     # ---- writes (device → host) --------------------------------------------------------
     def write(self, nodes: Sequence[Any], *, priority: int = 0) -> CacheOperation | None:
         """Queue a device → host backup of ``nodes``; ``None`` when the host has no room."""
+        if not isinstance(nodes, Sequence) or isinstance(nodes, (str, bytes)):
+            raise ConfigError(f"write needs a sequence of tree nodes, got {type(nodes).__name__}")
         self._require_started()  # a backup queued after close would never be issued
         loop = asyncio.get_running_loop()
         op = self._ops.write_op(nodes, priority=priority, loop=loop)

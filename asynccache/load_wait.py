@@ -15,11 +15,12 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from asynccache.errors import StaleMatchError, TreeError
+from asynccache.errors import ConfigError, StaleMatchError, TreeError
 from asynccache.ops import CacheOperation, OpState
+from asynccache.tree.results import MatchResult
 
 if TYPE_CHECKING:
-    from asynccache.tree import HybridRadixTree, MatchResult
+    from asynccache.tree import HybridRadixTree
     from asynccache.tree_ops import TreeOps
 
 __all__ = ["LoadWaitMixin"]
@@ -38,7 +39,10 @@ class LoadWaitMixin:
         failed one whose undo nothing blocks any more (the lock that did was released) is undone
         first, and is not among them.
         :class:`TreeError` for such a load that this controller does not carry (a plan begun on
-        the tree directly: nothing here can complete it)."""
+        the tree directly: nothing here can complete it). ``match`` not a
+        :class:`~asynccache.tree.MatchResult`: :class:`ConfigError`."""
+        if not isinstance(match, MatchResult):
+            raise ConfigError(f"pending_ops needs a MatchResult (tree.match_prefix), got {type(match).__name__}")
         self._ops.undo_blocked()
         ops: list[CacheOperation] = []
         for plan in self.tree.pending_loads(match):
@@ -64,8 +68,11 @@ class LoadWaitMixin:
         Raises :class:`StaleMatchError` when the match no longer holds: a load it waited for
         failed or was cancelled (its pages and state never arrived), or the match's pages left
         the device; unlock the match and match the prompt again. :class:`TreeError` for a load
-        this controller does not carry. Cancelling the waiter leaves the loads alone.
+        this controller does not carry, :class:`ConfigError` for a ``match`` that is not a
+        :class:`~asynccache.tree.MatchResult`. Cancelling the waiter leaves the loads alone.
         """
+        if not isinstance(match, MatchResult):
+            raise ConfigError(f"wait_loaded needs a MatchResult (tree.match_prefix), got {type(match).__name__}")
         while True:
             ops = self.pending_ops(match)
             if not ops:

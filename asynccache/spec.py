@@ -20,6 +20,7 @@ may interleave, leave gaps (MLP-only layers) or coincide (Falcon-H1 runs both in
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -75,6 +76,8 @@ class HybridSpec:
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model_id, str) or not self.model_id.strip():
+            raise SpecError(f"model_id must be a non-empty string, got {self.model_id!r}")
         for name in ("page_size", "tp_size", "tp_rank", "num_layers", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -217,10 +220,19 @@ class HybridSpec:
         checkpoints of one architecture (a base model and a fine-tune, whose configs may be
         identical) never share storage; pass the same ``model_id`` to share it across folders or
         machines, and never one name for different weights. A dict's default is its own name
-        alone, which names the architecture: pass ``model_id`` with a storage tier.
+        alone, which names the architecture: pass ``model_id`` with a storage tier. Only
+        ``None`` takes the default: an empty or blank ``model_id``, or one that is not a string,
+        is a :class:`SpecError` (an empty one would name the architecture alone, even for a
+        config read from a folder), as is a ``config`` that is neither a mapping nor a path.
         """
         from asynccache.hf_config import parse_hf_config
 
+        if model_id is not None and (not isinstance(model_id, str) or not model_id.strip()):
+            raise SpecError(f"model_id must be a non-empty string (or None for the default), got {model_id!r}")
+        if not isinstance(config, (str, PathLike, Mapping)):
+            raise SpecError(
+                f"config must be a mapping, or a path to a config.json or its folder, got {type(config).__name__}"
+            )
         if not isinstance(config, Mapping):
             path = Path(config)
             if path.is_dir():
@@ -247,10 +259,21 @@ class HybridSpec:
 
     @classmethod
     def preset(cls, name: str, **kwargs: Any) -> HybridSpec:
-        """A named preset (see :data:`PRESETS`), e.g. ``"qwen3-next-80b"``."""
-        try:
-            cfg = PRESETS[name]
-        except KeyError:
-            raise SpecError(f"unknown preset {name!r}; known: {sorted(PRESETS)}") from None
+        """A named preset (see :data:`PRESETS`), e.g. ``"qwen3-next-80b"``; ``kwargs`` are those
+        of :meth:`from_hf_config` but ``config`` (``model_id`` defaults to ``name``). An unknown
+        preset or keyword is a :class:`SpecError`."""
+        if not isinstance(name, str) or name not in PRESETS:
+            raise SpecError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+        unknown = sorted(set(kwargs) - _PRESET_KWARGS)
+        if unknown:
+            raise SpecError(
+                f"unknown argument{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} for preset {name!r}; "
+                f"known: {sorted(_PRESET_KWARGS)}"
+            )
+        cfg = PRESETS[name]
         kwargs.setdefault("model_id", name)
         return cls.from_hf_config(cfg, **kwargs)
+
+
+#: The keywords :meth:`HybridSpec.preset` passes on to :meth:`HybridSpec.from_hf_config`.
+_PRESET_KWARGS = frozenset(inspect.signature(HybridSpec.from_hf_config).parameters) - {"config"}

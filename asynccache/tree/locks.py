@@ -37,12 +37,14 @@ class TreeLocks(TreeBookkeeping):
 
     # ---- locks -----------------------------------------------------------------------------
     def _check_alive(self, node: TreeNode) -> None:
+        if not isinstance(node, TreeNode):
+            raise TreeError(_not_a_node(node))
         if not node.alive and node.parent is not None:
             raise TreeError(f"{node} was deleted from the tree")
 
     def check_alive(self, nodes: Iterable[TreeNode]) -> None:
-        """Raise :class:`TreeError` if a node was deleted: before locking several, so that a
-        stale list leaves none of them locked."""
+        """Raise :class:`TreeError` if a node was deleted (or is no tree node at all): before
+        locking several, so that a stale list leaves none of them locked."""
         for node in nodes:
             self._check_alive(node)
 
@@ -52,7 +54,8 @@ class TreeLocks(TreeBookkeeping):
         positive int) for ``unlock(node, token)``; locking a root does nothing and returns 0.
 
         A lock taken on a path that a load is filling makes its token a reader of that load
-        (``asynccache.tree.pending``): a load's owner locks its match before the load begins."""
+        (``asynccache.tree.pending``): a load's owner locks its match before the load begins.
+        Raises :class:`TreeError` for a deleted node or anything not a :class:`TreeNode`."""
         self._check_alive(node)
         if node.parent is None:
             return 0
@@ -80,7 +83,10 @@ class TreeLocks(TreeBookkeeping):
         never returned, or not an int at all (``None`` and bools included). Unlocking a root (a
         miss's ``last_node``) with its token 0 does nothing, as locking it does. A reader's
         unlock that was the last lock holding a failed load's retired indices frees them.
-        ``release_hook`` (when set) hears of every unlock, as of every :meth:`unlock_host`."""
+        ``release_hook`` (when set) hears of every unlock, as of every :meth:`unlock_host`.
+        ``node`` not a :class:`TreeNode`: :class:`TreeError` too."""
+        if not isinstance(node, TreeNode):
+            raise TreeError(_not_a_node(node))
         if not isinstance(token, int) or isinstance(token, bool):
             raise TreeError(f"unlock of {node} with {token!r}, which is not a lock token")
         path = self.path_to(node)
@@ -119,7 +125,8 @@ class TreeLocks(TreeBookkeeping):
                 self.device_mamba.free(slots)
 
     def lock_host(self, node: TreeNode) -> None:
-        """Pin ``node`` and its ancestors on the host (host copies kept, nodes not deleted)."""
+        """Pin ``node`` and its ancestors on the host (host copies kept, nodes not deleted).
+        Raises :class:`TreeError` as :meth:`lock` does."""
         self._check_alive(node)
         while node.parent is not None:
             if node.host_lock == 0 and node.host_kv is not None:
@@ -128,7 +135,10 @@ class TreeLocks(TreeBookkeeping):
             node = node.parent
 
     def unlock_host(self, node: TreeNode) -> None:
-        """Undo one :meth:`lock_host`. Raises :class:`TreeError` below zero (a root: nothing)."""
+        """Undo one :meth:`lock_host`. Raises :class:`TreeError` below zero (a root: nothing),
+        and for anything not a :class:`TreeNode`."""
+        if not isinstance(node, TreeNode):
+            raise TreeError(_not_a_node(node))
         path = self.path_to(node)
         if any(n.host_lock <= 0 for n in path):
             raise TreeError(f"unlock_host of {node} without a matching lock_host")
@@ -175,6 +185,10 @@ class TreeLocks(TreeBookkeeping):
     def in_flight_owned(self, pool: str) -> frozenset[int]:
         """Indices of ``pool`` claimed by in-flight operations."""
         return frozenset(self._in_flight[self._pool_name(pool)])
+
+
+def _not_a_node(node: object) -> str:
+    return f"expected a TreeNode (a match's last_node), got {type(node).__name__}"
 
 
 def _as_ints(indices: torch.Tensor | Iterable[int]) -> list[int]:
