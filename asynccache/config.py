@@ -49,7 +49,7 @@ class HybridCacheConfig:
     host_layout: PoolLayout = PoolLayout.PAGE_FIRST
     write_policy: str = "write_through"  # write_through | write_through_selective[:N hits] | write_back
     max_ctas: int | None = 8
-    copy_method: str = "auto"  # auto | triton | dma | dma:batch | dma:strided | dma:2d | dma:loop (kernels.copy_items)
+    copy_method: str = "auto"  # auto | triton | dma | dma:auto (= dma) | dma:batch | dma:strided | dma:2d | dma:loop (kernels.copy_items)
     storage_uri: str | None = None
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     prefetch_policy: PrefetchPolicy = PrefetchPolicy.TIMEOUT

@@ -69,9 +69,8 @@ COPY_METHODS: tuple[str, ...] = ("auto", "triton", "dma")
 DMA_ENGINES: tuple[str, ...] = ("auto", "batch", "strided", "2d", "loop")
 #: Every accepted ``method``: the copy methods and ``"dma:ENGINE"`` for each engine.
 COPY_METHOD_NAMES: tuple[str, ...] = (*COPY_METHODS, *(f"dma:{e}" for e in DMA_ENGINES))
-#: Those values as command-line help: ``auto | triton | dma | dma:batch | …`` (``dma:auto`` is
-#: ``dma``).
-COPY_METHOD_HELP = " | ".join(m for m in COPY_METHOD_NAMES if m != "dma:auto")
+#: Those values as command-line help: ``auto | triton | dma | dma:auto | dma:batch | …``.
+COPY_METHOD_HELP = " | ".join(COPY_METHOD_NAMES) + " (dma:auto is dma: the copy engines, the variant picked per copy)"
 
 
 class LayerCopy(Protocol):

@@ -115,7 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="triton,dma",
         help="copy methods to measure on CUDA: triton, dma (comma-separated; checked on CPU too, which measures torch)",
     )
-    parser.add_argument("--total-mib", type=positive_float, default=None, help="bytes per copy (default 256 CUDA, 8 CPU)")
+    parser.add_argument("--total-mib", type=positive_float, default=None, help="MiB per copy (default 256 CUDA, 8 CPU)")
     parser.add_argument("--reps", type=positive_int, default=None, help="timed repetitions (median; default 5 CUDA, 3 CPU)")
     parser.add_argument("--preset", default="qwen3-next-80b", help="HybridSpec preset for kv/state items")
     parser.add_argument("--gemm-n", type=positive_int, default=8192, help="GEMM size for the slowdown test")

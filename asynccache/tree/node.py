@@ -28,6 +28,7 @@ from enum import Enum
 
 import torch
 
+from asynccache.errors import TreeError
 from asynccache.tree.hashing import chain_hashes
 
 __all__ = ["EvictHow", "Resource", "Tier", "TreeNode"]
@@ -184,10 +185,18 @@ class TreeNode:
 
         ``h_i = blake2b(h_{i-1} ‖ page i tokens)``; the chain starts at the root's seed (model
         namespace and tenant salt). Mutates only the cache of this node and of ancestors whose
-        hashes were not computed yet.
+        hashes were not computed yet. A root covers no pages and has no storage keys: asking it
+        raises :class:`~asynccache.errors.TreeError` (its chain's start is ``seed_hash``, also
+        :meth:`last_raw_hash`; a miss's ``match.last_node`` is a root, the prompt's keys are
+        ``match.page_hashes``).
         """
         if self._hashes is not None:
             return self._hashes
+        if self.parent is None:
+            raise TreeError(
+                f"{self} covers no pages and has no page hashes (a miss's last_node is a root: the "
+                "prompt's keys are match.page_hashes; the chain's seed is seed_hash)"
+            )
         pending: list[TreeNode] = []
         node: TreeNode | None = self
         while node is not None and node.parent is not None and node._hashes is None:
@@ -209,7 +218,8 @@ class TreeNode:
 
     @property
     def page_hashes(self) -> tuple[str, ...]:
-        """Hex storage keys of the node's pages (its state is stored under the last one)."""
+        """Hex storage keys of the node's pages (its state is stored under the last one); a root
+        raises :class:`~asynccache.errors.TreeError` (see :meth:`raw_page_hashes`)."""
         return tuple(h.hex() for h in self.raw_page_hashes())
 
     def __repr__(self) -> str:
