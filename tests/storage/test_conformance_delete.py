@@ -197,6 +197,17 @@ async def test_malformed_deletes_raise_before_any_io_and_a_closed_backend_raises
     assert await stored(harness, backend, PoolName.KV, keys) == [True]
 
 
+async def close_then_open(backend: ObjectBackend, gate: asyncio.Event) -> None:
+    """Let the call just started register, start closing the backend, then open ``gate`` and
+    wait for the close."""
+    await asyncio.sleep(0)
+    closing = asyncio.create_task(backend.aclose())
+    await asyncio.sleep(0)
+    gate.set()
+    async with asyncio.timeout(DEADLINE_S):
+        await closing
+
+
 async def test_a_delete_waiting_for_a_put_when_the_backend_closes_raises(harness: Harness) -> None:
     keys = make_keys(1, seed="close-delete")
     backend, _, _ = await opened(harness)
@@ -206,12 +217,7 @@ async def test_a_delete_waiting_for_a_put_when_the_backend_closes_raises(harness
     async with asyncio.timeout(DEADLINE_S):
         await entered.wait()
     deleting = asyncio.create_task(delete(backend, keys, PoolName.KV))
-    await asyncio.sleep(0)
-    closing = asyncio.create_task(backend.aclose())
-    await asyncio.sleep(0)
-    gate.set()
-    async with asyncio.timeout(DEADLINE_S):
-        await closing
+    await close_then_open(backend, gate)
     assert writing.done() and deleting.done()
     with pytest.raises(BackendError, match="closed"):
         deleting.result()
@@ -228,12 +234,7 @@ async def test_a_put_waiting_for_a_delete_when_the_backend_closes_is_skipped_wri
     async with asyncio.timeout(DEADLINE_S):
         await entered.wait()
     writing = asyncio.create_task(put(backend, kv_transfer(keys, [2, 3])))  # waits for the delete
-    await asyncio.sleep(0)
-    closing = asyncio.create_task(backend.aclose())
-    await asyncio.sleep(0)
-    gate.set()
-    async with asyncio.timeout(DEADLINE_S):
-        await closing
+    await close_then_open(backend, gate)
     assert deleting.result() == [True, True]
     assert writing.result() == [[False, False]]
     assert backend.statistics().num_failures == 2

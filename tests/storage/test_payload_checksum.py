@@ -7,6 +7,7 @@ import itertools
 import struct
 import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -257,17 +258,32 @@ def flip_bits_in_file(path: Path, payload_start: int, bits: list[int]) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("read_processes", [0, 2])
-@pytest.mark.parametrize("same_block", [False, True])
-async def test_a_stored_object_with_two_sign_bit_flips_is_a_miss(tmp_path: Path, read_processes: int,
-                                                                 same_block: bool) -> None:
+async def two_stored_pages(tmp_path: Path, read_processes: int, *, seed: str) -> tuple[LocalDiskBackend, Any, list[str], Path]:
+    """A local disk holding the KV pages of two keys (slots 0 and 1); the first one's file."""
     backend = LocalDiskBackend((tmp_path / "l3").as_uri(), namespace=NAMESPACE, read_processes=read_processes,
                                fsync=False)
     kv, _ = make_pools(8, seed=3, shared=bool(read_processes))
     await backend.register_host_pool_v2(PoolName.KV, kv)
-    keys = make_keys(2, seed=f"signs{read_processes}{same_block}")
+    keys = make_keys(2, seed=seed)
     assert await backend.batch_set_v2([kv_transfer(keys, [0, 1])]) == [[True, True]]
-    path = Path(backend.object_name(PoolName.KV, keys[0]))
+    return backend, kv, keys, Path(backend.object_name(PoolName.KV, keys[0]))
+
+
+async def first_is_a_removed_miss(backend: LocalDiskBackend, kv: Any, keys: list[str], path: Path) -> None:
+    """Reading both back: the damaged first is a miss, counted corrupt and removed; the second
+    is served. Closes the backend."""
+    assert await backend.batch_get_v2([kv_transfer(keys, [4, 5])]) == [[False, True]]
+    assert slot(kv, 5) == slot(kv, 1)
+    assert backend.statistics().num_corrupt == 1
+    assert not path.exists()
+    await backend.aclose()
+
+
+@pytest.mark.parametrize("read_processes", [0, 2])
+@pytest.mark.parametrize("same_block", [False, True])
+async def test_a_stored_object_with_two_sign_bit_flips_is_a_miss(tmp_path: Path, read_processes: int,
+                                                                 same_block: bool) -> None:
+    backend, kv, keys, path = await two_stored_pages(tmp_path, read_processes, seed=f"signs{read_processes}{same_block}")
     header = ObjectHeader.decode(path.read_bytes())
     payload = np.frombuffer(path.read_bytes()[header.header_bytes :], dtype=np.uint8)
     assert payload.nbytes >= 6 * BLOCK
@@ -279,35 +295,19 @@ async def test_a_stored_object_with_two_sign_bit_flips_is_a_miss(tmp_path: Path,
     else:
         bits = [7 * 8 + 7, (5 * BLOCK + 8 * 100 + 7) * 8 + 7]
     flip_bits_in_file(path, header.header_bytes, bits)
-
-    assert await backend.batch_get_v2([kv_transfer(keys, [4, 5])]) == [[False, True]]
-    assert slot(kv, 5) == slot(kv, 1)
-    assert backend.statistics().num_corrupt == 1
-    assert not path.exists()  # removed
-    await backend.aclose()
+    await first_is_a_removed_miss(backend, kv, keys, path)
 
 
 @pytest.mark.parametrize("read_processes", [0, 2])
 async def test_a_stored_object_with_two_sectors_swapped_in_a_block_is_a_miss(tmp_path: Path, read_processes: int) -> None:
-    backend = LocalDiskBackend((tmp_path / "l3").as_uri(), namespace=NAMESPACE, read_processes=read_processes,
-                               fsync=False)
-    kv, _ = make_pools(8, seed=5, shared=bool(read_processes))
-    await backend.register_host_pool_v2(PoolName.KV, kv)
-    keys = make_keys(2, seed=f"sectors{read_processes}")
-    assert await backend.batch_set_v2([kv_transfer(keys, [0, 1])]) == [[True, True]]
-    path = Path(backend.object_name(PoolName.KV, keys[0]))
+    backend, kv, keys, path = await two_stored_pages(tmp_path, read_processes, seed=f"sectors{read_processes}")
     data = bytearray(path.read_bytes())
     start = ObjectHeader.decode(data).header_bytes + 2 * BLOCK  # block 2 of the payload
     first, second = bytes(data[start : start + 512]), bytes(data[start + 1536 : start + 2048])
     assert first != second
     data[start : start + 512], data[start + 1536 : start + 2048] = second, first
     path.write_bytes(bytes(data))
-
-    assert await backend.batch_get_v2([kv_transfer(keys, [4, 5])]) == [[False, True]]
-    assert slot(kv, 5) == slot(kv, 1)
-    assert backend.statistics().num_corrupt == 1
-    assert not path.exists()
-    await backend.aclose()
+    await first_is_a_removed_miss(backend, kv, keys, path)
 
 
 async def test_an_object_of_format_version_1_is_a_miss_and_removed(tmp_path: Path) -> None:
