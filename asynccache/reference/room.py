@@ -65,12 +65,20 @@ def check_fits(cache: HybridCache, prompt_len: int, max_new_tokens: int) -> None
 
 
 def no_room_error(cache: HybridCache, req: Request) -> CapacityError:
-    """The error of a request that admission found no room for, with nothing running and no
-    copy in flight to free any: what it needs, and what the device pools have free."""
+    """The error of a request that admission found no room for, with nothing running, no copy
+    in flight to free any and no attempt left that eviction made progress in: what it needs,
+    what the device pools have free, and where the rest is — kept by the cache (its locked
+    part apart) or in use otherwise (outside the tree: pages a failed load retired, indices
+    someone allocated and kept)."""
     kv, states = cache.device_kv, cache.device_mamba
     pages = device_pages_needed(req.total_len, cache.spec.page_size)
+    tree = cache.tree.stats()
+    other_pages = kv.num_items - kv.num_free - tree.device_kv_pages
+    other_slots = states.num_items - states.num_free - tree.device_states
     return CapacityError(
         f"request does not fit in the device pools: {len(req.prompt)} prompt + {req.max_new_tokens} new tokens "
         f"need {pages} KV pages (a cached prefix's included) and 1 state slot; {kv.num_free} of {kv.num_items} "
-        f"pages and {states.num_free} of {states.num_items} slots are free, the rest held"
+        f"pages and {states.num_free} of {states.num_items} slots are free; the cache keeps "
+        f"{tree.device_kv_pages} pages ({tree.device_locked_pages} of them locked or in a copy) and "
+        f"{tree.device_states} slots, and {other_pages} pages and {other_slots} slots are in use outside it"
     )

@@ -218,15 +218,22 @@ class Scheduler(AdmitMixin, FinishMixin):
     async def _step(self) -> None:
         self.num_steps += 1
         self._reap_cancelled()
+        kv, slots = self.cache.device_kv, self.cache.device_mamba
+        free_before = (kv.num_free, slots.num_free)
         if not await self._admit():
             return  # a request came or went while the step waited for lookups: the next step sees it
         if not self._running:
             if self._waiting and not await self.cache.controller.wait_idle():
-                # Nothing could be admitted and no copy in flight will free memory. A request
-                # whose cached prefix needs a load is tried once more without it (the load's
-                # pages and slot may be what the device lacks beside its own): a cache never
-                # fails a request that it could serve cold.
+                # Nothing could be admitted and no copy in flight will free memory. An attempt
+                # that still freed device pages or slots (eviction made progress: what it freed
+                # stays free) is tried again as it was. Otherwise a request whose cached prefix
+                # needs a load is tried without it (the load's pages and slot may be what the
+                # device lacks beside its own): a cache never fails a request that it could
+                # serve cold. While nothing runs nothing keeps device memory that a failed
+                # attempt took, so each retry follows a free (an eviction) and the retries end.
                 req = self._waiting[0]
+                if kv.num_free > free_before[0] or slots.num_free > free_before[1]:
+                    return
                 if not req.cold and self.config.use_cache:
                     req.cold = True
                     return

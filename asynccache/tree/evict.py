@@ -12,7 +12,11 @@ Device eviction, per victim (offered by the eviction policy, least valuable firs
   and calling ``begin_backup``; the backup pins the nodes, so they are *not* freed in this call
   (``EvictResult.num_pending_*``). Once ``finish_backup`` has run they are backed up and the next
   eviction demotes them. A synchronous callback that finishes the backup before returning lets
-  the same call demote them. A node whose backup could not be started is dropped.
+  the same call demote them. A node whose backup could not be started is dropped; when that
+  leaves its parent a device leaf and more room is needed, the call goes on in another round,
+  in which the parent is a victim in its turn (handed to the write-back in a smaller batch: a
+  host state pool smaller than a chain's states takes the top of the chain; dropped if that
+  fails too), so one call frees what it was asked for whenever eviction can.
 - **drop** — otherwise (write-through modes, no host tier, dead weight): free the device copy.
   A state lost this way leaves a tombstone (KV kept, no state) at an interior node; a childless
   node without any state is deleted, and the deletion cascades up through stateless parents.
@@ -126,6 +130,30 @@ class EvictionMixin(TreeCore):
         return _DEVICE_KV_EVICTABLE(node)
 
     def _evict_device_kv(self, need: int, callback: WriteBackFn | None) -> tuple[int, int, int]:
+        """Free ``need`` device pages (pending write-backs count), in rounds: a round whose
+        write-back could not save a victim drops it, and the parents left as device leaves by
+        that drop are the next round's candidates (handed to the write-back in a smaller batch,
+        dropped in their turn if that fails too). Each further round follows a drop, so the
+        rounds end. Returns the pages and states left pending and the number of nodes handed
+        to the write-back (each once)."""
+        pages0 = self._device_pages
+        pending_pages = pending_states = 0
+        handed: set[TreeNode] = set()
+        while True:
+            missing = need - (pages0 - self._device_pages) - pending_pages
+            more_pages, more_states, dropped = self._evict_device_kv_round(missing, callback, handed)
+            pending_pages += more_pages
+            pending_states += more_states
+            if not dropped or pages0 - self._device_pages + pending_pages >= need:
+                return pending_pages, pending_states, len(handed)
+
+    def _evict_device_kv_round(
+        self, need: int, callback: WriteBackFn | None, handed_so_far: set[TreeNode]
+    ) -> tuple[int, int, bool]:
+        """One scan of the device KV list for ``need`` pages, then one write-back of its victims
+        (the nodes handed to it are added to ``handed_so_far``). Returns the pages and states
+        left pending, and whether a victim was dropped after the write-back (its backup did not
+        start)."""
         pages0 = self._device_pages
         victims: list[TreeNode] = []
         pending = 0
@@ -143,7 +171,8 @@ class EvictionMixin(TreeCore):
                     break
                 parent = node.parent
                 if self._backed_up(node):
-                    self._demote_device(node, EvictHow.DEMOTE)
+                    # (backed up by an earlier round's write-back of this call: WRITE_BACK)
+                    self._demote_device(node, EvictHow.WRITE_BACK if node in handed_so_far else EvictHow.DEMOTE)
                 elif callback is not None and (node.has_state or node.children):
                     victims.append(node)
                     pending += node.num_pages
@@ -157,10 +186,10 @@ class EvictionMixin(TreeCore):
             if enough():
                 break
         if not victims:
-            return 0, 0, 0
-        handed = self._call_write_back(victims, callback)  # type: ignore[arg-type]
-        written = len(handed)
+            return 0, 0, False
+        handed_so_far |= self._call_write_back(victims, callback)  # type: ignore[arg-type]
         pending_pages = pending_states = 0
+        dropped = False
         for node in victims:
             if not node.alive or node.device_kv is None:
                 continue
@@ -172,10 +201,13 @@ class EvictionMixin(TreeCore):
             if self._backed_up(node):
                 self._demote_device(node, EvictHow.WRITE_BACK)
             else:
+                # Its backup did not start (the host had no room for the whole batch, say):
+                # the parent this leaves a device leaf is a candidate of the next round.
                 self._drop_device(node, EvictHow.DROP)
+                dropped = True
             # A synchronous write-back backed the ancestors up too: those that are device
             # leaves now go as well while more room is needed. One that was backed up before
-            # (not handed to this write-back) is a plain demotion.
+            # (not handed to a write-back of this call) is a plain demotion.
             while (
                 parent is not None
                 and pages0 - self._device_pages < need
@@ -183,8 +215,8 @@ class EvictionMixin(TreeCore):
                 and self._backed_up(parent)
             ):
                 node, parent = parent, parent.parent
-                self._demote_device(node, EvictHow.WRITE_BACK if node in handed else EvictHow.DEMOTE)
-        return pending_pages, pending_states, written
+                self._demote_device(node, EvictHow.WRITE_BACK if node in handed_so_far else EvictHow.DEMOTE)
+        return pending_pages, pending_states, dropped
 
     def _evict_device_states(self, need: int, callback: WriteBackFn | None) -> tuple[int, int]:
         states0 = self._device_states

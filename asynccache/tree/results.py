@@ -113,8 +113,10 @@ class EvictResult:
     dropped, including what the tombstone cascade deleted). ``num_pending_kv_pages`` /
     ``num_pending_states``: handed to the write-back callback and still in flight; they become
     evictable once the backup finishes (evict again then). ``num_written_back_nodes``: nodes
-    passed to the callback (ancestors included). ``num_lost_states``: states dropped with no
-    copy on any tier. ``num_deleted_nodes``: nodes removed from the tree.
+    passed to the callback (ancestors included; one that KV eviction hands over again, in a
+    smaller batch after a batch that could not be backed up, counts once).
+    ``num_lost_states``: states dropped with no copy on any tier. ``num_deleted_nodes``: nodes
+    removed from the tree.
     """
 
     tier: Tier
