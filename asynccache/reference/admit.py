@@ -62,6 +62,25 @@ def _cached_by_tier(num_cached: int, num_loaded: int, stored: range) -> dict[str
     return {"device": num_cached - host - len(stored), "host": host, "storage": len(stored)}
 
 
+def _loaded_tokens(tree: Any, match: Any, num_cached: int, page: int) -> int:
+    """How many of the last of a match's ``num_cached`` tokens a host load brings: the host-only
+    part of the match (all of it when its boundary state is on the host only), and what a load
+    still in flight writes into its prefix (``tree.pending_loads``): another request's, queued
+    before this match was made (earlier in the same step, say), whose pages the match reports
+    on the device though they are still being filled (all of it when that load brings the
+    match's boundary state)."""
+    if match.state_tier is Tier.HOST:
+        return num_cached
+    loaded = match.num_host_tokens
+    if match.pending_load:
+        for plan in tree.pending_loads(match):
+            end = plan.nodes[-1]  # a split keeps the load's last node the lower part: its end stays
+            if plan.num_states and end is match.last_node:
+                return num_cached
+            loaded = max(loaded, num_cached - (end.end_tokens - plan.num_kv_pages * page))
+    return min(loaded, num_cached)
+
+
 class AdmitMixin:
     """The admission of :class:`~asynccache.reference.scheduler.Scheduler` (see the module
     docstring); not used on its own."""
@@ -307,10 +326,10 @@ class AdmitMixin:
                 else:
                     req.seed_slot = node.device_state
                 req.kv_pages = torch.cat([prefix_pages, own])
-                # A hit that needed any host load (KV pages, or only the boundary state) counts on
-                # the host tier; what the request's lookup brought counts on storage.
-                loaded = num_cached if match.state_tier is Tier.HOST else match.num_host_tokens
-                by_tier = _cached_by_tier(num_cached, loaded, stored)
+                # A hit that needed any host load (KV pages, or only the boundary state; its own
+                # or one in flight for another request) counts on the host tier; what the
+                # request's lookup brought counts on storage.
+                by_tier = _cached_by_tier(num_cached, _loaded_tokens(tree, match, num_cached, page), stored)
                 req.locked_node = node
             else:
                 req.kv_pages = own
