@@ -41,7 +41,6 @@ Conventions (see docs/architecture.md):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import time
 from typing import Self
@@ -141,8 +140,14 @@ class Scheduler(AdmitMixin, FinishMixin):
         self._task.cancel()
         tg, self._tg = self._tg, None
         try:
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await tg.__aexit__(None, None, None)
+            except asyncio.CancelledError:
+                # The caller was cancelled while the loop stopped (the group has waited for it
+                # all the same): the device is still waited for and the requests freed, then
+                # the cancellation goes on.
+                await self._device_idle()
+                raise
             await self._device_idle()
         finally:
             self._cancel_all(list(self._waiting) + list(self._running))

@@ -212,3 +212,39 @@ async def test_requests_a_scheduler_cannot_take_are_typed_errors() -> None:
                 sched.submit([SPEC.vocab_size], 2)
         with pytest.raises(SchedulerError, match="closed"):
             sched.submit(prompt(8, 1, 1), 2)
+
+
+async def test_a_caller_cancelled_while_leaving_the_scheduler_stays_cancelled_and_frees_everything() -> None:
+    """Leaving waits for the loop to stop; a cancellation of the leaving task meanwhile is not
+    swallowed: the device is waited for and the requests freed all the same, then it goes on."""
+
+    class SlowToStop(Scheduler):
+        async def _loop(self) -> None:
+            try:
+                await super()._loop()
+            except asyncio.CancelledError:
+                await asyncio.sleep(0.3)  # a step that takes a while to end
+                raise
+
+    async with HybridCache(SPEC, config()) as cache:
+        sched = SlowToStop(MODEL, cache, SchedulerConfig(chunk_size=64))
+        left = asyncio.Event()
+        went_on: list[bool] = []
+
+        async def serve_then_leave() -> None:
+            async with sched:
+                sched.submit(prompt(40, 3, 1), 200)
+                await asyncio.sleep(0.05)
+                left.set()
+            went_on.append(True)  # never reached: the leave is cancelled
+
+        task = asyncio.create_task(serve_then_leave())
+        await left.wait()
+        await asyncio.sleep(0.05)  # inside __aexit__, waiting for the loop
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert task.cancelled() and not went_on
+        assert not sched._running and not sched._waiting
+        await settle(cache)
+        assert_nothing_held(cache)
