@@ -91,6 +91,29 @@ def _check_layer_kinds(spec: HybridSpec, config: HybridCacheConfig, *, storage: 
         )
 
 
+def _check_cpu_pools_fit(spec: HybridSpec, config: HybridCacheConfig, device: str | torch.device) -> None:
+    """On a CPU device the device pools are host memory too: with the host pools, checked
+    together against what the host has (:func:`check_host_bytes`), before any is made (a
+    pageable buffer commits no memory until written, so each checked alone would pass)."""
+    try:
+        on_cpu = torch.device(device).type == "cpu"
+    except (RuntimeError, TypeError):
+        return  # not a device: the pools say so
+    if not on_cpu:
+        return
+    sizes = {
+        "device_kv_pages": config.device_kv_pages * spec.kv_page_bytes,
+        "device_state_slots": config.device_state_slots * spec.state_bytes,
+    }
+    for what, size, unit in (
+        ("host_kv_bytes", config.host_kv_bytes, spec.kv_page_bytes),
+        ("host_state_bytes", config.host_state_bytes, spec.state_bytes),
+    ):
+        if size > 0 and unit > 0:
+            sizes[what] = size - size % unit
+    check_host_bytes({what: n for what, n in sizes.items() if n > 0})
+
+
 def _check_device_pools(spec: HybridSpec, config: HybridCacheConfig) -> None:
     """Refuse device pools no request fits in (a :class:`ConfigError` naming the field). Every
     request takes device KV pages, by which the tree indexes its prefix, and a device state slot
@@ -164,6 +187,8 @@ class HybridCache:
                 raise ConfigError(f"{name} must be an instance of {base.__name__} (or None for the default), got {got}")
         _check_device_pools(spec, config)
         _check_layer_kinds(spec, config, storage=backend is not None or config.storage_uri is not None)
+        if materialize:
+            _check_cpu_pools_fit(spec, config, device)
         self.spec = spec
         self.config = config
         self.device_kv = DeviceKVPool(spec, config.device_kv_pages, device=device, materialize=materialize)
@@ -262,7 +287,9 @@ class HybridCache:
         await self.controller.aclose()
 
     def flush_device(self) -> None:
-        """Evict everything evictable from the device tier (demoting what has a host copy)."""
+        """Evict everything evictable from the device tier (demoting what has a host copy).
+        Under ``write_back`` the eviction backs nodes up through the controller, so the cache
+        must be entered (``async with``): :class:`ClosedError` otherwise."""
         self.tree.evict_device(num_kv_pages=self.device_kv.num_items, num_states=self.device_mamba.num_items)
 
     def flush_host(self) -> None:

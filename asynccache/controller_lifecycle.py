@@ -155,7 +155,7 @@ class ControllerLifecycleMixin:
         if self._tg is None:
             if self._closing is not None:
                 raise ClosedError("the controller is closed")
-            raise ClosedError("use the controller as `async with HybridCacheController(...)`")
+            raise ClosedError("not started: enter it first (`async with HybridCache(...)` or `async with HybridCacheController(...)`)")
         return self._tg
 
     async def wait_idle(self) -> bool:

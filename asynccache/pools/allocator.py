@@ -150,6 +150,8 @@ def _as_numpy(indices: torch.Tensor | Iterable[int]) -> np.ndarray:
                 f"indices must be a tensor or a sequence of indices, got a 0-d tensor ({indices.item()!r})"
             )
         return indices.detach().to("cpu", torch.int64).numpy().reshape(-1)
+    if isinstance(indices, np.ndarray) and indices.ndim == 0:  # a scalar, as for a 0-d tensor
+        raise AllocationError(f"indices must be an array or a sequence of indices, got a 0-d array ({indices!r})")
     try:
         items = indices if isinstance(indices, np.ndarray) else list(indices)
     except TypeError:  # a scalar (free([i]) was meant)

@@ -86,7 +86,11 @@ class ItemPool:
             self.device = torch.device(device)
         except (RuntimeError, TypeError) as e:
             raise ConfigError(f"{name}: not a device: {device!r} ({e})") from None
-        if materialize and self.device.type == "cuda" and not _cuda_device_present(self.device):
+        if self.device.type not in ("cpu", "cuda"):
+            # (copies to or from another type, "meta" say, would be no-ops counted as done)
+            raise ConfigError(f"{name}: device {self.device} is neither a CPU nor a CUDA device")
+        if self.device.type == "cuda" and not _cuda_device_present(self.device):
+            # accounting mode too: the controller makes its CUDA streams on that device
             raise ConfigError(f"{name}: device {self.device} is not available here")
         self.buffer: torch.Tensor | None = None
         self.pinned = False

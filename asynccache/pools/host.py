@@ -11,6 +11,7 @@ reader processes, ``read_processes``; see ``asynccache.pools.memory``).
 from __future__ import annotations
 
 import math
+import numbers
 
 from asynccache.errors import ConfigError
 from asynccache.pools.base import ItemPool, PoolLayout, check_size
@@ -42,7 +43,12 @@ def resolve_num_items(
             # A pool without layers has zero-byte items: any byte budget would mean unbounded items.
             raise ConfigError(f"{what}: the pool has no layers, so size_bytes cannot size it; give {num_items_name}")
         return size_bytes // bytes_per_index
-    if device_pool is None or ratio is None or isinstance(ratio, bool) or not 0 < ratio < math.inf:
+    if (
+        device_pool is None
+        or not isinstance(ratio, numbers.Real)
+        or isinstance(ratio, bool)
+        or not 0 < ratio < math.inf
+    ):
         raise ConfigError(f"{what}: ratio needs a finite positive value and the device pool, got {ratio!r}")
     # Rounded to the nearest whole item first, so that a ratio like 2.3 of 100 items is 230,
     # not the 229 that float arithmetic (229.99999999999997) would truncate to.

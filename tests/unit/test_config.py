@@ -107,7 +107,7 @@ def test_host_pools_too_large_together_are_refused_before_either_is_made(monkeyp
     config = HybridCacheConfig(**BASE, host_kv_bytes=kv_bytes, host_state_bytes=state_bytes, pin_host_memory=False)
     with pytest.raises(CapacityError, match=f"host_kv_bytes {kv_bytes} \\+ host_state_bytes {state_bytes}"):
         HybridCache(SPEC, config)
-    assert made == ["device_kv", "device_mamba"]
+    assert made == []  # on a CPU cache the device pools are host memory too: checked with them
     # Either alone fits.
     HostKVPool(SPEC, size_bytes=kv_bytes, pin=False)
     cache = HybridCache(SPEC, HybridCacheConfig(**BASE, host_kv_bytes=kv_bytes, pin_host_memory=False))
