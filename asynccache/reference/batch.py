@@ -51,6 +51,11 @@ class SequenceInput:
       ignored and overwritten when ``start == 0``).
     - ``snapshots``: ``{position p: slot}`` with ``start < p ≤ start + n``: after ``p`` tokens,
       copy every recurrent layer's state (conv and ssm) into ``slot``.
+
+    Integers given as other integer types (NumPy, 0-d integer tensors) are kept as Python ints:
+    ``start``, ``state_slot`` and ``snapshots`` (a new dict), so that positions and slots compare
+    and hash by value; two keys of one position are a :class:`ConfigError`. Anything else is
+    left for :func:`plan_passes` to refuse.
     """
 
     token_ids: torch.Tensor
@@ -58,6 +63,22 @@ class SequenceInput:
     kv_page_indices: torch.Tensor
     state_slot: int
     snapshots: Mapping[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("start", "state_slot"):
+            value = as_int(getattr(self, name))
+            if value is not None:
+                object.__setattr__(self, name, value)
+        snaps = self.snapshots
+        if not isinstance(snaps, Mapping):
+            raise ConfigError(f"snapshots must be a mapping of positions to slots, got {type(snaps).__name__}")
+        ints: dict[object, object] = {}
+        for p, slot in snaps.items():
+            key = _int_or_same(p)
+            if key in ints:
+                raise ConfigError(f"snapshot position {key} is given twice")
+            ints[key] = _int_or_same(slot)
+        object.__setattr__(self, "snapshots", ints)
 
     @property
     def num_new_tokens(self) -> int:
@@ -67,6 +88,11 @@ class SequenceInput:
     def end(self) -> int:
         """Tokens in the cache after this step."""
         return self.start + self.num_new_tokens
+
+
+def _int_or_same(value: object) -> object:
+    n = as_int(value)
+    return value if n is None else n
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -102,6 +128,9 @@ class Segment:
 
 def _validate(seq: SequenceInput, i: int, *, page_size: int, num_pages: int, vocab_size: int) -> None:
     ids = seq.token_ids
+    for name in ("token_ids", "kv_page_indices"):
+        if not isinstance(getattr(seq, name), torch.Tensor):
+            raise ConfigError(f"sequence {i}: {name} must be a 1-D int64 torch.Tensor, got {type(getattr(seq, name)).__name__}")
     if ids.dim() != 1 or ids.dtype != torch.int64 or ids.numel() < 1:
         raise ConfigError(f"sequence {i}: token_ids must be a non-empty 1-D int64 tensor, got {tuple(ids.shape)} {ids.dtype}")
     # Host tensors only: on the device the check would wait for it (an out-of-range id there is

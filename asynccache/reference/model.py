@@ -58,9 +58,11 @@ from asynccache.reference.graphs import LayerGraphs
 from asynccache.reference.layers import DecoderLayer, RMSNorm
 from asynccache.reference.padding import pad_recurrent_rows, run_recurrent_layer
 from asynccache.reference.weights import (
+    check_checkpoint_metadata,
+    checkpoint_metadata,
     init_random_,
     load_tensors_,
-    read_safetensors,
+    read_checkpoint,
     save_safetensors,
 )
 from asynccache.spec import HybridSpec
@@ -105,7 +107,9 @@ class HybridModel(nn.Module):
 
     ``dtype``: what it computes in, one of :data:`MODEL_DTYPES` (the spec's KV and state
     dtypes, any floating-point ones). ``weights``: a ``{name: tensor}`` mapping to load instead
-    of the seeded random init (see :meth:`from_safetensors`). ``pack_sequences``: compute the sequences of a batch together
+    of the seeded random init, checked by names, shapes and dtypes only (see
+    :meth:`from_safetensors`, which also checks a file's recorded geometry and model_id).
+    ``pack_sequences``: compute the sequences of a batch together
     (``None``: on CUDA only). ``cuda_graphs``: replay the recurrent layers of passes of up
     to 2,048 tokens from CUDA graphs (``None``: on CUDA; see ``asynccache.reference.graphs``).
     ``bucket_passes``: the recurrent layers compute segments padded to bucket lengths, so that
@@ -161,21 +165,38 @@ class HybridModel(nn.Module):
         pack_sequences: bool | None = None,
         cuda_graphs: bool | None = None,
         bucket_passes: bool | None = None,
+        check_model_id: bool = True,
     ) -> HybridModel:
-        """Load weights written by :meth:`save_safetensors` (or any file with the same names and shapes)."""
-        return cls(
+        """Load weights written by :meth:`save_safetensors`, or any checkpoint with the same names
+        and shapes (``path``: a safetensors file, a sharded checkpoint's
+        ``*.safetensors.index.json``, or a folder holding ``model.safetensors`` or
+        ``model.safetensors.index.json``; see :func:`~asynccache.reference.weights.read_checkpoint`).
+
+        Checked, each a :class:`ConfigError`: the tensors' names, shapes and dtypes (see
+        :func:`~asynccache.reference.weights.load_tensors_`); then the model geometry the file's
+        metadata records (:meth:`save_safetensors` writes it; shapes do not fix all of it, e.g. a
+        Gated DeltaNet layer's key heads × key head dim); then the ``model_id`` it records, which
+        must be ``spec.model_id`` unless ``check_model_id=False`` (the same weights under another
+        name). A file without such metadata, e.g. a Hugging Face checkpoint, is checked by its
+        tensors alone."""
+        tensors, metadata = read_checkpoint(path, device=device)
+        model = cls(
             spec,
             device=device,
             dtype=dtype,
-            weights=read_safetensors(path, device=device),
+            weights=tensors,
             pack_sequences=pack_sequences,
             cuda_graphs=cuda_graphs,
             bucket_passes=bucket_passes,
         )
+        check_checkpoint_metadata(spec, metadata, check_model_id=check_model_id, source=f"checkpoint {path}")
+        return model
 
     def save_safetensors(self, path: str | PathLike[str]) -> None:
-        """Write every parameter to ``path`` (safetensors, Hugging Face-style names)."""
-        save_safetensors(self, path, metadata={"model_id": self.spec.model_id, "num_layers": str(self.spec.num_layers)})
+        """Write every parameter to ``path`` (safetensors, Hugging Face-style names), with the
+        spec's ``model_id`` and model geometry in the file's metadata (which
+        :meth:`from_safetensors` checks)."""
+        save_safetensors(self, path, metadata=checkpoint_metadata(self.spec))
 
     @property
     def num_parameters(self) -> int:
@@ -315,7 +336,9 @@ def _check_spec(spec: HybridSpec, dtype: torch.dtype) -> None:
     """What the model can run, else a :class:`ConfigError`: an unsharded spec with positive
     model dimensions, an even ``head_dim`` (rotate-half RoPE) when it has attention layers, a
     floating-point KV and state dtype (an integer one would truncate K/V and states), Gated
-    DeltaNet recurrent layers, and a model dtype of :data:`MODEL_DTYPES`."""
+    DeltaNet recurrent layers whose state components are ``conv`` ``(conv_dim, conv_kernel - 1)``
+    and ``ssm`` ``[v_heads, k_dim, v_dim]`` as ``spec.linear`` derives them, and a model dtype of
+    :data:`MODEL_DTYPES`."""
     if dtype not in MODEL_DTYPES:
         names = [str(d).removeprefix("torch.") for d in MODEL_DTYPES]
         raise ConfigError(f"the reference model computes in {names}, not {dtype}")
@@ -340,6 +363,19 @@ def _check_spec(spec: HybridSpec, dtype: torch.dtype) -> None:
     overlap = set(spec.attention_layer_ids) & set(spec.mamba_layer_ids)
     if overlap:
         raise ConfigError(f"layers {sorted(overlap)} are both attention and recurrent; the reference model runs one per layer")
+    if not spec.mamba_layer_ids:
+        return
     names = [c.name for c in spec.state_components]
-    if spec.mamba_layer_ids and names != ["conv", "ssm"]:
+    if names != ["conv", "ssm"]:
         raise ConfigError(f"expected state components ['conv', 'ssm'], got {names}")
+    # The state pool's items are laid out from the components; the layers compute from the
+    # linear geometry. A mismatch would restore states into the wrong shape.
+    geo, (conv, ssm) = spec.linear, spec.state_components
+    wanted = {"conv": (geo.conv_dim(), geo.conv_kernel - 1), "ssm": tuple(geo.ssm_shape())}
+    for c in (conv, ssm):
+        if tuple(c.shape) != wanted[c.name]:
+            raise ConfigError(
+                f"spec {spec.model_id!r}: state component {c.name!r} has shape {tuple(c.shape)}, but its linear "
+                f"geometry (conv_kernel={geo.conv_kernel}, {geo.num_k_heads} key heads × {geo.head_k_dim}, "
+                f"{geo.num_heads} value heads × {geo.head_dim}) needs {wanted[c.name]}"
+            )
