@@ -13,6 +13,7 @@ import torch
 from asynccache.cache import HybridCache
 from asynccache.config import HybridCacheConfig
 from asynccache.reference.model import HybridModel
+from asynccache.reference.scheduler import Scheduler, SchedulerConfig
 from asynccache.restore_cost import RestoreCost
 from asynccache.spec import HybridSpec
 
@@ -103,6 +104,17 @@ def split_cost(spec: HybridSpec) -> RestoreCost:
 def config_with(spec: HybridSpec, **overrides: Any) -> HybridCacheConfig:
     """:func:`serving_config` of ``spec`` with some fields replaced."""
     return dataclasses.replace(serving_config(spec), **overrides)
+
+
+async def cold_output(model: HybridModel, tokens: list[int], n: int) -> list[int]:
+    """``model``'s greedy output for ``tokens`` computed cold (the cache not used), on pools
+    with room for any test prompt."""
+    config = config_with(model.spec, device_kv_pages=512, device_state_slots=64)
+    async with (
+        HybridCache(model.spec, config) as cache,
+        Scheduler(model, cache, SchedulerConfig(chunk_size=4096, use_cache=False)) as sched,
+    ):
+        return (await sched.generate(tokens, n)).output_ids
 
 
 def arith_prompt(n: int, a: int, b: int) -> list[int]:

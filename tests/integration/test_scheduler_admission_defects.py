@@ -265,10 +265,15 @@ async def test_a_request_without_room_fails_with_what_it_needs_and_what_is_free(
         held = cache.tree.alloc_device(10, 0)  # not the tree's: nothing evicts them
         assert held is not None
         try:
-            with pytest.raises(CapacityError, match="need 8 KV pages .* 6 of 16 pages and 8 of 8 slots are free"):
+            with pytest.raises(CapacityError, match="need 8 KV pages .* 6 of 16 pages and 8 of 8 slots are free") as err:
                 await asyncio.wait_for(sched.generate(arith_prompt(30, 7, 3), 3), 30)
         finally:
             cache.device_kv.free(held.kv_indices)
+        # what is cached (evictable but for its locked part) is told from what is in use elsewhere
+        assert str(err.value).endswith(
+            "the cache keeps 0 pages (0 of them locked or in a copy) and 0 slots, and 10 pages and 0 slots "
+            "are in use outside it"
+        )
         assert len((await sched.generate(arith_prompt(30, 7, 3), 3)).output_ids) == 3
 
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import serving
 from serving import arith_prompt, config_with, tiny_model, tiny_spec
 
 from asynccache.cache import HybridCache
-from asynccache.reference.scheduler import Scheduler, SchedulerConfig
+from asynccache.reference.scheduler import Scheduler
 
 SPEC = tiny_spec()
 PAGE = SPEC.page_size
@@ -20,12 +21,7 @@ PREFIX = arith_prompt(15 * PAGE, 3, 1)
 
 
 async def cold_output(tokens: list[int], n: int) -> list[int]:
-    config = config_with(SPEC, device_kv_pages=512, device_state_slots=64)
-    async with (
-        HybridCache(SPEC, config) as cache,
-        Scheduler(MODEL, cache, SchedulerConfig(chunk_size=4096, use_cache=False)) as sched,
-    ):
-        return (await sched.generate(tokens, n)).output_ids
+    return await serving.cold_output(MODEL, tokens, n)
 
 
 @pytest.mark.parametrize("on_host", ["pages", "state"])

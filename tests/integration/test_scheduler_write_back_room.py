@@ -9,11 +9,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import pytest
+import serving
 from serving import arith_prompt, config_with, held_nodes, tiny_model, tiny_spec
 
 from asynccache.cache import HybridCache
-from asynccache.errors import CapacityError
 from asynccache.reference.scheduler import Scheduler, SchedulerConfig
 
 SPEC = tiny_spec()
@@ -22,12 +21,7 @@ MODEL = tiny_model(SPEC, "cpu", seed=0)
 
 
 async def cold_output(tokens: list[int], n: int) -> list[int]:
-    config = config_with(SPEC, device_kv_pages=512, device_state_slots=64)
-    async with (
-        HybridCache(SPEC, config) as cache,
-        Scheduler(MODEL, cache, SchedulerConfig(chunk_size=4096, use_cache=False)) as sched,
-    ):
-        return (await sched.generate(tokens, n)).output_ids
+    return await serving.cold_output(MODEL, tokens, n)
 
 
 async def two_conversations(sched: Scheduler, cache: HybridCache) -> None:
@@ -97,21 +91,3 @@ async def test_attempts_that_free_device_memory_are_retried() -> None:
         await cache.controller.wait_idle()
         tree.check_integrity()
     assert result.output_ids == await cold_output(prompt, 6)
-
-
-async def test_no_room_error_tells_cached_pages_from_pages_in_use_elsewhere() -> None:
-    config = config_with(SPEC, device_kv_pages=16, device_state_slots=8)
-    async with HybridCache(SPEC, config) as cache, Scheduler(MODEL, cache) as sched:
-        held = cache.tree.alloc_device(10, 0)  # not the tree's: nothing evicts them
-        assert held is not None
-        try:
-            with pytest.raises(CapacityError) as err:
-                await asyncio.wait_for(sched.generate(arith_prompt(30, 7, 3), 3), 30)
-        finally:
-            cache.device_kv.free(held.kv_indices)
-    message = str(err.value)
-    assert "held" not in message
-    assert message.endswith(
-        "6 of 16 pages and 8 of 8 slots are free; the cache keeps 0 pages (0 of them locked or in a copy) "
-        "and 0 slots, and 10 pages and 0 slots are in use outside it"
-    )
