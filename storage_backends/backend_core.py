@@ -166,11 +166,11 @@ class BackendCore(ABC):
         #: a read or probe in flight began at (``_checking``): an object it finds invalid is
         #: not removed when a put of it came since (``_still_invalid``)
         self._num_puts = 0
+        self._put_at: dict[str, int] = {}  # only while a read or probe is in flight
+        self._checks: Counter[int] = Counter()
         #: the deadlines of the items in flight of the backends that read and write item by
         #: item (``_per_item``): a close past its grace ends them (``_end_items``)
         self._item_deadlines: set[asyncio.Timeout] = set()
-        self._put_at: dict[str, int] = {}
-        self._checks: Counter[int] = Counter()
         self._ready = False
         #: the first-use setup's attempts (shared by the calls that come while one runs)
         self._setup = FirstUseSetup(uri)
@@ -366,8 +366,9 @@ class BackendCore(ABC):
         unique = list(dict.fromkeys(names))
         if not delete:
             self._num_puts += 1
-            for name in unique:
-                self._put_at[name] = self._num_puts
+            if self._checks:  # a read or probe that begins later sees this put in its mark
+                for name in unique:
+                    self._put_at[name] = self._num_puts
         before = {f for name in unique for f in other.get(name, ())}
         for name in unique:
             own.setdefault(name, set()).add(mine)

@@ -60,4 +60,6 @@ async def test_a_put_that_lands_while_a_read_finds_the_old_object_invalid_is_kep
     assert await get(backend, kv_transfer(keys, [3])) == [[False]]
     assert await harness.raw_get(backend, name) is None
     assert not backend._put_at and not backend._checks  # nothing kept once no read is in flight
+    assert await put(backend, kv_transfer(make_keys(1, seed=f"later-{via}"), [1])) == [[True]]
+    assert not backend._put_at  # a put with no read in flight records nothing
     await backend.aclose()
