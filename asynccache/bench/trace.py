@@ -189,13 +189,18 @@ def _plot_title(doc: dict[str, Any]) -> str:
 def _from_json(args: argparse.Namespace) -> int:
     try:
         doc = json.loads(Path(args.from_json).read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read {args.from_json}: {e}") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise ConfigError(f"cannot read {args.from_json}: {e!r}") from None
     try:
-        bound = float(doc["bound"])
-        results = [ReplayResult.from_json(r, bound=bound) for r in doc["results"]]
+        bound = doc["bound"]
+        if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not 0 <= bound <= 1:
+            raise ValueError(f"bound must be a fraction in [0, 1], got {bound!r}")
+        results = [ReplayResult.from_json(r, bound=float(bound)) for r in doc["results"]]
+        for r in results:
+            if not 0 <= r.hit_tokens <= r.prompt_tokens or sum(r.hit_tokens_by_tier.values()) > r.hit_tokens:
+                raise ValueError(f"{r.hit_tokens} tokens hit of {r.prompt_tokens} ({r.hit_tokens_by_tier} by tier)")
         title = _plot_title(doc)
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise ConfigError(f"{args.from_json} is not a result of this benchmark ({type(e).__name__}: {e})") from None
     if args.plot and not results:
         raise ConfigError(f"--plot: {args.from_json} holds no results, nothing to plot")
@@ -206,11 +211,26 @@ def _from_json(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_outputs_apart(args: argparse.Namespace) -> None:
+    """``--json`` and ``--plot`` name files other than ``--trace`` and each other: the run would
+    otherwise overwrite its input, or one output the other."""
+    named = [("--trace", args.trace), ("--json", args.json_path), ("--plot", args.plot)]
+    seen: dict[Path, str] = {}
+    for flag, path in named:
+        if not path:
+            continue
+        resolved = Path(path).resolve()
+        if resolved in seen:
+            raise ConfigError(f"{flag} {path} is the file {seen[resolved]} names too")
+        seen[resolved] = flag
+
+
 def run(args: argparse.Namespace) -> int:
     if args.from_json:
         return _from_json(args)
     if not args.trace:
         raise ConfigError("--trace FILE is required (or --from-json PATH to re-report a previous run)")
+    _check_outputs_apart(args)
     t0 = time.perf_counter()
     if args.page_size is None:
         args.page_size = args.block_size
@@ -259,7 +279,10 @@ def run(args: argparse.Namespace) -> int:
         "spec": spec.model_id,
         "page_size": spec.page_size,
         "engine": args.engine,
-        "bound_definition": "Σ floor(min(k·block, L−1)/page)·page / Σ L, k = leading blocks seen earlier",
+        "bound_definition": (
+            "Σ floor(min(m, L−1)/page)·page / Σ L, m = leading tokens seen in an earlier request (whole "
+            "blocks, or a partial block's seen tokens)"
+        ),
         "total_wall_s": total_s,
     }
     if args.json_path:

@@ -168,7 +168,7 @@ class AdaptiveAdmission(BranchAdmission):
 
     def _update(self, tier: str, capacity_bytes: int) -> int | None:
         # Re-decided at most every regrid_interval_s of trace time (no flapping between grids).
-        now = self._last_insert or 0.0
+        now = 0.0 if self._last_insert is None else self._last_insert
         last = self._regrid_at.get(tier)
         if last is not None and now - last < self.regrid_interval_s:
             return getattr(self, f"{tier}_grid")  # type: ignore[no-any-return]
@@ -184,7 +184,7 @@ class AdaptiveAdmission(BranchAdmission):
             grid = self.choose_grid(capacity_bytes, observed_s=self.observed_s(now))
         if grid != getattr(self, f"{tier}_grid"):
             setattr(self, f"{tier}_grid", grid)
-            self.grid_history.append((self._last_insert or 0.0, tier, grid))
+            self.grid_history.append((now, tier, grid))
         return grid
 
     # ---- positions -----------------------------------------------------------------------

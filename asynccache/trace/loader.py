@@ -4,7 +4,8 @@ One request per line::
 
     {"timestamp": 0, "input_length": 6758, "output_length": 500, "hash_ids": [0, 1, 2, …]}
 
-- ``timestamp``: arrival in milliseconds from the start of the trace;
+- ``timestamp``: arrival in milliseconds from the start of the trace (:func:`load_trace`
+  counts them from the first request's: a trace stamped with, say, Unix times replays the same);
 - ``input_length`` / ``output_length``: token counts (no tokens are given);
 - ``hash_ids``: one id per ``block_size``-token block of the input (512 in the Mooncake traces),
   the last block may be partial: ``len(hash_ids) == ceil(input_length / block_size)``. Equal ids
@@ -210,7 +211,14 @@ def load_trace(
                     raise TraceFormatError(f"{path}:{lineno}: not a Mooncake request ({e!r})") from e
     except (OSError, UnicodeDecodeError) as e:
         raise TraceFormatError(f"cannot read trace {path}: {e}") from e
-    return Trace.from_requests(rows, block_size=block_size, name=path.stem)
+    except RecursionError as e:  # JSON nested too deeply for the parser
+        raise TraceFormatError(f"{path}:{lineno}: not a Mooncake request (nested too deeply)") from e
+    trace = Trace.from_requests(rows, block_size=block_size, name=path.stem)
+    # Times from the first request: the replay's clock steps by a fixed epsilon and policies
+    # count from 0, so the same trace stamped from another origin replays the same.
+    stamps = trace.timestamps_s
+    stamps -= stamps[0]  # in place (the trace is frozen, its columns are its own)
+    return trace
 
 
 _INT64_MAX = 2**63 - 1

@@ -39,6 +39,7 @@ Primitives: :class:`TraceReplay` (one replay of one trace, synchronous copies) a
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -165,7 +166,10 @@ class TraceReplay:
     # ---- clock ---------------------------------------------------------------------------
     def _clock(self) -> float:
         """Trace time, strictly increasing across calls."""
-        self._tick = max(self._now, self._tick + _CLOCK_EPS_S)
+        step = self._tick + _CLOCK_EPS_S
+        if step == self._tick:  # past ~2³⁰ s the epsilon is below the float's resolution
+            step = math.nextafter(self._tick, math.inf)
+        self._tick = max(self._now, step)
         return self._tick
 
     # ---- copies ------------------------------------------------------------------------

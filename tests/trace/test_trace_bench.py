@@ -98,6 +98,13 @@ def test_a_result_file_of_the_right_types_is_re_reported(tmp_path: Path, capsys:
         ("HIT_TOKENS_STR", False, "'hit_tokens' must be an integer"),
         ("BUDGET_STR", False, "'budget_bytes' must be an object of integers"),
         ("NUM_REQUESTS_NULL", True, "num_requests must be an integer"),
+        ('{"bound": NaN, "results": []}', False, "bound must be a fraction in [0, 1]"),
+        ('{"bound": -3, "results": []}', False, "bound must be a fraction in [0, 1]"),
+        ('{"bound": "0.5", "results": []}', False, "bound must be a fraction in [0, 1]"),
+        ('{"bound": true, "results": []}', False, "bound must be a fraction in [0, 1]"),
+        ("HIT_TOKENS_ABOVE_PROMPT", False, "tokens hit of"),
+        ("TIER_HUGE", False, "is not a result of this benchmark"),
+        ("[" * 100000 + "]" * 100000, False, "cannot read"),
         ("SPEC_NUMBER", True, "trace and spec must be strings"),
     ],
 )
@@ -105,7 +112,7 @@ def test_from_json_that_cannot_be_re_reported_is_one_error_line(
     tmp_path: Path, text: str | None, plot: bool, needle: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "r.json"
-    if text is not None and text.isupper():  # a valid result file with one value of a wrong type
+    if text is not None and text.isupper() and text[0].isalpha():  # a valid result file, one value wrong
         doc = {"bound": 0.5, "results": [_RESULT], "trace": "t", "num_requests": 30, "spec": "tiny"}
         if text == "HIT_TOKENS_STR":
             doc["results"] = [{**_RESULT, "hit_tokens": "1000"}]
@@ -113,6 +120,10 @@ def test_from_json_that_cannot_be_re_reported_is_one_error_line(
             doc["results"] = [{**_RESULT, "budget_bytes": {"device": "64KiB"}}]
         elif text == "NUM_REQUESTS_NULL":
             doc["num_requests"] = None
+        elif text == "HIT_TOKENS_ABOVE_PROMPT":
+            doc["results"] = [{**_RESULT, "hit_tokens": _RESULT["prompt_tokens"] + 1}]
+        elif text == "TIER_HUGE":
+            doc["results"] = [{**_RESULT, "hit_rate_by_tier": {"device": 1e308}}]
         else:
             doc["spec"] = 80
         text = json.dumps(doc)
@@ -200,3 +211,37 @@ def test_a_failed_replay_starts_no_queued_one(monkeypatch: pytest.MonkeyPatch) -
         bench_trace._run_cells(cells, bound=None, jobs=2)  # type: ignore[arg-type]
     release.set()
     assert len(started) <= 3  # the failed cell, the one beside it, at most one taken meanwhile
+
+
+def test_an_output_that_names_the_trace_or_the_other_output_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = _write_trace(tmp_path / "t.jsonl")
+    before = trace.read_text()
+    same = [["--json", str(tmp_path / "." / "t.jsonl")], ["--json", str(tmp_path / "r.png"), "--plot", str(tmp_path / "r.png")]]
+    for extra in same:
+        argv = ["bench", "trace", "--trace", str(trace), "--spec", "tiny", "--page-size", "8", "--block-size", "8",
+                "--policies", "ends/lru", "--jobs", "1", "--engine", "sync", *extra]  # fmt: skip
+        assert main(argv) == 2
+        assert "names too" in capsys.readouterr().err
+    assert trace.read_text() == before
+
+
+def test_a_trace_replays_the_same_whatever_its_clock_starts_at(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Times count from the first request: Unix-epoch or negative stamps replay as from 0."""
+    base = _write_trace(tmp_path / "t.jsonl")
+    docs = []
+    for shift in (0, 1_740_000_000_000, -1_000_000):
+        rows = [json.loads(line) for line in base.read_text().splitlines()]
+        path = tmp_path / f"t{shift}.jsonl"
+        path.write_text("".join(json.dumps({**r, "timestamp": r["timestamp"] + shift}) + "\n" for r in rows))
+        out = tmp_path / f"r{shift}.json"
+        argv = ["bench", "trace", "--trace", str(path), "--spec", "tiny", "--page-size", "8", "--block-size", "8",
+                "--device-budget", "64KiB", "--budgets", "64KiB", "--storage-budgets", "0,4MiB",
+                "--policies", "adaptive/reuse/write_back,branch/cost-aware", "--jobs", "1", "--engine", "sync",
+                "--json", str(out)]  # fmt: skip
+        assert main(argv) == 0
+        doc = json.loads(out.read_text())
+        docs.append([{k: v for k, v in r.items() if k not in ("wall_s", "extra")} for r in doc["results"]])
+    capsys.readouterr()
+    assert docs[0] == docs[1] == docs[2]

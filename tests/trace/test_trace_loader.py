@@ -109,3 +109,18 @@ def test_sizes_that_are_not_whole_bytes_are_refused() -> None:
     for bad in ("0.4", "1.5b", "0.1KiB"):
         with pytest.raises(ConfigError, match="whole number of bytes"):
             parse_size(bad)
+
+
+def test_times_count_from_the_first_request(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    rows = [{"timestamp": 1_740_000_000_000 + 500 * i, "input_length": 4, "output_length": 1, "hash_ids": [i]}
+            for i in range(3)]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert load_trace(path, block_size=4).timestamps_s.tolist() == [0.0, 0.5, 1.0]
+
+
+def test_json_nested_too_deeply_is_a_format_error_naming_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [0]}\n' + "[" * 100000 + "]" * 100000 + "\n")
+    with pytest.raises(TraceFormatError, match=r"t.jsonl:2: .*nested too deeply"):
+        load_trace(path, block_size=4)

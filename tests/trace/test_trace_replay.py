@@ -408,3 +408,16 @@ async def test_a_storage_restore_reads_only_the_pages_past_the_tree_s_in_both_en
     assert sync.hit_tokens_by_tier == ctrl.hit_tokens_by_tier and sync.hit_tokens_by_tier["storage"] == 6 * BLOCK
     assert sync.bytes_moved["storage_read"] == ctrl.bytes_moved["storage_read"]
     assert sync.bytes_moved["d2h"] == ctrl.bytes_moved["d2h"]
+
+
+def test_the_replay_clock_strictly_increases_at_any_time() -> None:
+    """Past ~2³⁰ s a fixed epsilon is below a float's resolution: the clock still moves."""
+    import itertools
+
+    from asynccache.trace.replay import TraceReplay
+
+    replay = TraceReplay.__new__(TraceReplay)
+    for now in (0.0, 3600.0, 1.74e9, -1.0e3):
+        replay._now, replay._tick = now, float("-inf")
+        ticks = [replay._clock() for _ in range(4)]
+        assert ticks[0] == now and all(b > a for a, b in itertools.pairwise(ticks))
