@@ -17,6 +17,7 @@ from asynccache.errors import ConfigError
 from asynccache.ops import CacheOperation
 from asynccache.prefetch import Prefetcher
 from asynccache.storage import PoolName
+from asynccache.tiering import match_tenant
 
 if TYPE_CHECKING:
     from asynccache.snapshots import SnapshotArchive
@@ -42,10 +43,14 @@ class StorageTierMixin:
         def _require_started(self) -> asyncio.TaskGroup: ...
 
     def prefetch(
-        self, tokens: Sequence[int], match: Any, *, salt: str = "", allow_tail: bool = False
+        self, tokens: Sequence[int], match: Any, *, salt: str | None = None, allow_tail: bool = False
     ) -> asyncio.Task[Any] | None:
         """Start fetching from storage what ``tokens`` miss past ``match``; None without a backend
         or when ``match`` already covers every full page of ``tokens``.
+
+        What is fetched lands in the match's tenant (``match.salt``, whose keys it reads);
+        ``salt``, if given, must be that one (:class:`ConfigError` otherwise: another tenant's
+        tree would get this tenant's data).
 
         The prefetch runs in the controller's TaskGroup; wait for it with :meth:`wait_prefetch`,
         which stops waiting at the prefetch policy's deadline but never cancels the fetch (its
@@ -54,6 +59,7 @@ class StorageTierMixin:
         stopped waiting: see :meth:`wait_prefetch`).
         """
         tg = self._require_started()
+        salt = match_tenant(match, salt)
         if self.tiering is None or len(match.page_hashes) * self.spec.page_size <= match.num_tokens:
             return None
         return self._prefetcher.start(tg, self.tiering, tokens, match, salt=salt, allow_tail=allow_tail)

@@ -62,6 +62,7 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from asynccache.completion import drop_done
+from asynccache.errors import ConfigError
 from asynccache.host_archive import HostWriteArchiver
 from asynccache.prefetch import PrefetchResult, TailRestore, held_node
 from asynccache.read_landing import timed_read
@@ -82,11 +83,21 @@ if TYPE_CHECKING:
 
 # PrefetchResult and TailRestore (asynccache.prefetch), RestoreCost and ReadTimeCorrection
 # (asynccache.restore_cost) are what the tier's prefetch gives and takes: importable from here too.
-__all__ = ["PrefetchResult", "ReadTimeCorrection", "RestoreCost", "StorageTier", "TailRestore"]
+__all__ = ["PrefetchResult", "ReadTimeCorrection", "RestoreCost", "StorageTier", "TailRestore", "match_tenant"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+def match_tenant(match: Any, salt: str | None) -> str:
+    """The tenant a fetch past ``match`` lands in: the match's own (its keys are that tenant's);
+    a ``salt`` given that is another is a :class:`ConfigError` — the fetch would read this
+    tenant's objects into that tenant's tree."""
+    own = match.salt
+    if salt is not None and salt != own:
+        raise ConfigError(f"prefetch for tenant {salt!r} of a match made for tenant {own!r}: pass the match's salt")
+    return own
+
 
 class StorageTier(TailFetchMixin):
     def __init__(self, controller: HybridCacheController, backend: StorageBackend, tg: asyncio.TaskGroup) -> None:
@@ -167,16 +178,18 @@ class StorageTier(TailFetchMixin):
         tokens: Any,
         match: Any,
         *,
-        salt: str = "",
+        salt: str | None = None,
         allow_tail: bool = False,
         probed: asyncio.Event | None = None,
     ) -> PrefetchResult:
-        """Fetch from storage the part of ``tokens`` past ``match`` (see module docstring).
+        """Fetch from storage the part of ``tokens`` past ``match`` (see module docstring), into
+        the match's tenant (``salt``, if given, must be ``match.salt``: :func:`match_tenant`).
 
         With ``allow_tail`` the result may carry a :class:`TailRestore` that the caller owns.
         ``probed`` is set once storage has been probed: when the fetch starts reading (a whole
         restore), or when it ends (a miss, a split restore, a failure).
         """
+        salt = match_tenant(match, salt)
         try:
             page = self.tree.spec.page_size
             start_page = match.num_tokens // page

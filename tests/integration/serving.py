@@ -46,15 +46,16 @@ def serving_config(spec: HybridSpec, storage_uri: str | None = None) -> HybridCa
     )
 
 
-async def store_only(cache: HybridCache, tokens: list[int], *, grid: int) -> None:
-    """Insert ``tokens`` (whole pages) with a state every ``grid`` pages, back them up to the
-    cache's storage, then flush device and host: the prefix is in storage only."""
+async def store_only(cache: HybridCache, tokens: list[int], *, grid: int, salt: str = "") -> None:
+    """Insert ``tokens`` (whole pages; for tenant ``salt``) with a state every ``grid`` pages,
+    back them up to the cache's storage, then flush device and host: the prefix is in storage
+    only."""
     page = cache.spec.page_size
     positions = list(range(grid * page, len(tokens) + 1, grid * page))
     alloc = cache.tree.alloc_device(len(tokens) // page, len(positions))
     assert alloc is not None
     states = dict(zip(positions, alloc.state_slots.tolist(), strict=True))
-    res = cache.tree.insert(tokens, alloc.kv_indices, states=states)
+    res = cache.tree.insert(tokens, alloc.kv_indices, states=states, salt=salt)
     op = cache.controller.write(res.backup_nodes)
     assert op is not None
     cache.controller.start_writing()
@@ -63,7 +64,7 @@ async def store_only(cache: HybridCache, tokens: list[int], *, grid: int) -> Non
     await cache.controller.tiering.drain()
     cache.flush_device()
     cache.flush_host()
-    assert cache.tree.match_prefix(tokens).num_tokens == 0
+    assert cache.tree.match_prefix(tokens, salt=salt).num_tokens == 0
 
 
 def slow_backend(
