@@ -110,7 +110,6 @@ class PrefetchResult:
 
     num_tokens: int
     num_pages_fetched: int
-    timed_out: bool = False
     tail: TailRestore | None = None
 
 
