@@ -89,6 +89,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+
 def match_tenant(match: Any, salt: str | None) -> str:
     """The tenant a fetch past ``match`` lands in: the match's own (its keys are that tenant's);
     a ``salt`` given that is another is a :class:`ConfigError` — the fetch would read this
