@@ -45,7 +45,7 @@ from asynccache.trace.bound import BoundResult, infinite_cache_bound
 from asynccache.trace.config import ReplayConfig
 from asynccache.trace.controller_replay import replay_trace_with_controller
 from asynccache.trace.flops import FlopModel
-from asynccache.trace.loader import MOONCAKE_BLOCK_SIZE, load_trace
+from asynccache.trace.loader import MOONCAKE_BLOCK_SIZE, Trace, load_trace
 from asynccache.trace.policies import (
     ATTENTION_ONLY,
     PolicyCombo,
@@ -149,9 +149,6 @@ def load_spec(name: str, *, page_size: int) -> HybridSpec:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Cell:
-    trace_path: str
-    block_size: int
-    limit: int | None
     spec_name: str
     page_size: int
     budget: TierBudget
@@ -160,8 +157,9 @@ class _Cell:
     engine: str
 
 
-def _run_cell(cell: _Cell, bound: BoundResult) -> ReplayResult:
-    trace = load_trace(cell.trace_path, block_size=cell.block_size, limit=cell.limit)
+def _run_cell(cell: _Cell, trace: Trace, bound: BoundResult) -> ReplayResult:
+    """One replay of ``trace`` (read once, by the parent: every replay replays what the bound
+    was computed on, and a pipe can be the trace)."""
     spec = load_spec(cell.spec_name, page_size=cell.page_size)
     config = ReplayConfig(spec=spec, budget=cell.budget, combo=cell.combo, active_params=cell.active_params)
     if cell.engine == "controller":
@@ -248,9 +246,6 @@ def run(args: argparse.Namespace) -> int:
     bound = infinite_cache_bound(trace, page_size=spec.page_size)
     cells = [
         _Cell(
-            trace_path=str(args.trace),
-            block_size=args.block_size,
-            limit=args.limit,
             spec_name=args.spec,
             page_size=args.page_size,
             budget=config.budget,
@@ -268,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
         f"on {args.jobs} process(es)",
         flush=True,
     )
-    results = _run_cells(cells, bound, jobs=args.jobs)
+    results = _run_cells(cells, trace, bound, jobs=args.jobs)
     total_s = time.perf_counter() - t0
     print()
     print(format_markdown_table(results) if args.markdown else format_table(results, bound=bound.hit_rate))
@@ -334,7 +329,7 @@ def _describe(cell: _Cell) -> str:
     return f"{cell.combo.label} @ {cell.budget.label}"
 
 
-def _run_cells(cells: list[_Cell], bound: BoundResult, *, jobs: int) -> list[ReplayResult]:
+def _run_cells(cells: list[_Cell], trace: Trace, bound: BoundResult, *, jobs: int) -> list[ReplayResult]:
     results: list[ReplayResult | None] = [None] * len(cells)
     done = 0
 
@@ -351,11 +346,13 @@ def _run_cells(cells: list[_Cell], bound: BoundResult, *, jobs: int) -> list[Rep
 
     if jobs <= 1:
         for i, cell in enumerate(cells):
-            report(i, _run_cell(cell, bound))
+            report(i, _run_cell(cell, trace, bound))
     else:
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-            futures: dict[Future[ReplayResult], int] = {pool.submit(_run_cell, c, bound): i for i, c in enumerate(cells)}
+            futures: dict[Future[ReplayResult], int] = {
+                pool.submit(_run_cell, c, trace, bound): i for i, c in enumerate(cells)
+            }
             try:
                 for fut in as_completed(futures):
                     report(futures[fut], fut.result())

@@ -197,7 +197,7 @@ def test_a_failed_replay_starts_no_queued_one(monkeypatch: pytest.MonkeyPatch) -
     started: list[int] = []
     release = threading.Event()
 
-    def run_cell(cell: SimpleNamespace, bound: object) -> None:
+    def run_cell(cell: SimpleNamespace, trace: object, bound: object) -> None:
         started.append(cell.index)
         if cell.index == 0:
             raise ConfigError("cell 0 failed")
@@ -208,7 +208,7 @@ def test_a_failed_replay_starts_no_queued_one(monkeypatch: pytest.MonkeyPatch) -
     cells = [SimpleNamespace(index=i) for i in range(10)]
     threading.Timer(0.5, release.set).start()
     with pytest.raises(ConfigError, match="cell 0 failed"):
-        bench_trace._run_cells(cells, bound=None, jobs=2)  # type: ignore[arg-type]
+        bench_trace._run_cells(cells, trace=None, bound=None, jobs=2)  # type: ignore[arg-type]
     release.set()
     assert len(started) <= 3  # the failed cell, the one beside it, at most one taken meanwhile
 
@@ -245,3 +245,27 @@ def test_a_trace_replays_the_same_whatever_its_clock_starts_at(tmp_path: Path, c
         docs.append([{k: v for k, v in r.items() if k not in ("wall_s", "extra")} for r in doc["results"]])
     capsys.readouterr()
     assert docs[0] == docs[1] == docs[2]
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_the_trace_is_read_once_whatever_the_replays(
+    tmp_path: Path, jobs: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every replay replays what the bound was computed on (the trace may be a pipe)."""
+    from asynccache.bench import trace as bench_trace
+
+    trace = _write_trace(tmp_path / "t.jsonl")
+    reads: list[str] = []
+    real = bench_trace.load_trace
+
+    def counted(path: object, **kwargs: object) -> object:
+        reads.append(str(path))
+        return real(path, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(bench_trace, "load_trace", counted)
+    argv = ["bench", "trace", "--trace", str(trace), "--spec", "tiny", "--page-size", "8", "--block-size", "8",
+            "--device-budget", "64KiB", "--budgets", "64KiB,256KiB", "--storage-budgets", "0",
+            "--policies", "ends/lru", "--jobs", jobs, "--engine", "sync"]  # fmt: skip
+    assert main(argv) == 0
+    assert reads == [str(trace)]
+    assert "2 replays" in capsys.readouterr().out
