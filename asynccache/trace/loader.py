@@ -23,7 +23,7 @@ Primitives:
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
@@ -114,8 +114,10 @@ class Trace:
         *,
         block_size: int = MOONCAKE_BLOCK_SIZE,
         name: str = "",
+        where: Callable[[int], str] | None = None,
     ) -> Trace:
-        """Build from ``(timestamp_s, input_length, output_length, hash_ids)`` tuples (validated)."""
+        """Build from ``(timestamp_s, input_length, output_length, hash_ids)`` tuples (validated;
+        ``where``: how an error names request ``i``, see :func:`validate_trace`)."""
         ts = np.asarray([r[0] for r in requests], dtype=np.float64)
         inp = np.asarray([r[1] for r in requests], dtype=np.int64)
         out = np.asarray([r[2] for r in requests], dtype=np.int64)
@@ -132,12 +134,14 @@ class Trace:
             block_size=block_size,
             name=name,
         )
-        validate_trace(trace)
+        validate_trace(trace, where=where)
         return trace
 
 
-def validate_trace(trace: Trace) -> None:
-    """Check the format's invariants; raise :class:`TraceFormatError` naming the request.
+def validate_trace(trace: Trace, *, where: Callable[[int], str] | None = None) -> None:
+    """Check the format's invariants; raise :class:`TraceFormatError` naming the request
+    (``where(i)``; default ``request i``, counted from 0; :func:`load_trace` names the file's
+    line).
 
     - ``input_length >= 1``, ``output_length >= 0``;
     - ``len(hash_ids) == ceil(input_length / block_size)``;
@@ -146,6 +150,7 @@ def validate_trace(trace: Trace) -> None:
     - an id always has the same parent id (ids are prefix-chain ids), so equal ids mean equal
       prefixes and token synthesis from ids is consistent.
     """
+    at = where or (lambda i: f"request {i}")
     bs = trace.block_size
     if bs <= 0:
         raise TraceFormatError(f"block_size must be positive, got {bs}")
@@ -154,28 +159,28 @@ def validate_trace(trace: Trace) -> None:
         raise TraceFormatError(f"trace {trace.name!r} has no requests")
     bad = np.flatnonzero(trace.input_lengths < 1)
     if bad.size:
-        raise TraceFormatError(f"request {int(bad[0])}: input_length must be >= 1")
+        raise TraceFormatError(f"{at(int(bad[0]))}: input_length must be >= 1")
     bad = np.flatnonzero(trace.output_lengths < 0)
     if bad.size:
-        raise TraceFormatError(f"request {int(bad[0])}: output_length must be >= 0")
+        raise TraceFormatError(f"{at(int(bad[0]))}: output_length must be >= 0")
     expected = -(-trace.input_lengths // bs)
     got = np.diff(trace.offsets)
     bad = np.flatnonzero(expected != got)
     if bad.size:
         i = int(bad[0])
         raise TraceFormatError(
-            f"request {i}: {int(got[i])} hash ids for input_length {int(trace.input_lengths[i])} "
+            f"{at(i)}: {int(got[i])} hash ids for input_length {int(trace.input_lengths[i])} "
             f"(expected ceil({int(trace.input_lengths[i])}/{bs}) = {int(expected[i])})"
         )
     bad = np.flatnonzero(~np.isfinite(trace.timestamps_s))
     if bad.size:
-        raise TraceFormatError(f"request {int(bad[0])}: timestamp must be finite")
+        raise TraceFormatError(f"{at(int(bad[0]))}: timestamp must be finite")
     bad = np.flatnonzero(np.diff(trace.timestamps_s) < 0)
     if bad.size:
-        raise TraceFormatError(f"request {int(bad[0]) + 1}: timestamp goes backwards")
+        raise TraceFormatError(f"{at(int(bad[0]) + 1)}: timestamp goes backwards")
     if trace.hash_ids.size and int(trace.hash_ids.min()) < 0:
         i = int(np.searchsorted(trace.offsets, int(np.flatnonzero(trace.hash_ids < 0)[0]), side="right")) - 1
-        raise TraceFormatError(f"request {i}: hash ids must be >= 0")
+        raise TraceFormatError(f"{at(i)}: hash ids must be >= 0")
     # Parent consistency: the id before each id (or -1 at a prompt start) must be unique per id.
     ids = trace.hash_ids
     parents = np.empty_like(ids)
@@ -198,6 +203,7 @@ def load_trace(
     """Read a Mooncake-format JSONL file (the first ``limit`` requests if given)."""
     path = Path(path)
     rows: list[tuple[float, int, int, Sequence[int]]] = []
+    lines: list[int] = []  # each row's line in the file
     try:
         with path.open() as f:
             for lineno, line in enumerate(f, 1):
@@ -207,13 +213,14 @@ def load_trace(
                     continue
                 try:
                     rows.append(_request(json.loads(line)))
+                    lines.append(lineno)
                 except (json.JSONDecodeError, KeyError, TypeError, ValueError, OverflowError) as e:
                     raise TraceFormatError(f"{path}:{lineno}: not a Mooncake request ({e!r})") from e
     except (OSError, UnicodeDecodeError) as e:
         raise TraceFormatError(f"cannot read trace {path}: {e}") from e
     except RecursionError as e:  # JSON nested too deeply for the parser
         raise TraceFormatError(f"{path}:{lineno}: not a Mooncake request (nested too deeply)") from e
-    trace = Trace.from_requests(rows, block_size=block_size, name=path.stem)
+    trace = Trace.from_requests(rows, block_size=block_size, name=path.stem, where=lambda i: f"{path}:{lines[i]}")
     # Times from the first request: the replay's clock steps by a fixed epsilon and policies
     # count from 0, so the same trace stamped from another origin replays the same.
     stamps = trace.timestamps_s

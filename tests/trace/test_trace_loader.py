@@ -124,3 +124,14 @@ def test_json_nested_too_deeply_is_a_format_error_naming_the_line(tmp_path: Path
     path.write_text('{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [0]}\n' + "[" * 100000 + "]" * 100000 + "\n")
     with pytest.raises(TraceFormatError, match=r"t.jsonl:2: .*nested too deeply"):
         load_trace(path, block_size=4)
+
+
+def test_a_request_the_format_refuses_is_named_by_its_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    good = {"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [0]}
+    path.write_text("\n\n" + json.dumps(good) + "\n\n" + json.dumps({**good, "input_length": 0}) + "\n")
+    with pytest.raises(TraceFormatError, match=r"t\.jsonl:5: input_length must be >= 1"):
+        load_trace(path, block_size=4)
+    # built from tuples, a request is named by its index
+    with pytest.raises(TraceFormatError, match=r"^request 1: input_length"):
+        Trace.from_requests([(0.0, 4, 1, [0]), (1.0, 0, 1, [1])], block_size=4)
