@@ -17,7 +17,6 @@ from asynccache.errors import ConfigError
 from asynccache.ops import CacheOperation
 from asynccache.prefetch import Prefetcher
 from asynccache.storage import PoolName
-from asynccache.tiering import match_tenant
 
 if TYPE_CHECKING:
     from asynccache.snapshots import SnapshotArchive
@@ -59,10 +58,13 @@ class StorageTierMixin:
         stopped waiting: see :meth:`wait_prefetch`).
         """
         tg = self._require_started()
-        salt = match_tenant(match, salt)
+        if salt is not None and salt != match.salt:
+            raise ConfigError(
+                f"prefetch for tenant {salt!r} of a match made for tenant {match.salt!r}: pass the match's salt"
+            )
         if self.tiering is None or len(match.page_hashes) * self.spec.page_size <= match.num_tokens:
             return None
-        return self._prefetcher.start(tg, self.tiering, tokens, match, salt=salt, allow_tail=allow_tail)
+        return self._prefetcher.start(tg, self.tiering, tokens, match, allow_tail=allow_tail)
 
     def load_tail(self, tail: Any, device_pages: torch.Tensor, state_slots: torch.Tensor) -> CacheOperation:
         """Queue the load of a landed :class:`~asynccache.prefetch.TailRestore` into

@@ -141,7 +141,7 @@ class Prefetcher:
         self._abandoned: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
 
     def start(
-        self, tg: asyncio.TaskGroup, tiering: Any, tokens: Sequence[int], match: Any, *, salt: str, allow_tail: bool
+        self, tg: asyncio.TaskGroup, tiering: Any, tokens: Sequence[int], match: Any, *, allow_tail: bool
     ) -> asyncio.Task[Any]:
         """``tiering.prefetch`` of what ``tokens`` miss past ``match``, as a task of ``tg``."""
         # The KV the match holds must outlive the fetch (the fetched pages extend it): the task
@@ -155,7 +155,7 @@ class Prefetcher:
             self.tree.unlock_host(node)
 
         probed = asyncio.Event()
-        coro = tiering.prefetch(tokens, match, salt=salt, allow_tail=allow_tail, probed=probed)
+        coro = tiering.prefetch(tokens, match, allow_tail=allow_tail, probed=probed)
         try:
             task = tg.create_task(coro, name="asynccache-prefetch")
         except RuntimeError as e:  # the group is shutting down: a background task failed

@@ -55,7 +55,7 @@ class TailFetchMixin:
 
         def spawn(self, coro: Coroutine[Any, Any, bool], *, name: str) -> asyncio.Task[bool]: ...
 
-    def _start_tail(self, tokens: Any, match: Any, keys: list[str], begin: int, n: int, *, salt: str) -> PrefetchResult:
+    def _start_tail(self, tokens: Any, match: Any, keys: list[str], begin: int, n: int) -> PrefetchResult:
         """Allocate private host slots for pages ``[begin, n)`` of ``tokens`` and the state at
         ``n``, and start reading them in the background (see :class:`TailRestore`)."""
         ctrl = self.controller
@@ -96,7 +96,7 @@ class TailFetchMixin:
         # A read that comes back incomplete: a node the tree holds of those pages (inserted
         # meanwhile) is stored no more.
         def lost() -> None:
-            self.tree.forget_archived(tokens[: n * page], start_page=begin, salt=salt)
+            self.tree.forget_archived(tokens[: n * page], start_page=begin, salt=match.salt)
 
         read = self._read_tail(keys[begin:n], host_kv, host_slot, timing, watch, lost)
         try:  # waited for by drain(): a tail read in flight keeps the tier busy

@@ -62,7 +62,6 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from asynccache.completion import drop_done
-from asynccache.errors import ConfigError
 from asynccache.host_archive import HostWriteArchiver
 from asynccache.prefetch import PrefetchResult, TailRestore, held_node
 from asynccache.read_landing import timed_read
@@ -83,21 +82,11 @@ if TYPE_CHECKING:
 
 # PrefetchResult and TailRestore (asynccache.prefetch), RestoreCost and ReadTimeCorrection
 # (asynccache.restore_cost) are what the tier's prefetch gives and takes: importable from here too.
-__all__ = ["PrefetchResult", "ReadTimeCorrection", "RestoreCost", "StorageTier", "TailRestore", "match_tenant"]
+__all__ = ["PrefetchResult", "ReadTimeCorrection", "RestoreCost", "StorageTier", "TailRestore"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-def match_tenant(match: Any, salt: str | None) -> str:
-    """The tenant a fetch past ``match`` lands in: the match's own (its keys are that tenant's);
-    a ``salt`` given that is another is a :class:`ConfigError` — the fetch would read this
-    tenant's objects into that tenant's tree."""
-    own = match.salt
-    if salt is not None and salt != own:
-        raise ConfigError(f"prefetch for tenant {salt!r} of a match made for tenant {own!r}: pass the match's salt")
-    return own
 
 
 class StorageTier(TailFetchMixin):
@@ -179,18 +168,16 @@ class StorageTier(TailFetchMixin):
         tokens: Any,
         match: Any,
         *,
-        salt: str | None = None,
         allow_tail: bool = False,
         probed: asyncio.Event | None = None,
     ) -> PrefetchResult:
         """Fetch from storage the part of ``tokens`` past ``match`` (see module docstring), into
-        the match's tenant (``salt``, if given, must be ``match.salt``: :func:`match_tenant`).
+        the match's tenant (``match.salt``: the keys read are that tenant's).
 
         With ``allow_tail`` the result may carry a :class:`TailRestore` that the caller owns.
         ``probed`` is set once storage has been probed: when the fetch starts reading (a whole
         restore), or when it ends (a miss, a split restore, a failure).
         """
-        salt = match_tenant(match, salt)
         try:
             page = self.tree.spec.page_size
             start_page = match.num_tokens // page
@@ -204,7 +191,7 @@ class StorageTier(TailFetchMixin):
             try:
                 with self.purges.watching(match.page_hashes) as watch:
                     return await self._prefetch(
-                        tokens, match, start_page, salt=salt, allow_tail=allow_tail, probed=probed, watch=watch
+                        tokens, match, start_page, allow_tail=allow_tail, probed=probed, watch=watch
                     )
             finally:
                 self.tree.unlock(node, token)
@@ -219,7 +206,6 @@ class StorageTier(TailFetchMixin):
         match: Any,
         start_page: int,
         *,
-        salt: str,
         allow_tail: bool,
         probed: asyncio.Event | None,
         watch: StaleWatch,
@@ -267,10 +253,10 @@ class StorageTier(TailFetchMixin):
             self.counts["prefetch_stale"] += 1
             return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
         if begin > start_page:
-            return self._start_tail(tokens, match, keys, begin, n, salt=salt)
+            return self._start_tail(tokens, match, keys, begin, n)
         if probed is not None:
             probed.set()  # reading from here on
-        return await self._fetch(tokens, match, keys, first, n, salt=salt, watch=watch)
+        return await self._fetch(tokens, match, keys, first, n, watch=watch)
 
     def _observe(self, correction: ReadTimeCorrection, num_pages: int, elapsed_s: float) -> None:
         if self.cost is not None:
@@ -293,7 +279,7 @@ class StorageTier(TailFetchMixin):
         return True
 
     async def _fetch(
-        self, tokens: Any, match: Any, keys: list[str], first: int, n: int, *, salt: str, watch: StaleWatch
+        self, tokens: Any, match: Any, keys: list[str], first: int, n: int, *, watch: StaleWatch
     ) -> PrefetchResult:
         """Read pages ``[first, n)`` and the state at ``n`` into fresh host slots and insert them
         below the tree's first ``first`` pages (backed up to the host first where needed)."""
@@ -322,14 +308,14 @@ class StorageTier(TailFetchMixin):
                 self.counts["prefetch_incomplete"] += 1
                 # What the lookup found is gone (a backend removes an invalid object it reads):
                 # a node the tree holds of those pages, inserted meanwhile, is stored no more.
-                self.tree.forget_archived(tokens[: n * page], start_page=first, salt=salt)
+                self.tree.forget_archived(tokens[: n * page], start_page=first, salt=match.salt)
                 return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
             if watch.stale:  # read what a report named meanwhile (the objects of a failed load)
                 self.counts["prefetch_stale"] += 1
                 return PrefetchResult(num_tokens=match.num_tokens, num_pages_fetched=0)
             self._observe(self.read_alone, n - first, landed_at - t0)
             self.tree.insert_host(
-                tokens[: n * page], host_kv, host_states={n * page: int(host_slot[0])}, start_page=first, salt=salt
+                tokens[: n * page], host_kv, host_states={n * page: int(host_slot[0])}, start_page=first, salt=match.salt
             )
             inserted = True
             self.counts["prefetch_hit"] += 1
