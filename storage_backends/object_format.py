@@ -96,9 +96,8 @@ __all__ = [
     "validate_pool_name",
 ]
 
-_MASK64 = (1 << 64) - 1
-#: where the header's payload sum starts (two 64-bit halves, up to the header CRC), and the
-#: first byte after the header CRC
+#: where the header's payload sum starts (16 bytes, little-endian: the two 64-bit halves, up to
+#: the header CRC), and the first byte after the header CRC
 _SUM = 16
 _AFTER_CRC = HEADER_CRC_OFFSET + 4
 
@@ -187,18 +186,9 @@ class ObjectCodec:
         hlen = self._header_bytes(len(desc), table)
         out = bytearray(hlen)
         FIXED_HEADER.pack_into(
-            out,
-            0,
-            MAGIC,
-            FORMAT_VERSION,
-            hlen,
-            geometry.payload_bytes,
-            payload_sum & _MASK64,
-            payload_sum >> 64,
-            0,
-            self.digest,
-            len(desc),
-        )
+            out, 0, MAGIC, FORMAT_VERSION, hlen, geometry.payload_bytes, payload_sum.to_bytes(16, "little"), 0,
+            self.digest, len(desc),
+        )  # fmt: skip
         out[FIXED_HEADER.size : FIXED_HEADER.size + len(desc)] = desc
         if table is not None and top_lengths:
             start = FIXED_HEADER.size + len(desc)

@@ -52,7 +52,7 @@ FORMAT_VERSION = 3
 #: layout of the host pool it came from, so objects are layout independent.
 PAYLOAD_LAYOUT = "page_first"
 #: The fixed part of every header (up to the descriptor).
-FIXED_HEADER = struct.Struct("<4sHHQQQI16sH2x")
+FIXED_HEADER = struct.Struct("<4sHHQ16sI16sH2x")
 HEADER_ALIGN = 64
 HEADER_CRC_OFFSET = 32
 
@@ -82,7 +82,7 @@ class ObjectHeader:
         view = memoryview(buf)
         if len(view) < FIXED_HEADER.size:
             raise ObjectFormatError(f"truncated header: {len(view)} bytes")
-        magic, version, hlen, plen, psum_a, psum_b, hcrc, digest, dlen = FIXED_HEADER.unpack_from(view)
+        magic, version, hlen, plen, psum, hcrc, digest, dlen = FIXED_HEADER.unpack_from(view)
         if magic != MAGIC:
             raise ObjectFormatError("not an asynccache storage object (bad magic)")
         if version != FORMAT_VERSION:
@@ -109,7 +109,7 @@ class ObjectHeader:
             version=version,
             header_bytes=hlen,
             payload_bytes=plen,
-            payload_sum=psum_a | psum_b << 64,
+            payload_sum=int.from_bytes(psum, "little"),
             namespace_digest=digest,
             pool_name=pool,
             layout=layout,
