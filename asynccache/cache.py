@@ -91,27 +91,26 @@ def _check_layer_kinds(spec: HybridSpec, config: HybridCacheConfig, *, storage: 
         )
 
 
-def _check_cpu_pools_fit(spec: HybridSpec, config: HybridCacheConfig, device: str | torch.device) -> None:
-    """On a CPU device the device pools are host memory too: with the host pools, checked
-    together against what the host has (:func:`check_host_bytes`), before any is made (a
-    pageable buffer commits no memory until written, so each checked alone would pass)."""
+def host_memory_sizes(spec: HybridSpec, config: HybridCacheConfig, device: str | torch.device) -> dict[str, int]:
+    """The host memory a materialized cache's pools take, by config field: the host pools (whole
+    items), and on a CPU device the device pools too. A cache checks them together against what
+    the host has (:func:`check_host_bytes`) before any is made: a pageable or shared buffer
+    commits no memory until written, so each checked alone would pass."""
+    sizes: dict[str, int] = {}
     try:
         on_cpu = torch.device(device).type == "cpu"
     except (RuntimeError, TypeError):
-        return  # not a device: the pools say so
-    if not on_cpu:
-        return
-    sizes = {
-        "device_kv_pages": config.device_kv_pages * spec.kv_page_bytes,
-        "device_state_slots": config.device_state_slots * spec.state_bytes,
-    }
+        on_cpu = False  # not a device: the pools say so
+    if on_cpu:
+        sizes["device_kv_pages"] = config.device_kv_pages * spec.kv_page_bytes
+        sizes["device_state_slots"] = config.device_state_slots * spec.state_bytes
     for what, size, unit in (
         ("host_kv_bytes", config.host_kv_bytes, spec.kv_page_bytes),
         ("host_state_bytes", config.host_state_bytes, spec.state_bytes),
     ):
         if size > 0 and unit > 0:
             sizes[what] = size - size % unit
-    check_host_bytes({what: n for what, n in sizes.items() if n > 0})
+    return {what: n for what, n in sizes.items() if n > 0}
 
 
 def _check_device_pools(spec: HybridSpec, config: HybridCacheConfig) -> None:
@@ -188,7 +187,7 @@ class HybridCache:
         _check_device_pools(spec, config)
         _check_layer_kinds(spec, config, storage=backend is not None or config.storage_uri is not None)
         if materialize:
-            _check_cpu_pools_fit(spec, config, device)
+            check_host_bytes(host_memory_sizes(spec, config, device))
         self.spec = spec
         self.config = config
         self.device_kv = DeviceKVPool(spec, config.device_kv_pages, device=device, materialize=materialize)
@@ -250,17 +249,13 @@ class HybridCache:
 
     def _host_pools(self, shared: bool, *, materialize: bool) -> tuple[HostKVPool | None, MambaPoolHost | None]:
         config, spec = self.config, self.spec
-        wanted = (
-            (HostKVPool, config.host_kv_bytes, spec.kv_page_bytes, "host_kv_bytes"),
-            (MambaPoolHost, config.host_state_bytes, spec.state_bytes, "host_state_bytes"),
-        )
-        for _, size, unit, what in wanted:
+        for size, unit, what in (
+            (config.host_kv_bytes, spec.kv_page_bytes, "host_kv_bytes"),
+            (config.host_state_bytes, spec.state_bytes, "host_state_bytes"),
+        ):
             if 0 < size < unit:  # a pool of no items would still count as a tier
                 raise ConfigError(f"{what} ({size}) does not hold one item ({unit} bytes)")
-        if materialize:
-            # Together, before either is made: a pageable or shared buffer commits no memory until
-            # written, so each checked alone against what is available would pass.
-            check_host_bytes({what: size - size % unit for _, size, unit, what in wanted if size > 0 and unit > 0})
+        # (their memory is checked with the device pools', before any is made: host_memory_sizes)
 
         def pool(cls: type[HostKVPool | MambaPoolHost], size: int) -> Any:
             if size <= 0:

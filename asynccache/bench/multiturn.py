@@ -49,7 +49,7 @@ from asynccache.bench.options import (
     unit_fraction,
 )
 from asynccache.bench.progress import progress_bar
-from asynccache.cache import HybridCache, effective_storage_options
+from asynccache.cache import HybridCache, effective_storage_options, host_memory_sizes
 from asynccache.config import HybridCacheConfig
 from asynccache.errors import BackendError, ConfigError
 from asynccache.pools.memory import check_host_bytes
@@ -245,9 +245,7 @@ def _check_modes(spec: HybridSpec, modes: list[str], budgets: dict[str, int], de
         cfg = _mode_config(mode, budgets, None)  # the storage URI and options: _check_storage
         try:
             HybridCache(spec, cfg, device=device, materialize=False)
-            sizes = {"host_kv_bytes": (cfg.host_kv_bytes, spec.kv_page_bytes),
-                     "host_state_bytes": (cfg.host_state_bytes, spec.state_bytes)}  # fmt: skip
-            check_host_bytes({what: size - size % unit for what, (size, unit) in sizes.items() if size and unit})
+            check_host_bytes(host_memory_sizes(spec, cfg, device))
         except ConfigError as e:
             raise ConfigError(f"mode {mode}: {e}") from e
 
