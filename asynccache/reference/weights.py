@@ -240,41 +240,37 @@ def checkpoint_metadata(spec: HybridSpec) -> dict[str, str]:
     return {_MODEL_ID_KEY: spec.model_id, **_geometry(spec)}
 
 
-def _geometry(spec: HybridSpec) -> dict[str, str]:
-    """The model's dimensions as metadata strings (Hugging Face config names where there is one)."""
-    geo = {
-        "num_layers": spec.num_layers,
-        "attention_layer_ids": ",".join(map(str, spec.attention_layer_ids)),
-        "mamba_layer_ids": ",".join(map(str, spec.mamba_layer_ids)),
-        "hidden_size": spec.hidden_size,
-        "intermediate_size": spec.intermediate_size,
-        "vocab_size": spec.vocab_size,
-    }
-    if spec.attention_layer_ids:
-        geo |= {
-            "num_attention_heads": spec.num_attention_heads,
-            "num_key_value_heads": spec.num_kv_heads,
-            "head_dim": spec.head_dim,
-        }
-    lin = spec.linear
-    if spec.mamba_layer_ids and lin is not None:
-        geo |= {
-            "linear_num_key_heads": lin.num_k_heads,
-            "linear_key_head_dim": lin.head_k_dim,
-            "linear_num_value_heads": lin.num_heads,
-            "linear_value_head_dim": lin.head_dim,
-            "linear_conv_kernel_dim": lin.conv_kernel,
-        }
-    return {key: str(value) for key, value in geo.items()}
-
-
-#: Every geometry key :func:`checkpoint_metadata` may write.
-GEOMETRY_KEYS = (
-    "num_layers", "attention_layer_ids", "mamba_layer_ids", "hidden_size", "intermediate_size", "vocab_size",
-    "num_attention_heads", "num_key_value_heads", "head_dim",
+#: The geometry keys :func:`checkpoint_metadata` writes (Hugging Face config names where there is
+#: one): every model's, an attention layer's (with attention layers), a recurrent layer's (with
+#: recurrent layers).
+_COMMON_KEYS = ("num_layers", "attention_layer_ids", "mamba_layer_ids", "hidden_size", "intermediate_size", "vocab_size")
+_ATTENTION_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim")
+_LINEAR_KEYS = (
     "linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads", "linear_value_head_dim",
     "linear_conv_kernel_dim",
 )  # fmt: skip
+#: Every geometry key :func:`checkpoint_metadata` may write.
+GEOMETRY_KEYS = _COMMON_KEYS + _ATTENTION_KEYS + _LINEAR_KEYS
+
+
+def _geometry(spec: HybridSpec) -> dict[str, str]:
+    """The model's dimensions as metadata strings."""
+    values: list[object] = [
+        spec.num_layers,
+        ",".join(map(str, spec.attention_layer_ids)),
+        ",".join(map(str, spec.mamba_layer_ids)),
+        spec.hidden_size,
+        spec.intermediate_size,
+        spec.vocab_size,
+    ]
+    geo = dict(zip(_COMMON_KEYS, values, strict=True))
+    if spec.attention_layer_ids:
+        geo |= zip(_ATTENTION_KEYS, (spec.num_attention_heads, spec.num_kv_heads, spec.head_dim), strict=True)
+    lin = spec.linear
+    if spec.mamba_layer_ids and lin is not None:
+        dims = (lin.num_k_heads, lin.head_k_dim, lin.num_heads, lin.head_dim, lin.conv_kernel)
+        geo |= zip(_LINEAR_KEYS, dims, strict=True)
+    return {key: str(value) for key, value in geo.items()}
 
 
 def check_checkpoint_metadata(
